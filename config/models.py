@@ -1,0 +1,227 @@
+"""The configuration schema: pydantic models that reject unknown keys and impossible values."""
+
+from __future__ import annotations
+
+import math
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_SCRAM_VERIFIER = re.compile(
+    r"^SCRAM-SHA-256\$(?P<iterations>\d+):(?P<salt>[A-Za-z0-9+/=]+)"
+    r"\$(?P<stored_key>[A-Za-z0-9+/=]+):(?P<server_key>[A-Za-z0-9+/=]+)$"
+)
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
+
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Probability = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class AuthMethod(StrEnum):
+    SCRAM_SHA_256 = "scram-sha-256"
+    TRUST = "trust"
+
+
+class NoiseKind(StrEnum):
+    LAPLACE = "laplace"
+    GAUSSIAN = "gaussian"
+
+
+class Accountant(StrEnum):
+    BASIC = "basic"
+    RDP = "rdp"
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=6432, ge=0, le=65535)
+    max_connections: int = Field(default=200, ge=1)
+    max_message_size: int = Field(default=64 * 1024 * 1024, ge=1024)
+    startup_timeout: float = Field(default=30.0, gt=0)
+    idle_timeout: float = Field(default=0.0, ge=0, description="0 disables it")
+
+
+class TLSConfig(_Strict):
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    require: bool = False
+
+    @model_validator(mode="after")
+    def _pair(self) -> Self:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        if self.require and self.cert_file is None:
+            raise ValueError("require = true needs cert_file and key_file")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+
+class BackendConfig(_Strict):
+    """Where the data lives. `embedded` starts a private Postgres (the demo)."""
+
+    embedded: bool = False
+    pushdown_dsn: str | None = None
+    restricted_dsn: str | None = None
+    pushdown_pool_size: int = Field(default=10, ge=1, le=1000)
+    statement_timeout: float = Field(default=300.0, gt=0)
+    ledger_schema: str = "dpproxy"
+
+    @field_validator("ledger_schema")
+    @classmethod
+    def _schema_name(cls, v: str) -> str:
+        if not _IDENTIFIER.match(v):
+            raise ValueError(f"{v!r} is not a plain SQL identifier")
+        return v
+
+    @model_validator(mode="after")
+    def _dsns(self) -> Self:
+        if not self.embedded:
+            missing = [n for n in ("pushdown_dsn", "restricted_dsn") if getattr(self, n) is None]
+            if missing:
+                raise ValueError(f"{' and '.join(missing)} required unless embedded = true")
+        return self
+
+
+class AnalystConfig(_Strict):
+    """One person who may connect. Passwords are stored only as SCRAM-SHA-256 verifiers."""
+
+    scram_verifier: str | None = None
+    admin: bool = False
+    epsilon_budget: PositiveFloat = 1.0
+    delta_budget: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = 1e-6
+    accountant: Accountant = Accountant.BASIC
+
+    @field_validator("scram_verifier")
+    @classmethod
+    def _verifier(cls, v: str | None) -> str | None:
+        if v is not None and not _SCRAM_VERIFIER.match(v):
+            raise ValueError(
+                "not a SCRAM-SHA-256 verifier (plain passwords are never stored: "
+                "make one with `dp-proxy hash-password`)"
+            )
+        return v
+
+
+class DefaultsConfig(_Strict):
+    """What a DP query uses when it does not say otherwise, and the caps it may not exceed."""
+
+    epsilon: PositiveFloat = 1.0
+    delta: Probability = 1e-6
+    max_groups_contributed: int = Field(default=1, ge=1, le=10_000)
+    noise: NoiseKind = NoiseKind.LAPLACE
+    max_epsilon_per_query: PositiveFloat = 10.0
+    max_delta_per_query: Probability = 1e-3
+    max_groups_contributed_limit: int = Field(default=100, ge=1, le=10_000)
+
+    @model_validator(mode="after")
+    def _within_caps(self) -> Self:
+        if self.epsilon > self.max_epsilon_per_query:
+            raise ValueError(
+                f"epsilon {self.epsilon} is above max_epsilon_per_query {self.max_epsilon_per_query}"
+            )
+        if self.delta > self.max_delta_per_query:
+            raise ValueError(
+                f"delta {self.delta} is above max_delta_per_query {self.max_delta_per_query}"
+            )
+        if self.max_groups_contributed > self.max_groups_contributed_limit:
+            raise ValueError(
+                f"max_groups_contributed {self.max_groups_contributed} is above "
+                f"max_groups_contributed_limit {self.max_groups_contributed_limit}"
+            )
+        return self
+
+
+class ColumnBounds(_Strict):
+    """Contribution bounds of one numeric column: each user's per-group value is clamped to them."""
+
+    lower: float = Field(allow_inf_nan=False)
+    upper: float = Field(allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if not self.lower < self.upper:
+            raise ValueError(f"lower {_num(self.lower)} is not below upper {_num(self.upper)}")
+        return self
+
+
+class TableConfig(_Strict):
+    """A protected table: every row belongs to the user in `uid_column`."""
+
+    schema_: str = Field(default="public", alias="schema")
+    uid_column: str
+    columns: dict[str, ColumnBounds] = Field(default_factory=dict)
+
+    @field_validator("uid_column", "schema_")
+    @classmethod
+    def _ident(cls, v: str) -> str:
+        if not _IDENTIFIER.match(v):
+            raise ValueError(f"{v!r} is not a plain SQL identifier")
+        return v
+
+    @field_validator("columns")
+    @classmethod
+    def _column_names(cls, v: dict[str, ColumnBounds]) -> dict[str, ColumnBounds]:
+        bad = [name for name in v if not _IDENTIFIER.match(name)]
+        if bad:
+            raise ValueError(f"not plain SQL identifiers: {', '.join(bad)}")
+        return v
+
+
+class Config(_Strict):
+    """The whole proxy configuration (one TOML file plus DPPROXY_* overrides)."""
+
+    listen: ListenConfig = Field(default_factory=ListenConfig)
+    tls: TLSConfig = Field(default_factory=TLSConfig)
+    auth_method: AuthMethod = AuthMethod.SCRAM_SHA_256
+    backend: BackendConfig
+    analysts: dict[str, AnalystConfig]
+    defaults: DefaultsConfig = Field(default_factory=DefaultsConfig)
+    tables: dict[str, TableConfig] = Field(default_factory=dict)
+
+    @field_validator("analysts")
+    @classmethod
+    def _analyst_names(cls, v: dict[str, AnalystConfig]) -> dict[str, AnalystConfig]:
+        if not v:
+            raise ValueError("at least one analyst is needed")
+        bad = [name for name in v if not _IDENTIFIER.match(name)]
+        if bad:
+            raise ValueError(f"analyst names must be plain identifiers: {', '.join(bad)}")
+        return v
+
+    @field_validator("tables")
+    @classmethod
+    def _table_names(cls, v: dict[str, TableConfig]) -> dict[str, TableConfig]:
+        bad = [name for name in v if not _IDENTIFIER.match(name)]
+        if bad:
+            raise ValueError(f"table names must be plain identifiers: {', '.join(bad)}")
+        return v
+
+    @model_validator(mode="after")
+    def _verifiers_for_scram(self) -> Self:
+        if self.auth_method is AuthMethod.SCRAM_SHA_256:
+            missing = sorted(n for n, a in self.analysts.items() if a.scram_verifier is None)
+            if missing:
+                raise ValueError(
+                    f"auth_method is scram-sha-256 but analysts {', '.join(missing)} "
+                    "have no scram_verifier"
+                )
+        return self
+
+    def protected(self, schema: str, table: str) -> TableConfig | None:
+        """The policy of `schema.table` if it is protected."""
+        t = self.tables.get(table)
+        return t if t is not None and t.schema_ == schema else None
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if math.isfinite(x) and x == int(x) else str(x)

@@ -1,0 +1,260 @@
+"""Route each statement of a query string: pass-through, DP query, proxy-local, or refused.
+
+Fails closed: anything that names a protected table and is not a DP form, a
+schema probe (`LIMIT 0`) or a local command is refused. Classification uses
+pglast's JSON parse tree (a C-speed parse; no Python AST is built) and is
+cached by statement text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from pglast import parser
+
+from dp_core.errors import InsufficientPrivilege, SyntaxError_
+from dp_core.syntax import DPClause, strip_dp_clauses
+
+LOCAL_FUNCTIONS = frozenset({"dp_budget", "dp_ledger", "dp_reset_budget"})
+DP_SETTING_PREFIX = "dp."
+AGGREGATE_NAMES = frozenset(
+    {"count", "sum", "avg", "min", "max", "stddev", "stddev_samp", "stddev_pop", "variance",
+     "var_samp", "var_pop", "percentile_cont", "percentile_disc"}
+)
+
+ALLOWED_ON_PROTECTED = (
+    "tables {tables} are protected: only differentially private aggregates may read them, "
+    "e.g. SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits GROUP BY browser, "
+    "or a plain SELECT k, COUNT(*), SUM(x), AVG(x) ... GROUP BY k"
+)
+
+
+class StatementKind(Enum):
+    PASS_THROUGH = "pass-through"
+    """Forwarded to the backend under the restricted role."""
+    DP_QUERY = "dp-query"
+    DP_EXPLAIN = "dp-explain"
+    LOCAL_SET = "local-set"
+    LOCAL_SHOW = "local-show"
+    LOCAL_FUNCTION = "local-function"
+    REFUSED = "refused"
+    EMPTY = "empty"
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One classified statement."""
+
+    kind: StatementKind
+    sql: str
+    """The statement's text as the client wrote it (DP clause included)."""
+    stripped_sql: str = ""
+    """The text with the DP clause blanked out: what pglast can parse."""
+    dp_clause: DPClause | None = None
+    protected: tuple[str, ...] = ()
+    """Protected tables the statement names."""
+    tree: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The statement's node in pglast's JSON parse tree."""
+    setting: str | None = None
+    """For LOCAL_SET / LOCAL_SHOW: the `dp.*` name; for LOCAL_FUNCTION: the function."""
+    refusal: InsufficientPrivilege | None = field(default=None, compare=False)
+
+    @property
+    def node_type(self) -> str:
+        return next(iter(self.tree), "")
+
+
+class ProtectionPolicy:
+    """Which relations are protected: qualified (schema, name) and bare names."""
+
+    def __init__(self, tables: Mapping[str, str]) -> None:
+        """`tables` maps each protected table name to its schema."""
+        self.qualified = frozenset((schema, name) for name, schema in tables.items())
+        self.names = frozenset(tables)
+
+    def matches(self, schema: str | None, name: str) -> bool:
+        # An unqualified name is protected whatever search_path says: a temp
+        # table or CTE of the same name is refused too (fail closed).
+        if schema is None or schema == "pg_temp":
+            return name in self.names
+        return (schema, name) in self.qualified
+
+
+class Classifier:
+    """Classifies query strings against a fixed policy, with an LRU cache by text."""
+
+    def __init__(self, policy: ProtectionPolicy, cache_size: int = 4096) -> None:
+        self.policy = policy
+        self._cache: OrderedDict[str, tuple[Statement, ...]] = OrderedDict()
+        self._cache_size = cache_size
+
+    def classify(self, sql: str) -> tuple[Statement, ...]:
+        """All statements of `sql`, in order. Raises SyntaxError_ (42601) when it does not parse."""
+        hit = self._cache.get(sql)
+        if hit is not None:
+            self._cache.move_to_end(sql)
+            return hit
+        result = self._classify(sql)
+        self._cache[sql] = result
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return result
+
+    def _classify(self, sql: str) -> tuple[Statement, ...]:
+        stripped, clauses = strip_dp_clauses(sql)
+        try:
+            tree = json.loads(parser.parse_sql_json(stripped))
+        except parser.ParseError as e:
+            raise SyntaxError_(_parse_error_message(e)) from None
+        raw = sql.encode("utf-8")
+        raw_stripped = stripped.encode("utf-8")
+        stmts = tree.get("stmts", [])
+        if not stmts:
+            return (Statement(StatementKind.EMPTY, sql, stripped),)
+        out = []
+        for item in stmts:
+            start = item.get("stmt_location", 0)
+            length = item.get("stmt_len", len(raw) - start)
+            own = [c for c in clauses if start <= c.select_offset < start + length]
+            text = raw[start : start + length].decode("utf-8").strip()
+            text_stripped = raw_stripped[start : start + length].decode("utf-8").strip()
+            node = item.get("stmt", {})
+            out.append(self._one(node, text, text_stripped, own))
+        return tuple(out)
+
+    def _one(
+        self, node: Mapping[str, Any], sql: str, stripped: str, clauses: list[DPClause]
+    ) -> Statement:
+        if not node:
+            return Statement(StatementKind.EMPTY, sql, stripped)
+        ntype, body = next(iter(node.items()))
+        protected = tuple(sorted(self._protected_in(body)))
+
+        def make(kind: StatementKind, **kw: Any) -> Statement:
+            return Statement(kind, sql, stripped, protected=protected, tree=node, **kw)
+
+        if clauses:
+            if len(clauses) > 1:
+                return self._refuse(make, protected, "only one WITH ANONYMIZATION clause per query")
+            if ntype == "ExplainStmt":
+                if _explain_analyze(body):
+                    return self._refuse(make, protected, "EXPLAIN ANALYZE of a DP query would "
+                                        "reveal the true row counts")
+                return make(StatementKind.DP_EXPLAIN, dp_clause=clauses[0])
+            return make(StatementKind.DP_QUERY, dp_clause=clauses[0])
+        if ntype in ("VariableSetStmt", "VariableShowStmt"):
+            name = body.get("name", "")
+            if name.startswith(DP_SETTING_PREFIX):
+                kind = StatementKind.LOCAL_SET if ntype == "VariableSetStmt" else StatementKind.LOCAL_SHOW
+                return make(kind, setting=name)
+        local = _local_function(body)
+        if local is not None:
+            return make(StatementKind.LOCAL_FUNCTION, setting=local)
+        if not protected:
+            return make(StatementKind.PASS_THROUGH)
+        if ntype == "SelectStmt":
+            if _is_schema_probe(body):
+                return make(StatementKind.PASS_THROUGH)
+            if _is_aggregate_select(body):
+                return make(StatementKind.DP_QUERY)
+        if ntype == "ExplainStmt" and not _explain_analyze(body):
+            inner = body.get("query", {})
+            inner_body = inner.get("SelectStmt")
+            if inner_body is not None and _is_aggregate_select(inner_body):
+                return make(StatementKind.DP_EXPLAIN)
+        return self._refuse(make, protected, None)
+
+    @staticmethod
+    def _refuse(make: Any, protected: tuple[str, ...], reason: str | None) -> Statement:
+        tables = ", ".join(protected) or "(none)"
+        message = reason or ALLOWED_ON_PROTECTED.format(tables=tables)
+        err = InsufficientPrivilege(
+            message if reason is None else f"{reason}",
+            hint=None if reason is None else ALLOWED_ON_PROTECTED.format(tables=tables),
+        )
+        st: Statement = make(StatementKind.REFUSED, refusal=err)
+        return st
+
+    def _protected_in(self, node: Any) -> Iterator[str]:
+        for rv in _walk(node, "RangeVar"):
+            name = rv.get("relname", "")
+            if self.policy.matches(rv.get("schemaname"), name):
+                yield name
+
+
+def _walk(node: Any, wanted: str) -> Iterator[Mapping[str, Any]]:
+    """Every node of type `wanted` below `node` in a JSON parse tree."""
+    stack = [node]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, dict):
+            for k, v in cur.items():
+                if k == wanted and isinstance(v, dict):
+                    yield v
+                if isinstance(v, (dict, list)):
+                    stack.append(v)
+        elif isinstance(cur, list):
+            stack.extend(cur)
+
+
+def _funcname(fc: Mapping[str, Any]) -> str:
+    parts = [p.get("String", {}).get("sval", "") for p in fc.get("funcname", [])]
+    return parts[-1].lower() if parts else ""
+
+
+def _local_function(body: Any) -> str | None:
+    for fc in _walk(body, "FuncCall"):
+        name = _funcname(fc)
+        if name in LOCAL_FUNCTIONS:
+            return name
+    return None
+
+
+def _const_int(node: Any) -> int | None:
+    const = node.get("A_Const") if isinstance(node, dict) else None
+    if const is None or "ival" not in const:
+        return None
+    return int(const["ival"].get("ival", 0))  # protobuf omits zero
+
+
+def _is_schema_probe(select: Mapping[str, Any]) -> bool:
+    """`SELECT ... LIMIT 0`: what BI tools send to learn a table's columns; it reads no row."""
+    return (
+        select.get("limitOption") == "LIMIT_OPTION_COUNT"
+        and _const_int(select.get("limitCount")) == 0
+        and "larg" not in select
+        and "withClause" not in select
+    )
+
+
+def _is_aggregate_select(select: Mapping[str, Any]) -> bool:
+    """A top-level SELECT with GROUP BY or an aggregate in its select list: a DP candidate."""
+    if select.get("groupClause"):
+        return True
+    for target in select.get("targetList", []):
+        for fc in _walk(target, "FuncCall"):
+            if _funcname(fc) in AGGREGATE_NAMES or _funcname(fc).startswith("anon_"):
+                return True
+    return False
+
+
+def _explain_analyze(body: Mapping[str, Any]) -> bool:
+    for opt in body.get("options", []):
+        elem = opt.get("DefElem", {})
+        if elem.get("defname") == "analyze":
+            arg = elem.get("arg")
+            if arg is None:
+                return True
+            val = json.dumps(arg).lower()
+            return not any(f in val for f in ('"false"', '"off"', '"0"', "false"))
+    return False
+
+
+def _parse_error_message(e: parser.ParseError) -> str:
+    msg = str(e.args[0]) if e.args else str(e)
+    return msg[:1].lower() + msg[1:] if msg else "syntax error"

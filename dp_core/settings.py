@@ -1,0 +1,94 @@
+"""Per-session DP settings (`SET dp.epsilon = 0.5`), validated against the policy's caps."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dp_core.errors import InvalidParameterValue, UndefinedObject
+
+SETTING_NAMES = ("epsilon", "delta", "max_groups_contributed", "noise")
+NOISE_KINDS = ("laplace", "gaussian")
+
+
+@dataclass(frozen=True)
+class Caps:
+    max_epsilon: float
+    max_delta: float
+    max_groups_contributed: int
+
+
+@dataclass(frozen=True)
+class DPSettings:
+    """What a DP query uses unless its OPTIONS say otherwise."""
+
+    epsilon: float
+    delta: float
+    max_groups_contributed: int
+    noise: str
+
+    def show(self, name: str) -> str:
+        """The value of `dp.<name>` as SHOW prints it."""
+        key = _key(name)
+        value = getattr(self, key)
+        return repr(value) if isinstance(value, float) else str(value)
+
+    def with_value(self, name: str, value: object, caps: Caps) -> DPSettings:
+        """A copy with `dp.<name>` set; raises 22023 for a value outside the policy."""
+        key = _key(name)
+        changes: dict[str, Any] = {key: validate(key, value, caps)}
+        return replace(self, **changes)
+
+
+def _key(name: str) -> str:
+    key = name.removeprefix("dp.")
+    if key not in SETTING_NAMES:
+        raise UndefinedObject(
+            f'unrecognized configuration parameter "dp.{key}"',
+            hint=f"DP settings: {', '.join('dp.' + n for n in SETTING_NAMES)}",
+        )
+    return key
+
+
+def validate(key: str, value: object, caps: Caps) -> float | int | str:
+    """Check one DP parameter (from SET or OPTIONS) and return it normalised."""
+    if key == "noise":
+        text = str(value).lower()
+        if text not in NOISE_KINDS:
+            raise InvalidParameterValue(
+                f"invalid value for dp.noise: {value!r}", hint="use 'laplace' or 'gaussian'"
+            )
+        return text
+    if key == "max_groups_contributed":
+        number = _number(key, value)
+        if number != int(number) or not 1 <= number <= caps.max_groups_contributed:
+            raise InvalidParameterValue(
+                f"max_groups_contributed must be a whole number from 1 to "
+                f"{caps.max_groups_contributed}, not {value!r}"
+            )
+        return int(number)
+    number = _number(key, value)
+    if key == "epsilon":
+        if not 0 < number <= caps.max_epsilon:
+            raise InvalidParameterValue(
+                f"epsilon must be above 0 and at most {caps.max_epsilon}, not {value!r}"
+            )
+        return number
+    if key == "delta":
+        if not 0 < number <= caps.max_delta:
+            raise InvalidParameterValue(
+                f"delta must be above 0 and at most {caps.max_delta}, not {value!r}"
+            )
+        return number
+    raise UndefinedObject(f'unrecognized DP parameter "{key}"')  # pragma: no cover
+
+
+def _number(key: str, value: object) -> float:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InvalidParameterValue(f"{key} must be a number, not {value!r}") from None
+    if not math.isfinite(number):
+        raise InvalidParameterValue(f"{key} must be a finite number, not {value!r}")
+    return number

@@ -1,0 +1,154 @@
+"""The proxy server: listens, keeps the session registry, and owns what sessions share."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import ssl
+from typing import TYPE_CHECKING, cast
+
+from config import Config
+from dp_core.classify import Classifier, ProtectionPolicy, Statement
+from dp_core.errors import FeatureNotSupported, TooManyConnections
+from dp_core.settings import Caps, DPSettings
+from server import backend
+from server import protocol as p
+from server.dsn import DSN
+from server.session import ClientProtocol, error_response
+
+if TYPE_CHECKING:
+    from server.session import Session
+
+log = logging.getLogger("dp_proxy.server")
+
+
+class ProxyServer:
+    """One listening proxy in front of one backend database."""
+
+    def __init__(self, config: Config, restricted: DSN, pushdown: DSN) -> None:
+        self.config = config
+        self.restricted = restricted
+        self.pushdown = pushdown
+        self.database = restricted.database
+        self.classifier = Classifier(
+            ProtectionPolicy({name: t.schema_ for name, t in config.tables.items()})
+        )
+        d = config.defaults
+        self.caps = Caps(d.max_epsilon_per_query, d.max_delta_per_query,
+                         d.max_groups_contributed_limit)
+        self._default_settings = DPSettings(d.epsilon, d.delta, d.max_groups_contributed,
+                                            d.noise.value)
+        self.mock_secret = secrets.token_bytes(16)
+        self.sessions: dict[int, Session] = {}
+        self._server: asyncio.Server | None = None
+        self._ssl: ssl.SSLContext | None = None
+        self.port = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self._new_connection, self.config.listen.host, self.config.listen.port,
+            reuse_address=True,
+        )
+        sock = self._server.sockets[0]
+        self.port = int(sock.getsockname()[1])
+        log.info("listening on %s:%s", self.config.listen.host, self.port)
+
+    def _new_connection(self) -> asyncio.Protocol:
+        if len(self.sessions) >= self.config.listen.max_connections:
+            return _Refuse(TooManyConnections("sorry, too many clients already"))
+        return ClientProtocol(self)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for session in list(self.sessions.values()):
+            session.close()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+            self._server = None
+
+    # ------------------------------------------------------------------ sessions
+
+    def register_key(self, session: Session) -> tuple[int, int]:
+        while True:
+            pid = secrets.randbelow(2**31 - 1) + 1
+            if pid not in self.sessions:
+                break
+        self.sessions[pid] = session
+        return pid, secrets.randbits(31)
+
+    def unregister(self, session: Session) -> None:
+        if self.sessions.get(session.process_id) is session:
+            del self.sessions[session.process_id]
+
+    def cancel(self, process_id: int, secret_key: int) -> None:
+        session = self.sessions.get(process_id)
+        if session is not None and secrets.compare_digest(
+            session.secret_key.to_bytes(4, "big"), secret_key.to_bytes(4, "big", signed=True)
+        ):
+            session.cancel()
+
+    async def cancel_backend(self, key: tuple[int, int]) -> None:
+        with contextlib.suppress(OSError, TimeoutError):
+            await backend.send_cancel(self.restricted, key)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            tls = self.config.tls
+            assert tls.cert_file is not None and tls.key_file is not None
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            ctx.load_cert_chain(os.fspath(tls.cert_file), os.fspath(tls.key_file))
+            self._ssl = ctx
+        return self._ssl
+
+    async def connect_backend(self, parameters: dict[str, str]) -> backend.BackendLink:
+        return await backend.connect(self.restricted, parameters)
+
+    def default_settings(self) -> DPSettings:
+        return self._default_settings
+
+    # ------------------------------------------------------------------ proxy-local work
+
+    async def local_function(self, session: Session, st: Statement, describe: bool) -> None:
+        raise FeatureNotSupported(
+            f"{st.setting}() needs the privacy-budget ledger, which this build does not have yet"
+        )
+
+    async def dp_query(
+        self, session: Session, st: Statement, describe: bool, bind: p.Bind | None
+    ) -> None:
+        raise FeatureNotSupported(
+            "differentially private queries are not available in this build yet "
+            "(the DP engine is not installed)"
+        )
+
+    def describe_local(self, session: Session, st: Statement) -> p.RowDescription | None:
+        return None
+
+
+class _Refuse(asyncio.Protocol):
+    """Answers a connection over the limit with one FATAL error and closes it."""
+
+    def __init__(self, err: TooManyConnections) -> None:
+        self.err = err
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        # answer SSL/GSS requests with 'N' so the client reads the error in clear
+        if len(data) >= 8 and data[4:8] in (
+            p.SSLRequest().encode()[4:], p.GSSENCRequest().encode()[4:]
+        ):
+            self.transport.write(b"N")
+            return
+        self.transport.write(error_response(self.err).encode())
+        self.transport.close()

@@ -1,0 +1,323 @@
+"""A session's own connection to the backend Postgres, as the restricted role: login, then relay.
+
+After login the link relays the backend's bytes to the client unchanged. It
+splits them into frames only to know which forwarded client message each
+reply completes (so the session can answer proxy-local messages in order), to
+track the transaction status, and to swallow the ReadyForQuery of statements
+the proxy sent on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import cast
+
+from server import protocol as p
+from server.dsn import DSN
+from server.scram import MECHANISM, ScramClient, ScramError
+
+
+class BackendError(Exception):
+    """The backend refused the login or closed the connection."""
+
+    def __init__(self, message: str, fields: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+class Pending(Enum):
+    """What a forwarded client message is waiting for."""
+
+    QUERY = "Q"  # simple query: ends with ReadyForQuery, relayed
+    QUERY_SPLIT = "q"  # one statement of a split simple query: ReadyForQuery swallowed
+    PARSE = "P"
+    BIND = "B"
+    DESCRIBE = "D"  # ends with RowDescription or NoData
+    EXECUTE = "E"  # ends with CommandComplete, EmptyQueryResponse or PortalSuspended
+    CLOSE = "C"
+    SYNC = "S"
+
+
+_EXTENDED_TAGS = {
+    b"P": Pending.PARSE,
+    b"B": Pending.BIND,
+    b"D": Pending.DESCRIBE,
+    b"E": Pending.EXECUTE,
+    b"C": Pending.CLOSE,
+    b"S": Pending.SYNC,
+}
+_COMPLETES = {
+    b"1": (Pending.PARSE,),
+    b"2": (Pending.BIND,),
+    b"3": (Pending.CLOSE,),
+    b"T": (Pending.DESCRIBE,),
+    b"n": (Pending.DESCRIBE,),
+    b"C": (Pending.EXECUTE,),
+    b"I": (Pending.EXECUTE,),
+    b"s": (Pending.EXECUTE,),
+}
+_SIMPLE = (Pending.QUERY, Pending.QUERY_SPLIT)
+
+
+@dataclass
+class RelayTarget:
+    """Where relayed bytes go, and what to do when the backend is lost."""
+
+    write: Callable[[bytes], None]
+    lost: Callable[[Exception | None], None]
+
+
+class BackendLink(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._frames = p.FrameReader(max_size=1 << 30)
+        self._handshake: asyncio.Queue[p.BackendMessage | BaseException] = asyncio.Queue()
+        self._relaying = False
+        self.target: RelayTarget | None = None
+        self.pending: deque[Pending] = deque()
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.errors = 0
+        """ErrorResponses relayed so far."""
+        self.errors_at_ready = 0
+        """`errors` when the last ReadyForQuery arrived: more since means a failed batch."""
+        self.last_split_failed = False
+        self.tx_status = b"I"
+        self.parameters: dict[str, str] = {}
+        self.startup_frames: list[bytes] = []
+        """ParameterStatus frames from login, to replay to the client byte for byte."""
+        self.key: tuple[int, int] | None = None
+        self.closed = False
+
+    # ------------------------------------------------------------------ asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._frames.feed(data)
+        if not self._relaying:
+            self._handshake_frames()
+            return
+        out: list[bytes] = []
+        try:
+            while (frame := self._frames.next_raw()) is not None:
+                tag, raw = frame
+                if self._track(tag, raw):
+                    out.append(raw)
+        except p.ProtocolViolation as e:
+            self._lose(e)
+            return
+        if out and self.target is not None:
+            self.target.write(b"".join(out))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lose(exc)
+
+    def _lose(self, exc: Exception | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+        self._handshake.put_nowait(BackendError("the backend closed the connection"))
+        self.pending.clear()
+        self.idle.set()
+        if self._relaying and self.target is not None:
+            self.target.lost(exc)
+
+    # ------------------------------------------------------------------ relay bookkeeping
+
+    def _track(self, tag: bytes, raw: bytes) -> bool:
+        """Update the pending queue for one backend frame; False means do not relay it."""
+        pending = self.pending
+        head = pending[0] if pending else None
+        relay = True
+        if tag == b"Z":
+            self.tx_status = raw[5:6]
+            self.errors_at_ready = self.errors
+            if head in _SIMPLE or head is Pending.SYNC:
+                pending.popleft()
+                relay = head is not Pending.QUERY_SPLIT
+        elif tag == b"E":
+            self.errors += 1
+            if head is Pending.QUERY_SPLIT:
+                self.last_split_failed = True
+            if head is not None and head not in _SIMPLE:
+                # the backend now skips everything up to the next Sync
+                while pending and pending[0] is not Pending.SYNC:
+                    pending.popleft()
+        elif tag == b"S":
+            with contextlib.suppress(p.ProtocolViolation):
+                msg = p.decode_backend(tag, raw[5:])
+                assert isinstance(msg, p.ParameterStatus)
+                self.parameters[msg.name] = msg.value
+        elif head is not None and head in _COMPLETES.get(tag, ()):
+            pending.popleft()
+        if not pending:
+            self.idle.set()
+        return relay
+
+    def forward(self, raw: bytes, tag: bytes) -> None:
+        """Send one raw client frame to the backend and note the reply it awaits."""
+        assert self.transport is not None
+        kind = Pending.QUERY if tag == b"Q" else _EXTENDED_TAGS.get(tag)
+        if kind is not None:
+            self.pending.append(kind)
+            self.idle.clear()
+        self.transport.write(raw)
+
+    def send_split_query(self, sql: str) -> None:
+        """Run one statement on our own; its ReadyForQuery is not relayed."""
+        assert self.transport is not None
+        self.pending.append(Pending.QUERY_SPLIT)
+        self.last_split_failed = False
+        self.idle.clear()
+        self.transport.write(p.Query(sql).encode())
+
+    async def drain(self) -> None:
+        """Wait until every forwarded message has its reply relayed (sending Flush if needed)."""
+        if not self.pending:
+            return
+        if self.pending[-1] not in _SIMPLE and self.pending[-1] is not Pending.SYNC:
+            assert self.transport is not None
+            self.transport.write(p.Flush().encode())
+        await self.idle.wait()
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            with contextlib.suppress(Exception):
+                self.transport.write(p.Terminate().encode())
+            self.closed = True
+            self.transport.close()
+
+    # ------------------------------------------------------------------ login
+
+    def _handshake_frames(self) -> None:
+        try:
+            while (frame := self._frames.next_raw()) is not None:
+                tag, raw = frame
+                msg = p.decode_backend(tag, raw[5:])
+                if isinstance(msg, p.ParameterStatus):
+                    self.startup_frames.append(raw)
+                self._handshake.put_nowait(msg)
+                if isinstance(msg, p.ReadyForQuery):
+                    self._relaying = True  # later bytes are relayed
+                    break
+        except p.ProtocolViolation as e:
+            self._handshake.put_nowait(BackendError(f"backend sent an invalid message: {e}"))
+
+    async def _next(self) -> p.BackendMessage:
+        item = await self._handshake.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def login(self, dsn: DSN, parameters: dict[str, str]) -> None:
+        """Send the startup packet and authenticate; returns at the first ReadyForQuery."""
+        assert self.transport is not None
+        params = {"user": dsn.user, "database": dsn.database, **parameters}
+        self.transport.write(p.StartupMessage(params).encode())
+        scram: ScramClient | None = None
+        while True:
+            msg = await self._next()
+            if isinstance(msg, p.Authentication):
+                scram = self._answer_auth(msg, dsn, scram)
+            elif isinstance(msg, p.ParameterStatus):
+                self.parameters[msg.name] = msg.value
+            elif isinstance(msg, p.BackendKeyData):
+                self.key = (msg.process_id, msg.secret_key)
+            elif isinstance(msg, p.ReadyForQuery):
+                self.tx_status = msg.status
+                return
+            elif isinstance(msg, p.ErrorResponse) and not isinstance(msg, p.NoticeResponse):
+                raise BackendError(msg.message or "backend login failed", msg.fields)
+
+    def _answer_auth(
+        self, msg: p.Authentication, dsn: DSN, scram: ScramClient | None
+    ) -> ScramClient | None:
+        assert self.transport is not None
+        if msg.code == p.AUTH_OK:
+            return scram
+        if msg.code in (p.AUTH_CLEARTEXT, p.AUTH_MD5, p.AUTH_SASL) and dsn.password is None:
+            raise BackendError(f"the backend asks for a password for role {dsn.user!r}; none is configured")
+        assert dsn.password is not None
+        if msg.code == p.AUTH_CLEARTEXT:
+            self.transport.write(p.PasswordMessage(dsn.password.encode() + b"\0").encode())
+        elif msg.code == p.AUTH_MD5:
+            inner = hashlib.md5((dsn.password + dsn.user).encode()).hexdigest()
+            outer = hashlib.md5(inner.encode() + msg.data[:4]).hexdigest()
+            self.transport.write(p.PasswordMessage(f"md5{outer}".encode() + b"\0").encode())
+        elif msg.code == p.AUTH_SASL:
+            if MECHANISM not in msg.mechanisms():
+                raise BackendError(f"backend offers no supported SASL mechanism: {msg.mechanisms()}")
+            scram = ScramClient(dsn.password)
+            self.transport.write(p.SASLInitialResponse(MECHANISM, scram.client_first()).encode())
+        elif msg.code == p.AUTH_SASL_CONTINUE and scram is not None:
+            try:
+                self.transport.write(p.PasswordMessage(scram.client_final(msg.data)).encode())
+            except ScramError as e:
+                raise BackendError(str(e)) from None
+        elif msg.code == p.AUTH_SASL_FINAL and scram is not None:
+            try:
+                scram.verify_server_final(msg.data)
+            except ScramError as e:
+                raise BackendError(str(e)) from None
+        else:
+            raise BackendError(f"unsupported authentication request {msg.code} from the backend")
+        return scram
+
+
+async def open_transport(
+    dsn: DSN, factory: Callable[[], asyncio.Protocol]
+) -> tuple[asyncio.Transport, asyncio.Protocol]:
+    loop = asyncio.get_running_loop()
+    if dsn.is_unix:
+        transport, proto = await loop.create_unix_connection(factory, dsn.socket_path)
+    else:
+        transport, proto = await loop.create_connection(factory, dsn.host, dsn.port)
+    return transport, proto
+
+
+async def connect(dsn: DSN, parameters: dict[str, str], timeout: float = 30.0) -> BackendLink:
+    """Open and log in a backend connection; raises BackendError or OSError."""
+    link = BackendLink()
+    try:
+        async with asyncio.timeout(timeout):
+            await open_transport(dsn, lambda: link)
+            await link.login(dsn, parameters)
+    except BaseException:
+        link.close()
+        raise
+    return link
+
+
+async def send_cancel(dsn: DSN, key: tuple[int, int]) -> None:
+    """Ask the backend to cancel the query running under `key` (pid, secret)."""
+    loop = asyncio.get_running_loop()
+    if dsn.is_unix:
+        reader, writer = await asyncio.open_unix_connection(dsn.socket_path)
+    else:
+        reader, writer = await asyncio.open_connection(dsn.host, dsn.port)
+    try:
+        writer.write(p.CancelRequest(*key).encode())
+        await writer.drain()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(reader.read(1), 2.0)
+    finally:
+        writer.close()
+        del loop

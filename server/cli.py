@@ -1,0 +1,227 @@
+"""The `dp-proxy` command: demo, serve, check-config, hash-password, init-backend."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from config import DEMO_CONFIG, Config, ConfigError, load_config
+
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="dp-proxy",
+        description="A Postgres proxy that answers aggregate SQL with differential privacy.",
+    )
+    ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="embedded Postgres + demo data + the proxy")
+    demo.add_argument("--port", type=int, default=6432, help="proxy port (0: any free port)")
+    demo.add_argument("--host", default="127.0.0.1")
+    demo.add_argument("--data-dir", type=Path, help="keep the Postgres data here (default: "
+                      "a temporary directory removed on exit)")
+    demo.add_argument("--config", type=Path, default=DEMO_CONFIG, help=argparse.SUPPRESS)
+
+    serve = sub.add_parser("serve", help="run the proxy in front of an existing Postgres")
+    serve.add_argument("--config", type=Path, required=True)
+
+    check = sub.add_parser("check-config", help="validate a config file and list every problem")
+    check.add_argument("path", type=Path)
+
+    hp = sub.add_parser("hash-password", help="print a SCRAM-SHA-256 verifier for a password")
+    hp.add_argument("--stdin", action="store_true", help="read the password from standard input")
+
+    ib = sub.add_parser("init-backend",
+                        help="create the pushdown and restricted roles in an existing Postgres")
+    ib.add_argument("--config", type=Path, required=True)
+    ib.add_argument("--admin-dsn", help="a superuser connection string to run the setup with")
+    ib.add_argument("--print", action="store_true", dest="print_only",
+                    help="print the SQL instead of running it")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handler = {
+        "demo": _cmd_demo,
+        "serve": _cmd_serve,
+        "check-config": _cmd_check_config,
+        "hash-password": _cmd_hash_password,
+        "init-backend": _cmd_init_backend,
+    }[args.command]
+    return handler(args)
+
+
+def _load(path: Path) -> Config | None:
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        print(f"{e.source}: configuration is invalid:", file=sys.stderr)
+        for problem in e.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return None
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    config = _load(args.path)
+    if config is None:
+        return EXIT_CONFIG
+    print(f"{args.path}: ok ({len(config.analysts)} analysts, {len(config.tables)} protected tables)")
+    return 0
+
+
+def _cmd_hash_password(args: argparse.Namespace) -> int:
+    from server.scram import make_verifier
+
+    if args.stdin or not sys.stdin.isatty():
+        password = sys.stdin.readline().rstrip("\n")
+    else:
+        password = getpass.getpass("Password: ")
+        if getpass.getpass("Again: ") != password:
+            print("the passwords differ", file=sys.stderr)
+            return 1
+    if not password:
+        print("empty password", file=sys.stderr)
+        return 1
+    print(make_verifier(password))
+    return 0
+
+
+def _cmd_init_backend(args: argparse.Namespace) -> int:
+    from server.backend_setup import BackendRoles, as_script, setup_statements
+    from server.dsn import DSNError, parse_dsn
+
+    config = _load(args.config)
+    if config is None:
+        return EXIT_CONFIG
+    if config.backend.embedded:
+        print("this config uses the embedded backend: nothing to initialise", file=sys.stderr)
+        return EXIT_CONFIG
+    assert config.backend.pushdown_dsn and config.backend.restricted_dsn
+    try:
+        pushdown = parse_dsn(config.backend.pushdown_dsn)
+        restricted = parse_dsn(config.backend.restricted_dsn)
+    except DSNError as e:
+        print(f"backend DSN: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    roles = BackendRoles(pushdown=pushdown.user, restricted=restricted.user)
+    if args.print_only:
+        print(as_script(setup_statements(config, restricted.database, roles)), end="")
+        return 0
+    if not args.admin_dsn:
+        print("give --admin-dsn (a superuser) or --print", file=sys.stderr)
+        return 1
+    return asyncio.run(_init_backend(config, args.admin_dsn, restricted.database, roles))
+
+
+async def _init_backend(config: Config, admin_dsn: str, database: str, roles: object) -> int:
+    import asyncpg
+
+    from server.backend_setup import BackendRoles
+    from server.bootstrap import BackendSetupError, apply_backend_setup
+
+    assert isinstance(roles, BackendRoles)
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        await apply_backend_setup(conn, config, database, roles)
+    except BackendSetupError as e:
+        print(f"the setup ran but the wall does not hold: {e}", file=sys.stderr)
+        return 1
+    finally:
+        await conn.close()
+    print(f"roles {roles.pushdown} and {roles.restricted} are ready in database {database}. "
+          "Set their passwords with \\password in psql.")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    config = _load(args.config)
+    if config is None:
+        return EXIT_CONFIG
+    listen = config.listen.model_copy(update={"port": args.port, "host": args.host})
+    config = config.model_copy(update={"listen": listen})
+    return _run(config, data_dir=args.data_dir, demo=True)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    config = _load(args.config)
+    if config is None:
+        return EXIT_CONFIG
+    return _run(config, data_dir=None, demo=config.backend.embedded)
+
+
+def _run(config: Config, data_dir: Path | None, demo: bool) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(_serve(config, data_dir, demo))
+    return uvloop.run(_serve(config, data_dir, demo))
+
+
+async def _serve(config: Config, data_dir: Path | None, demo: bool) -> int:
+    from server.app import ProxyServer
+    from server.dsn import DSNError, parse_dsn
+    from server.embedded import EmbeddedPostgres, EmbeddedPostgresError
+
+    log = logging.getLogger("dp_proxy")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    pg: EmbeddedPostgres | None = None
+    server: ProxyServer | None = None
+    try:
+        if demo:
+            from server.bootstrap import prepare_embedded
+
+            try:
+                pg = await asyncio.to_thread(EmbeddedPostgres(data_dir=data_dir).start)
+            except EmbeddedPostgresError as e:
+                print(f"dp-proxy: {e}", file=sys.stderr)
+                return 1
+            restricted, pushdown = await prepare_embedded(pg, config)
+        else:
+            assert config.backend.restricted_dsn and config.backend.pushdown_dsn
+            try:
+                restricted = parse_dsn(config.backend.restricted_dsn)
+                pushdown = parse_dsn(config.backend.pushdown_dsn)
+            except DSNError as e:
+                print(f"dp-proxy: backend DSN: {e}", file=sys.stderr)
+                return EXIT_CONFIG
+        server = ProxyServer(config, restricted, pushdown)
+        await server.start()
+        host = config.listen.host
+        if demo:
+            print("dp-proxy demo is running: embedded Postgres with the demo data.", flush=True)
+            print("Connect as an analyst (password = user name; also bob, and admin):", flush=True)
+            print(f'  psql "postgresql://alice:alice@{host}:{server.port}/demo"', flush=True)
+            print("Ctrl-C stops the proxy and Postgres.", flush=True)
+        else:
+            log.info("dp-proxy serving database %s on %s:%s", restricted.database, host, server.port)
+        await stop.wait()
+        return 0
+    finally:
+        if server is not None:
+            await server.stop()
+        if pg is not None:
+            await asyncio.to_thread(pg.stop)
+            if demo:
+                print("dp-proxy demo stopped; Postgres stopped.", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,668 @@
+"""One client session: startup and authentication, then routing every message in order.
+
+Pass-through messages are forwarded synchronously from `data_received` when
+nothing is queued ahead of them (the fast path). A message that needs the
+proxy itself (a refusal, `SET dp.*`, a DP query) is handled by a task, after
+the backend has answered everything forwarded before it, so replies reach
+the client in the order of the requests. Messages that arrive meanwhile wait
+in a backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import ssl
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any, cast
+
+from config import AuthMethod
+from dp_core.classify import Statement, StatementKind
+from dp_core.errors import (
+    ConnectionFailure,
+    DPError,
+    FeatureNotSupported,
+    InsufficientPrivilege,
+    InternalError,
+    InvalidAuthorization,
+    InvalidPassword,
+    ProtocolViolationError,
+    SyntaxError_,
+)
+from dp_core.settings import DPSettings
+from server import backend
+from server import protocol as p
+from server.scram import MECHANISM, ScramError, ScramServer, Verifier
+
+if TYPE_CHECKING:
+    from server.app import ProxyServer
+
+log = logging.getLogger("dp_proxy.session")
+
+MAX_BACKLOG = 1024
+"""Queued client messages before the proxy stops reading from the client."""
+
+TEXT_OID = 25
+
+
+class State(Enum):
+    STARTUP = "startup"
+    AUTHENTICATING = "authenticating"
+    READY = "ready"
+    FAILED_BATCH = "failed-batch"
+    """An extended-protocol message failed: discard everything until Sync."""
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class LocalStatement:
+    """A prepared statement the proxy answers itself (it never reached the backend)."""
+
+    statement: Statement
+    param_types: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LocalPortal:
+    statement: LocalStatement
+    bind: p.Bind
+
+
+def error_response(err: DPError) -> p.ErrorResponse:
+    fields = [
+        (p.FIELD_SEVERITY, err.severity),
+        (p.FIELD_SEVERITY_V, err.severity),
+        (p.FIELD_CODE, err.sqlstate),
+        (p.FIELD_MESSAGE, err.message),
+    ]
+    if err.detail:
+        fields.append((p.FIELD_DETAIL, err.detail))
+    if err.hint:
+        fields.append((p.FIELD_HINT, err.hint))
+    return p.ErrorResponse(tuple(fields))
+
+
+def notice_response(message: str, detail: str | None = None) -> p.NoticeResponse:
+    fields = [(p.FIELD_SEVERITY, "NOTICE"), (p.FIELD_SEVERITY_V, "NOTICE"),
+              (p.FIELD_CODE, "00000"), (p.FIELD_MESSAGE, message)]
+    if detail:
+        fields.append((p.FIELD_DETAIL, detail))
+    return p.NoticeResponse(tuple(fields))
+
+
+class ClientProtocol(asyncio.Protocol):
+    """The asyncio protocol of one client connection; all logic is in Session."""
+
+    def __init__(self, server: ProxyServer) -> None:
+        self.server = server
+        self.session: Session | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.session = Session(self.server, cast(asyncio.Transport, transport), self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.session is not None:
+            self.session.data_received(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.session is not None:
+            self.session.client_lost()
+
+    def pause_writing(self) -> None:
+        if self.session is not None and self.session.link is not None:
+            self.session.link.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.session is not None and self.session.link is not None:
+            self.session.link.resume_reading()
+
+
+class Session:
+    def __init__(
+        self, server: ProxyServer, transport: asyncio.Transport, proto: ClientProtocol
+    ) -> None:
+        self.server = server
+        self.config = server.config
+        self.transport = transport
+        self.proto = proto
+        self.state = State.STARTUP
+        self.frames = p.FrameReader(self.config.listen.max_message_size, startup=True)
+        self.link: backend.BackendLink | None = None
+        self.user = ""
+        self.process_id, self.secret_key = server.register_key(self)
+        self.settings: DPSettings = server.default_settings()
+        self.local_statements: dict[str, LocalStatement] = {}
+        self.local_portals: dict[str, LocalPortal] = {}
+        self.backlog: deque[tuple[bytes, bytes]] = deque()
+        self.busy = False
+        self.reading_paused = False
+        self._startup_queue: asyncio.Queue[tuple[bytes, bytes] | None] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._idle_handle: asyncio.TimerHandle | None = None
+        self._tls_ok = self.config.tls.enabled
+        self._startup_task = asyncio.get_running_loop().create_task(self._startup())
+
+    # ------------------------------------------------------------------ input
+
+    def data_received(self, data: bytes) -> None:
+        if self.state is State.CLOSED:
+            return
+        self._touch()
+        self.frames.feed(data)
+        try:
+            while (frame := self.frames.next_raw()) is not None:
+                if self.state in (State.STARTUP, State.AUTHENTICATING):
+                    self._startup_queue.put_nowait(frame)
+                    if frame[0] == b"":
+                        # a startup packet: the next ones are typed, unless it was
+                        # an SSL/GSS request (re-enabled by _startup as needed)
+                        self.frames.startup = False
+                else:
+                    self.on_frame(*frame)
+        except p.ProtocolViolation as e:
+            self.fatal(ProtocolViolationError(str(e)))
+
+    def on_frame(self, tag: bytes, raw: bytes) -> None:
+        if self.busy or self.backlog:
+            self.backlog.append((tag, raw))
+            if len(self.backlog) > MAX_BACKLOG and not self.reading_paused:
+                self.reading_paused = True
+                self.transport.pause_reading()
+            return
+        work = self.handle(tag, raw)
+        if work is not None:
+            self._run(work)
+
+    def _run(self, work: Awaitable[None]) -> None:
+        self.busy = True
+        self._task = asyncio.get_running_loop().create_task(self._work(work))
+
+    async def _work(self, work: Awaitable[None]) -> None:
+        try:
+            await work
+            while self.backlog and self.state is not State.CLOSED:
+                tag, raw = self.backlog.popleft()
+                if self.reading_paused and len(self.backlog) < MAX_BACKLOG // 2:
+                    self.reading_paused = False
+                    self.transport.resume_reading()
+                nxt = self.handle(tag, raw)
+                if nxt is not None:
+                    await nxt
+        except asyncio.CancelledError:
+            raise
+        except DPError as e:
+            self.fatal(e)
+        except Exception:
+            log.exception("session %s: internal error", self.process_id)
+            self.fatal(InternalError())
+        finally:
+            self.busy = False
+
+    # ------------------------------------------------------------------ output
+
+    def write(self, data: bytes) -> None:
+        if self.state is not State.CLOSED:
+            self.transport.write(data)
+
+    def send(self, *messages: Any) -> None:
+        self.write(b"".join(m.encode() for m in messages))
+
+    def send_error(self, err: DPError) -> None:
+        self.send(error_response(err))
+
+    def fatal(self, err: DPError) -> None:
+        """Send a FATAL error and close the connection."""
+        if self.state is State.CLOSED:
+            return
+        if err.severity != "FATAL":
+            err.severity = "FATAL"
+        with contextlib.suppress(Exception):
+            self.send_error(err)
+        self.close()
+
+    def close(self) -> None:
+        if self.state is State.CLOSED:
+            return
+        self.state = State.CLOSED
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+        self.server.unregister(self)
+        if self.link is not None:
+            self.link.close()
+        with contextlib.suppress(Exception):
+            self.transport.close()
+        self._startup_queue.put_nowait(None)
+
+    def client_lost(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self.close()
+
+    def _touch(self) -> None:
+        timeout = self.config.listen.idle_timeout
+        if timeout <= 0 or self.state is not State.READY:
+            return
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+        loop = asyncio.get_running_loop()
+        self._idle_handle = loop.call_later(timeout, self._idle_expired)
+
+    def _idle_expired(self) -> None:
+        if self.busy:
+            self._touch()
+            return
+        self.fatal(DPError("terminating connection due to idle timeout"))
+
+    # ------------------------------------------------------------------ startup
+
+    async def _next_startup_frame(self) -> tuple[bytes, bytes]:
+        item = await self._startup_queue.get()
+        if item is None:
+            raise ConnectionResetError
+        return item
+
+    async def _startup(self) -> None:
+        try:
+            async with asyncio.timeout(self.config.listen.startup_timeout):
+                await self._negotiate()
+        except TimeoutError:
+            self.fatal(ProtocolViolationError("canceling authentication due to timeout"))
+        except ConnectionResetError:
+            self.close()
+        except p.ProtocolViolation as e:
+            self.fatal(ProtocolViolationError(str(e)))
+        except DPError as e:
+            self.fatal(e)
+        except Exception:
+            log.exception("session %s: internal error during startup", self.process_id)
+            self.fatal(InternalError())
+
+    async def _negotiate(self) -> None:
+        while True:
+            _, raw = await self._next_startup_frame()
+            packet = p.decode_startup(raw[4:])
+            if isinstance(packet, p.SSLRequest):
+                await self._ssl_request()
+                continue
+            if isinstance(packet, p.GSSENCRequest):
+                self.write(b"N")
+                self.frames.startup = True
+                continue
+            if isinstance(packet, p.CancelRequest):
+                self.server.cancel(packet.process_id, packet.secret_key)
+                self.close()
+                return
+            assert isinstance(packet, p.StartupMessage)
+            break
+        if self.config.tls.require and not isinstance(
+            self.transport.get_extra_info("ssl_object"), ssl.SSLObject
+        ):
+            raise InvalidAuthorization("this proxy requires TLS: connect with sslmode=require")
+        params = packet.parameters
+        if params.get("replication", "false").lower() not in ("false", "0", "off", "no"):
+            raise InvalidAuthorization("replication connections are not allowed through dp-proxy")
+        self.user = params["user"]
+        self.state = State.AUTHENTICATING
+        await self._authenticate()
+        database = params.get("database") or self.user
+        if database != self.server.database:
+            err = DPError(f'database "{database}" does not exist',
+                          hint=f'this proxy serves the database "{self.server.database}"')
+            err.sqlstate = "3D000"
+            raise err
+        forwarded = {k: v for k, v in params.items() if k not in ("user", "database")}
+        try:
+            self.link = await self.server.connect_backend(forwarded)
+        except (OSError, backend.BackendError, TimeoutError) as e:
+            log.warning("session %s: backend connection failed: %s", self.process_id, e)
+            raise ConnectionFailure("could not connect to the backend database") from None
+        self.link.target = backend.RelayTarget(self.write, self._backend_lost)
+        self.write(b"".join(self.link.startup_frames))
+        self.send(p.BackendKeyData(self.process_id, self.secret_key),
+                  p.ReadyForQuery(self.link.tx_status))
+        self.state = State.READY
+        self._touch()
+        # anything the client pipelined behind its login
+        while not self._startup_queue.empty():
+            item = self._startup_queue.get_nowait()
+            if item is not None:
+                self.on_frame(*item)
+
+    async def _ssl_request(self) -> None:
+        if not self._tls_ok or self.transport.get_extra_info("ssl_object") is not None:
+            self.write(b"N")
+            self.frames.startup = True
+            return
+        if self.frames.buffered:
+            # bytes sent before the TLS handshake could be injected by a third party
+            raise ProtocolViolationError("received unencrypted data after SSL request")
+        self.write(b"S")
+        loop = asyncio.get_running_loop()
+        new_transport = await loop.start_tls(
+            self.transport, self.proto, self.server.ssl_context(), server_side=True
+        )
+        assert new_transport is not None
+        self.transport = new_transport
+        self.frames.startup = True
+
+    async def _authenticate(self) -> None:
+        analyst = self.config.analysts.get(self.user)
+        if self.config.auth_method is AuthMethod.TRUST:
+            if analyst is None:
+                raise InvalidAuthorization(f'role "{self.user}" does not exist')
+            self.send(p.Authentication(p.AUTH_OK))
+            return
+        verifier = None
+        if analyst is not None and analyst.scram_verifier is not None:
+            verifier = Verifier.parse(analyst.scram_verifier)
+        exchange = ScramServer(verifier, mock_seed=self.server.mock_secret + self.user.encode())
+        self.send(p.Authentication.sasl([MECHANISM]))
+        message = f'password authentication failed for user "{self.user}"'
+        failed: DPError = InvalidPassword(message) if analyst else InvalidAuthorization(message)
+        try:
+            tag, raw = await self._next_startup_frame()
+            if tag != b"p":
+                raise ProtocolViolationError(f"expected SASL response, got message type {tag!r}")
+            first = p.SASLInitialResponse.parse(p.PasswordMessage(raw[5:]))
+            if first.mechanism != MECHANISM or first.data is None:
+                raise ProtocolViolationError("client selected an invalid SASL authentication mechanism")
+            server_first = exchange.handle_client_first(first.data)
+            self.send(p.Authentication(p.AUTH_SASL_CONTINUE, server_first))
+            tag, raw = await self._next_startup_frame()
+            if tag != b"p":
+                raise ProtocolViolationError(f"expected SASL response, got message type {tag!r}")
+            server_final = exchange.verify_final(raw[5:])
+        except (ScramError, UnicodeDecodeError, p.ProtocolViolation):
+            raise failed from None
+        self.send(p.Authentication(p.AUTH_SASL_FINAL, server_final), p.Authentication(p.AUTH_OK))
+
+    def _backend_lost(self, exc: Exception | None) -> None:
+        if self.state is not State.CLOSED:
+            self.fatal(ConnectionFailure("the connection to the backend database was lost"))
+
+    # ------------------------------------------------------------------ routing
+
+    def handle(self, tag: bytes, raw: bytes) -> Awaitable[None] | None:
+        """Handle one client message; returns work to await when it cannot finish now."""
+        link = self.link
+        assert link is not None
+        if self.state is State.FAILED_BATCH:
+            if tag == b"S":
+                self.state = State.READY
+                link.forward(raw, tag)
+            elif tag == b"X":
+                self.close()
+            return None
+        try:
+            return self._route(tag, raw, link)
+        except DPError as e:
+            return self._fail(e, extended=tag != b"Q")
+
+    def _route(self, tag: bytes, raw: bytes, link: backend.BackendLink) -> Awaitable[None] | None:
+        if tag == b"Q":
+            msg = p.decode_frontend(tag, raw[5:])
+            assert isinstance(msg, p.Query)
+            stmts = self.server.classifier.classify(msg.sql)
+            if all(s.kind is StatementKind.PASS_THROUGH for s in stmts):
+                link.forward(raw, tag)
+                return None
+            return self._simple_query(stmts)
+        if tag == b"P":
+            msg = p.decode_frontend(tag, raw[5:])
+            assert isinstance(msg, p.Parse)
+            stmts = self.server.classifier.classify(msg.sql)
+            if len(stmts) > 1:
+                raise SyntaxError_("cannot insert multiple commands into a prepared statement")
+            st = stmts[0]
+            if st.kind in (StatementKind.PASS_THROUGH, StatementKind.EMPTY):
+                self.local_statements.pop(msg.name, None)
+                link.forward(raw, tag)
+                return None
+            return self._local_parse(msg, st)
+        if tag == b"B":
+            bind = p.decode_frontend(tag, raw[5:])
+            assert isinstance(bind, p.Bind)
+            local = self.local_statements.get(bind.statement)
+            if local is None:
+                self.local_portals.pop(bind.portal, None)
+                link.forward(raw, tag)
+                return None
+            return self._local(lambda: self._local_bind(bind, local))
+        if tag in (b"D", b"C"):
+            msg = p.decode_frontend(tag, raw[5:])
+            assert isinstance(msg, (p.Describe, p.Close))
+            table: dict[str, Any] = (
+                self.local_statements if msg.kind == b"S" else self.local_portals
+            )
+            if msg.name not in table:
+                link.forward(raw, tag)
+                return None
+            if isinstance(msg, p.Close):
+                return self._local(lambda: self._local_close(msg))
+            return self._local(lambda: self._local_describe(msg))
+        if tag == b"E":
+            ex = p.decode_frontend(tag, raw[5:])
+            assert isinstance(ex, p.Execute)
+            portal = self.local_portals.get(ex.portal)
+            if portal is None:
+                link.forward(raw, tag)
+                return None
+            return self._local_async(self._local_execute(ex, portal))
+        if tag in (b"S", b"H", b"d", b"c", b"f"):
+            link.forward(raw, tag)
+            return None
+        if tag == b"X":
+            self.close()
+            return None
+        if tag == b"F":
+            raise FeatureNotSupported("the fast-path function call interface is not supported")
+        if tag == b"p":
+            raise ProtocolViolationError("unexpected password message")
+        raise ProtocolViolationError(f"invalid frontend message type {tag!r}")
+
+    def _fail(self, err: DPError, extended: bool) -> Awaitable[None] | None:
+        if err.severity == "FATAL":
+            self.fatal(err)
+            return None
+
+        async def report() -> None:
+            assert self.link is not None
+            await self.link.drain()
+            if self._backend_failed_batch():
+                self.state = State.FAILED_BATCH if extended else self.state
+                return
+            self.send_error(err)
+            if extended:
+                self.state = State.FAILED_BATCH
+            else:
+                self.send(p.ReadyForQuery(self.link.tx_status))
+
+        return report()
+
+    def _backend_failed_batch(self) -> bool:
+        """True when the backend reported an error since its last ReadyForQuery."""
+        assert self.link is not None
+        return self.link.errors > self.link.errors_at_ready
+
+    def _local(self, fn: Callable[[], None]) -> Awaitable[None]:
+        """Answer an extended-protocol message locally, after everything before it."""
+
+        async def run() -> None:
+            assert self.link is not None
+            await self.link.drain()
+            if self._backend_failed_batch():
+                self.state = State.FAILED_BATCH
+                return
+            try:
+                fn()
+            except DPError as e:
+                self.send_error(e)
+                self.state = State.FAILED_BATCH
+
+        return run()
+
+    def _local_async(self, work: Awaitable[None]) -> Awaitable[None]:
+        async def run() -> None:
+            assert self.link is not None
+            await self.link.drain()
+            if self._backend_failed_batch():
+                self.state = State.FAILED_BATCH
+                if asyncio.iscoroutine(work):
+                    work.close()
+                return
+            try:
+                await work
+            except DPError as e:
+                self.send_error(e)
+                self.state = State.FAILED_BATCH
+
+        return run()
+
+    # ------------------------------------------------------------------ simple query
+
+    async def _simple_query(self, stmts: tuple[Statement, ...]) -> None:
+        link = self.link
+        assert link is not None
+        await link.drain()
+        for st in stmts:
+            if st.kind is StatementKind.EMPTY:
+                continue
+            if st.kind is StatementKind.PASS_THROUGH:
+                link.send_split_query(st.sql)
+                await link.drain()
+                if self._backend_failed_batch_since_split():
+                    break
+                continue
+            try:
+                await self._run_local_statement(st, describe=True)
+            except DPError as e:
+                self.send_error(e)
+                break
+        self.send(p.ReadyForQuery(link.tx_status))
+
+    def _backend_failed_batch_since_split(self) -> bool:
+        assert self.link is not None
+        return self.link.last_split_failed
+
+    async def _run_local_statement(
+        self, st: Statement, describe: bool, bind: p.Bind | None = None
+    ) -> None:
+        """Answer one non-pass-through statement: its rows (with RowDescription if asked)."""
+        if st.kind is StatementKind.REFUSED:
+            assert st.refusal is not None
+            raise st.refusal
+        if st.kind is StatementKind.LOCAL_SET:
+            self._set(st)
+            self.send(p.CommandComplete("SET"))
+            return
+        if st.kind is StatementKind.LOCAL_SHOW:
+            assert st.setting is not None
+            value = self.settings.show(st.setting)
+            if describe:
+                self.send(p.RowDescription((p.FieldDescription(st.setting, type_oid=TEXT_OID),)))
+            self.send(p.DataRow((value.encode(),)), p.CommandComplete("SHOW"))
+            return
+        if st.kind is StatementKind.LOCAL_FUNCTION:
+            await self.server.local_function(self, st, describe)
+            return
+        if st.kind in (StatementKind.DP_QUERY, StatementKind.DP_EXPLAIN):
+            await self.server.dp_query(self, st, describe, bind)
+            return
+        raise InternalError()
+
+    def _set(self, st: Statement) -> None:
+        assert st.setting is not None
+        body = st.tree.get("VariableSetStmt", {})
+        kind = body.get("kind", "VAR_SET_VALUE")
+        if kind in ("VAR_SET_DEFAULT", "VAR_RESET"):
+            default = self.server.default_settings()
+            self.settings = self.settings.with_value(
+                st.setting, default.show(st.setting), self.server.caps
+            )
+            return
+        args = body.get("args", [])
+        if len(args) != 1:
+            raise SyntaxError_(f"SET {st.setting} takes one value")
+        value = _const_value(args[0])
+        if value is None:
+            raise SyntaxError_(f"SET {st.setting} takes a number or a name")
+        self.settings = self.settings.with_value(st.setting, value, self.server.caps)
+
+    # ------------------------------------------------------------------ extended protocol, local
+
+    async def _local_parse(self, msg: p.Parse, st: Statement) -> None:
+        assert self.link is not None
+        await self.link.drain()
+        if self._backend_failed_batch():
+            self.state = State.FAILED_BATCH
+            return
+        if st.kind is StatementKind.REFUSED:
+            assert st.refusal is not None
+            self.send_error(st.refusal)
+            self.state = State.FAILED_BATCH
+            return
+        self.local_statements[msg.name] = LocalStatement(st, msg.param_types)
+        self.send(p.ParseComplete())
+
+    def _local_bind(self, bind: p.Bind, local: LocalStatement) -> None:
+        self.local_portals[bind.portal] = LocalPortal(local, bind)
+        self.send(p.BindComplete())
+
+    def _local_close(self, msg: p.Close) -> None:
+        if msg.kind == b"S":
+            self.local_statements.pop(msg.name, None)
+        else:
+            self.local_portals.pop(msg.name, None)
+        self.send(p.CloseComplete())
+
+    def _local_describe(self, msg: p.Describe) -> None:
+        if msg.kind == b"S":
+            local = self.local_statements[msg.name]
+            self.send(p.ParameterDescription(local.param_types))
+            self.send(self._row_description(local.statement))
+        else:
+            self.send(self._row_description(self.local_portals[msg.name].statement.statement))
+
+    def _row_description(self, st: Statement) -> p.RowDescription | p.NoData:
+        if st.kind is StatementKind.LOCAL_SHOW:
+            assert st.setting is not None
+            return p.RowDescription((p.FieldDescription(st.setting, type_oid=TEXT_OID),))
+        if st.kind is StatementKind.LOCAL_SET:
+            return p.NoData()
+        desc = self.server.describe_local(self, st)
+        return desc if desc is not None else p.NoData()
+
+    async def _local_execute(self, ex: p.Execute, portal: LocalPortal) -> None:
+        await self._run_local_statement(portal.statement.statement, describe=False, bind=portal.bind)
+
+    # ------------------------------------------------------------------ cancel
+
+    def cancel(self) -> None:
+        """A CancelRequest named this session: cancel what runs now."""
+        if self.link is not None and self.link.key is not None and self.link.pending:
+            asyncio.get_running_loop().create_task(self.server.cancel_backend(self.link.key))
+
+
+def _const_value(node: Any) -> str | float | int | None:
+    const = node.get("A_Const") if isinstance(node, dict) else None
+    if const is None:
+        return None
+    if "ival" in const:
+        return int(const["ival"].get("ival", 0))
+    if "fval" in const:
+        return float(const["fval"].get("fval", "0"))
+    if "sval" in const:
+        return str(const["sval"].get("sval", ""))
+    return None
+
+
+def new_secret() -> int:
+    return secrets.randbits(31)
+
+
+__all__ = ["ClientProtocol", "InsufficientPrivilege", "Session", "State"]

@@ -1,0 +1,157 @@
+"""Shared fixtures: one real Postgres for the whole run, and a fresh proxy per test.
+
+The backend is an embedded cluster, or the server `DPPROXY_TEST_DSN` names (a
+superuser DSN; the suite creates and drops its own database there). The proxy
+runs on port 0 in a thread with its own event loop, so tests can use blocking
+clients (psql, psycopg, psycopg2) as well as asyncpg.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+import pytest
+
+from config import DEMO_CONFIG, Config, load_config
+from server.app import ProxyServer
+from server.backend_setup import DEFAULT_ROLES
+from server.bootstrap import apply_backend_setup
+from server.demo_data import demo_data_sql, demo_schema_sql
+from server.dsn import DSN, parse_dsn
+from server.embedded import EmbeddedPostgres
+
+TEST_DATABASE = "dpproxy_test"
+PASSWORDS = {"alice": "alice", "bob": "bob", "admin": "admin"}
+
+
+@dataclass
+class Backend:
+    """The test Postgres: a superuser DSN, and DSNs of the two proxy roles."""
+
+    admin_dsn: str
+    """Superuser, connected to the test database."""
+    restricted: DSN
+    pushdown: DSN
+    embedded: EmbeddedPostgres | None
+
+
+async def _prepare(admin_server_dsn: str, database: str, config: Config, role_password: str) -> None:
+    conn = await asyncpg.connect(admin_server_dsn)
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+        await conn.execute(f"CREATE DATABASE {database}")
+    finally:
+        await conn.close()
+    base = parse_dsn(admin_server_dsn)
+    conn = await asyncpg.connect(base.uri(database=database))
+    try:
+        async with conn.transaction():
+            for stmt in demo_schema_sql() + demo_data_sql():
+                await conn.execute(stmt)
+        await apply_backend_setup(conn, config, database)
+        for role in (DEFAULT_ROLES.pushdown, DEFAULT_ROLES.restricted):
+            await conn.execute(f"ALTER ROLE {role} PASSWORD '{role_password}'")
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def demo_config() -> Config:
+    return load_config(DEMO_CONFIG, environ={})
+
+
+@pytest.fixture(scope="session")
+def backend(demo_config: Config) -> Iterator[Backend]:
+    external = os.environ.get("DPPROXY_TEST_DSN")
+    pg: EmbeddedPostgres | None = None
+    if external:
+        server_dsn = external
+    else:
+        pg = EmbeddedPostgres().start()
+        server_dsn = pg.dsn()
+    password = secrets.token_hex(12)
+    asyncio.run(_prepare(server_dsn, TEST_DATABASE, demo_config, password))
+    base = parse_dsn(server_dsn)
+    try:
+        yield Backend(
+            admin_dsn=base.uri(database=TEST_DATABASE),
+            restricted=DSN(base.host, base.port, DEFAULT_ROLES.restricted, TEST_DATABASE, password),
+            pushdown=DSN(base.host, base.port, DEFAULT_ROLES.pushdown, TEST_DATABASE, password),
+            embedded=pg,
+        )
+    finally:
+        if pg is not None:
+            pg.stop()
+
+
+class LoopThread:
+    """An event loop in a daemon thread, for servers that blocking clients talk to."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 60) -> Any:
+        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="session")
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@dataclass
+class Proxy:
+    server: ProxyServer
+    host: str
+    port: int
+
+    def dsn(self, user: str = "alice", password: str | None = None, dbname: str = TEST_DATABASE,
+            **extra: str) -> str:
+        pw = PASSWORDS.get(user, "x") if password is None else password
+        parts = [f"host={self.host}", f"port={self.port}", f"user={user}", f"password={pw}",
+                 f"dbname={dbname}"]
+        parts += [f"{k}={v}" for k, v in extra.items()]
+        if "sslmode" not in extra:
+            parts.append("sslmode=disable")
+        return " ".join(parts)
+
+    def uri(self, user: str = "alice", dbname: str = TEST_DATABASE) -> str:
+        return f"postgresql://{user}:{PASSWORDS.get(user, 'x')}@{self.host}:{self.port}/{dbname}"
+
+
+def start_proxy(loop_thread: LoopThread, config: Config, backend: Backend) -> Proxy:
+    listen = config.listen.model_copy(update={"port": 0, "host": "127.0.0.1"})
+    config = config.model_copy(update={"listen": listen})
+
+    async def make() -> ProxyServer:
+        server = ProxyServer(config, backend.restricted, backend.pushdown)
+        await server.start()
+        return server
+
+    server = loop_thread.run(make())
+    return Proxy(server, "127.0.0.1", server.port)
+
+
+@pytest.fixture
+def proxy(loop_thread: LoopThread, demo_config: Config, backend: Backend) -> Iterator[Proxy]:
+    px = start_proxy(loop_thread, demo_config, backend)
+    yield px
+    loop_thread.run(px.server.stop())
