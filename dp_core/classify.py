@@ -27,11 +27,15 @@ AGGREGATE_NAMES = frozenset(
      "var_samp", "var_pop", "percentile_cont", "percentile_disc"}
 )
 
-ALLOWED_ON_PROTECTED = (
-    "tables {tables} are protected: only differentially private aggregates may read them, "
-    "e.g. SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits GROUP BY browser, "
-    "or a plain SELECT k, COUNT(*), SUM(x), AVG(x) ... GROUP BY k"
-)
+def protected_message(tables: tuple[str, ...]) -> str:
+    """What a refused statement is told: which tables are protected and what is allowed."""
+    which = f"table {tables[0]} is" if len(tables) == 1 else f"tables {', '.join(tables)} are"
+    return (
+        f"{which} protected: only differentially private aggregates may read "
+        f"{'it' if len(tables) == 1 else 'them'}, e.g. SELECT WITH ANONYMIZATION browser, "
+        "ANON_COUNT(*) FROM visits GROUP BY browser, or a plain SELECT k, COUNT(*), SUM(x), AVG(x) "
+        "... GROUP BY k"
+    )
 
 
 class StatementKind(Enum):
@@ -171,12 +175,8 @@ class Classifier:
 
     @staticmethod
     def _refuse(make: Any, protected: tuple[str, ...], reason: str | None) -> Statement:
-        tables = ", ".join(protected) or "(none)"
-        message = reason or ALLOWED_ON_PROTECTED.format(tables=tables)
-        err = InsufficientPrivilege(
-            message if reason is None else f"{reason}",
-            hint=None if reason is None else ALLOWED_ON_PROTECTED.format(tables=tables),
-        )
+        allowed = protected_message(protected or ("(none)",))
+        err = InsufficientPrivilege(reason or allowed, hint=allowed if reason else None)
         st: Statement = make(StatementKind.REFUSED, refusal=err)
         return st
 

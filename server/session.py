@@ -558,7 +558,8 @@ class Session:
             raise st.refusal
         if st.kind is StatementKind.LOCAL_SET:
             self._set(st)
-            self.send(p.CommandComplete("SET"))
+            reset = st.tree.get("VariableSetStmt", {}).get("kind") == "VAR_RESET"
+            self.send(p.CommandComplete("RESET" if reset else "SET"))
             return
         if st.kind is StatementKind.LOCAL_SHOW:
             assert st.setting is not None

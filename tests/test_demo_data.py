@@ -9,7 +9,6 @@ import asyncpg
 import pytest
 
 from server.demo_data import BROWSERS, COUNTRIES, DEMO_USERS, demo_data_sql, demo_schema_sql
-
 from server.dsn import parse_dsn
 
 from .conftest import Backend
@@ -59,7 +58,7 @@ def test_rows_per_user_are_heavy_tailed(shape: dict[str, Any]) -> None:
 
 def test_duration_is_bounded_and_has_nulls(shape: dict[str, Any]) -> None:
     v = shape["visits"][0]
-    assert 0 <= v["lo"] and v["hi"] <= 3600
+    assert v["lo"] >= 0 and v["hi"] <= 3600
     assert 0.01 * v["n"] <= v["nulls"] <= 0.06 * v["n"]
 
 
