@@ -181,19 +181,38 @@ class Classifier:
         return st
 
     def _protected_in(self, node: Any) -> Iterator[str]:
-        for rv in _walk(node, "RangeVar"):
+        for rv in _range_vars(node):
             name = rv.get("relname", "")
             if self.policy.matches(rv.get("schemaname"), name):
                 yield name
 
 
-def _walk(node: Any, wanted: str) -> Iterator[Mapping[str, Any]]:
-    """Every node of type `wanted` below `node` in a JSON parse tree."""
+def _range_vars(node: Any) -> Iterator[Mapping[str, Any]]:
+    """Every relation reference below `node`.
+
+    In pglast's JSON a field typed RangeVar appears without its type wrapper
+    (`"relation": {"relname": ...}`), so any object with a `relname` counts.
+    """
+    stack = [node]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, dict):
+            if "relname" in cur:
+                yield cur
+            stack.extend(v for v in cur.values() if isinstance(v, (dict, list)))
+        elif isinstance(cur, list):
+            stack.extend(cur)
+
+
+def _walk(node: Any, wanted: str, skip: frozenset[str] = frozenset()) -> Iterator[Mapping[str, Any]]:
+    """Every node of type `wanted` below `node` in a JSON parse tree, not entering `skip` types."""
     stack = [node]
     while stack:
         cur = stack.pop()
         if isinstance(cur, dict):
             for k, v in cur.items():
+                if k in skip:
+                    continue
                 if k == wanted and isinstance(v, dict):
                     yield v
                 if isinstance(v, (dict, list)):
@@ -237,10 +256,13 @@ def _is_aggregate_select(select: Mapping[str, Any]) -> bool:
     if select.get("groupClause"):
         return True
     for target in select.get("targetList", []):
-        for fc in _walk(target, "FuncCall"):
+        for fc in _walk(target, "FuncCall", skip=_SUBQUERIES):
             if _funcname(fc) in AGGREGATE_NAMES or _funcname(fc).startswith("anon_"):
                 return True
     return False
+
+
+_SUBQUERIES = frozenset({"SubLink", "SelectStmt"})
 
 
 def _explain_analyze(body: Mapping[str, Any]) -> bool:

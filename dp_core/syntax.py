@@ -2,8 +2,9 @@
 
 The clause is found with pglast's scanner, so text inside strings, quoted
 identifiers and comments is never matched. It is replaced by spaces of the same
-byte length, so every offset the parser reports afterwards still points into
-the original text.
+UTF-8 length, so every byte offset the parser reports afterwards still points
+into the original text. (The scanner counts characters; the parse tree counts
+bytes.)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class DPClause:
     """One `WITH ANONYMIZATION` clause: where its SELECT starts, and its options."""
 
     select_offset: int
-    """Byte offset of the SELECT keyword the clause belongs to."""
+    """UTF-8 byte offset of the SELECT keyword the clause belongs to."""
     options: tuple[tuple[str, OptionValue], ...] = ()
 
     def option(self, name: str) -> OptionValue | None:
@@ -49,12 +50,13 @@ def strip_dp_clauses(sql: str) -> tuple[str, tuple[DPClause, ...]]:
     """
     if not might_have_dp_clause(sql):
         return sql, ()
-    raw = sql.encode("utf-8")
     try:
         tokens = list(parser.scan(sql))
     except parser.ParseError as e:
         raise SyntaxError_(str(e)) from None
-    out = bytearray(raw)
+    raw = sql  # token offsets index characters
+    pieces: list[str] = []
+    done = 0
     clauses = []
     i = 0
     while i < len(tokens):
@@ -72,20 +74,23 @@ def strip_dp_clauses(sql: str) -> tuple[str, tuple[DPClause, ...]]:
             if j < len(tokens) and tokens[j].name == "OPTIONS":
                 options, j = _parse_options(raw, tokens, j + 1)
             end = tokens[j - 1].end + 1
-            out[start:end] = b" " * (end - start)
-            clauses.append(DPClause(t.start, options))
+            pieces.append(sql[done:start])
+            pieces.append(" " * len(sql[start:end].encode("utf-8")))
+            done = end
+            clauses.append(DPClause(len(sql[: t.start].encode("utf-8")), options))
             i = j
         else:
             i += 1
-    return out.decode("utf-8"), tuple(clauses)
+    pieces.append(sql[done:])
+    return "".join(pieces), tuple(clauses)
 
 
-def _text(raw: bytes, tok: parser.Token) -> str:
-    return raw[tok.start : tok.end + 1].decode("utf-8")
+def _text(raw: str, tok: parser.Token) -> str:
+    return raw[tok.start : tok.end + 1]
 
 
 def _parse_options(
-    raw: bytes, tokens: list[parser.Token], j: int
+    raw: str, tokens: list[parser.Token], j: int
 ) -> tuple[tuple[tuple[str, OptionValue], ...], int]:
     """Parse `( name = value [, ...] )` starting at the token after OPTIONS."""
 
@@ -125,7 +130,7 @@ def _parse_options(
     return tuple(opts.items()), j
 
 
-def _parse_value(raw: bytes, tokens: list[parser.Token], j: int) -> tuple[OptionValue, int]:
+def _parse_value(raw: str, tokens: list[parser.Token], j: int) -> tuple[OptionValue, int]:
     sign = 1
     if j < len(tokens) and tokens[j].name in ("ASCII_45", "ASCII_43"):
         sign = -1 if tokens[j].name == "ASCII_45" else 1

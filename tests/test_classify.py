@@ -1,0 +1,196 @@
+"""Statement routing (fail closed), the DP clause front end, and session DP settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from dp_core.classify import Classifier, ProtectionPolicy, StatementKind
+from dp_core.errors import InvalidParameterValue, SyntaxError_, UndefinedObject
+from dp_core.settings import Caps, DPSettings
+from dp_core.syntax import strip_dp_clauses
+
+K = StatementKind
+
+
+@pytest.fixture(scope="module")
+def classifier() -> Classifier:
+    return Classifier(ProtectionPolicy({"visits": "public", "purchases": "public", "events": "app"}))
+
+
+def kinds(c: Classifier, sql: str) -> list[StatementKind]:
+    return [s.kind for s in c.classify(sql)]
+
+
+@pytest.mark.parametrize(
+    ("sql", "kind"),
+    [
+        # pass-through: catalog, unprotected tables, session statements
+        ("SELECT * FROM countries", K.PASS_THROUGH),
+        ("SELECT relname FROM pg_class WHERE relname = 'visits'", K.PASS_THROUGH),
+        ("SELECT * FROM information_schema.columns WHERE table_name = 'visits'", K.PASS_THROUGH),
+        ("SHOW search_path", K.PASS_THROUGH),
+        ("SET search_path = public", K.PASS_THROUGH),
+        ("BEGIN", K.PASS_THROUGH),
+        ("COMMIT", K.PASS_THROUGH),
+        ("SELECT 'visits'", K.PASS_THROUGH),
+        ("SELECT * FROM other.visits", K.PASS_THROUGH),
+        ("SELECT * FROM public.events", K.PASS_THROUGH),
+        ("INSERT INTO countries VALUES ('x', 'y', 'z')", K.PASS_THROUGH),
+        ("SELECT TRUE FROM visits WHERE 1 <> 1 LIMIT 0", K.PASS_THROUGH),
+        # proxy-local
+        ("SET dp.epsilon = 0.5", K.LOCAL_SET),
+        ("RESET dp.epsilon", K.LOCAL_SET),
+        ("SHOW dp.delta", K.LOCAL_SHOW),
+        ("SELECT * FROM dp_budget()", K.LOCAL_FUNCTION),
+        ("SELECT dp_reset_budget('alice')", K.LOCAL_FUNCTION),
+        ("SELECT * FROM dp_ledger('bob')", K.LOCAL_FUNCTION),
+        # DP forms
+        ("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits GROUP BY browser", K.DP_QUERY),
+        ("select with differential_privacy options(epsilon=1) anon_count(*) from visits", K.DP_QUERY),
+        ("SELECT browser, COUNT(*) FROM visits GROUP BY browser", K.DP_QUERY),
+        ("SELECT avg(duration) FROM visits", K.DP_QUERY),
+        ("EXPLAIN SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits", K.DP_EXPLAIN),
+        ("EXPLAIN SELECT count(*) FROM visits", K.DP_EXPLAIN),
+        # refused: raw reads in disguises, writes, DDL, COPY, cursors, PREPARE
+        ("SELECT * FROM visits", K.REFUSED),
+        ("SELECT uid FROM public.visits v WHERE v.duration > 10", K.REFUSED),
+        ("TABLE visits", K.REFUSED),
+        ("SELECT * FROM app.events", K.REFUSED),
+        ("WITH x AS (SELECT * FROM visits) SELECT * FROM x", K.REFUSED),
+        ("SELECT (SELECT max(uid) FROM visits) FROM countries", K.REFUSED),
+        ("SELECT * FROM countries WHERE code IN (SELECT country FROM visits)", K.REFUSED),
+        ("SELECT * FROM countries c, LATERAL (SELECT * FROM visits v WHERE v.country = c.code) s",
+         K.REFUSED),
+        ("SELECT uid FROM visits UNION SELECT 1", K.REFUSED),
+        ("COPY visits TO STDOUT", K.REFUSED),
+        ("COPY (SELECT * FROM visits) TO STDOUT", K.REFUSED),
+        ("DECLARE c CURSOR FOR SELECT * FROM visits", K.REFUSED),
+        ("PREPARE p AS SELECT * FROM visits", K.REFUSED),
+        ("DELETE FROM visits", K.REFUSED),
+        ("UPDATE visits SET duration = 0", K.REFUSED),
+        ("INSERT INTO visits VALUES (1, 'x', 'y', 1)", K.REFUSED),
+        ("CREATE TABLE copy AS SELECT * FROM visits", K.REFUSED),
+        ("CREATE VIEW v AS SELECT * FROM visits", K.REFUSED),
+        ("ALTER TABLE visits DISABLE ROW LEVEL SECURITY", K.REFUSED),
+        ("EXPLAIN ANALYZE SELECT count(*) FROM visits", K.REFUSED),
+        ("EXPLAIN SELECT * FROM visits", K.REFUSED),
+        ("SELECT * FROM visits LIMIT 1", K.REFUSED),
+        ("SELECT * FROM pg_temp.visits", K.REFUSED),
+        ("EXPLAIN ANALYZE SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits", K.REFUSED),
+    ],
+)
+def test_classification(classifier: Classifier, sql: str, kind: StatementKind) -> None:
+    assert kinds(classifier, sql) == [kind]
+
+
+def test_refusal_names_the_tables_and_what_is_allowed(classifier: Classifier) -> None:
+    (st,) = classifier.classify("SELECT * FROM visits v JOIN purchases p USING (uid)")
+    assert st.refusal is not None and st.refusal.sqlstate == "42501"
+    assert st.refusal.message.startswith("tables purchases, visits are protected")
+    assert "SELECT WITH ANONYMIZATION" in st.refusal.message
+
+
+def test_multi_statement_split_keeps_text(classifier: Classifier) -> None:
+    stmts = classifier.classify("SET TIMEZONE TO 'UTC'; SELECT 42; SELECT WITH ANONYMIZATION "
+                                "OPTIONS(epsilon=0.5) ANON_COUNT(*) FROM visits;  SHOW dp.epsilon")
+    assert [s.kind for s in stmts] == [K.PASS_THROUGH, K.PASS_THROUGH, K.DP_QUERY, K.LOCAL_SHOW]
+    assert [s.sql for s in stmts[:2]] == ["SET TIMEZONE TO 'UTC'", "SELECT 42"]
+    assert stmts[2].sql.startswith("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.5)")
+    assert stmts[2].dp_clause is not None and stmts[2].dp_clause.option("epsilon") == 0.5
+    assert stmts[3].setting == "dp.epsilon"
+
+
+def test_empty_query(classifier: Classifier) -> None:
+    assert kinds(classifier, "") == [K.EMPTY]
+    assert kinds(classifier, " ; -- nothing") == [K.EMPTY]
+
+
+def test_syntax_error_is_42601(classifier: Classifier) -> None:
+    with pytest.raises(SyntaxError_) as exc:
+        classifier.classify("SELEC 1")
+    assert exc.value.sqlstate == "42601"
+    assert 'syntax error at or near "SELEC"' in exc.value.message
+
+
+def test_classification_is_cached(classifier: Classifier) -> None:
+    a = classifier.classify("SELECT 1 AS cached")
+    assert classifier.classify("SELECT 1 AS cached") is a
+
+
+def test_dp_clause_is_never_found_in_strings_or_comments() -> None:
+    sql = ("SELECT 'SELECT WITH ANONYMIZATION' /* SELECT WITH ANONYMIZATION */, "
+           '"WITH ANONYMIZATION" -- SELECT WITH ANONYMIZATION\nFROM t')
+    assert strip_dp_clauses(sql) == (sql, ())
+
+
+def test_dp_clause_is_blanked_in_place() -> None:
+    sql = "SELECT WITH ANONYMIZATION OPTIONS(epsilon = 0.5, delta=1e-7, noise='gaussian', " \
+          "max_groups_contributed=3) x, ANON_COUNT(*) FROM visits GROUP BY x"
+    stripped, (clause,) = strip_dp_clauses(sql)
+    assert len(stripped.encode()) == len(sql.encode())
+    assert stripped.split() == ["SELECT", "x,", "ANON_COUNT(*)", "FROM", "visits", "GROUP", "BY", "x"]
+    assert dict(clause.options) == {"epsilon": 0.5, "delta": 1e-7, "noise": "gaussian",
+                                    "max_groups_contributed": 3}
+    assert clause.select_offset == 0
+
+
+def test_dp_clause_offsets_survive_multibyte_text() -> None:
+    sql = "SELECT 'é€' AS x; SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits"
+    stripped, (clause,) = strip_dp_clauses(sql)
+    raw = sql.encode()
+    assert raw[clause.select_offset:clause.select_offset + 6] == b"SELECT"
+    assert clause.select_offset == raw.index(b"SELECT WITH")
+    assert stripped.startswith("SELECT 'é€' AS x;")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ("OPTIONS(epsilon=1", r"expected ',' or '\)'"),
+        ("OPTIONS(epsilon 1)", "expected '='"),
+        ("OPTIONS(bogus=1)", "unknown option 'bogus'"),
+        ("OPTIONS(epsilon=1, epsilon=2)", "given twice"),
+        ("OPTIONS(epsilon=(1))", "is not a number or a name"),
+        ("OPTIONS epsilon=1", r"expected '\('"),
+    ],
+)
+def test_malformed_options(options: str, message: str) -> None:
+    with pytest.raises(SyntaxError_, match=message):
+        strip_dp_clauses(f"SELECT WITH ANONYMIZATION {options} ANON_COUNT(*) FROM visits")
+
+
+def test_negative_and_empty_options() -> None:
+    _, (clause,) = strip_dp_clauses("SELECT WITH ANONYMIZATION OPTIONS(epsilon=-1) 1")
+    assert clause.option("epsilon") == -1  # parsed; the planner refuses it with its reason
+    _, (clause,) = strip_dp_clauses("SELECT WITH ANONYMIZATION OPTIONS() 1")
+    assert clause.options == ()
+
+
+CAPS = Caps(max_epsilon=10, max_delta=1e-3, max_groups_contributed=100)
+BASE = DPSettings(epsilon=1.0, delta=1e-6, max_groups_contributed=1, noise="laplace")
+
+
+def test_settings_set_and_show() -> None:
+    s = BASE.with_value("dp.epsilon", 0.5, CAPS).with_value("noise", "GAUSSIAN", CAPS)
+    s = s.with_value("dp.max_groups_contributed", 3, CAPS).with_value("dp.delta", "1e-7", CAPS)
+    assert (s.epsilon, s.noise, s.max_groups_contributed, s.delta) == (0.5, "gaussian", 3, 1e-7)
+    assert s.show("dp.epsilon") == "0.5" and s.show("dp.max_groups_contributed") == "3"
+    assert BASE.epsilon == 1.0, "settings are immutable values"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("epsilon", 0), ("epsilon", -1), ("epsilon", "NaN"), ("epsilon", 1e308), ("epsilon", "inf"),
+     ("epsilon", "abc"), ("delta", 0), ("delta", 0.5), ("max_groups_contributed", 0),
+     ("max_groups_contributed", 2.5), ("max_groups_contributed", 101), ("noise", "uniform")],
+)
+def test_settings_outside_policy_are_refused(name: str, value: object) -> None:
+    with pytest.raises(InvalidParameterValue) as exc:
+        BASE.with_value(name, value, CAPS)
+    assert exc.value.sqlstate == "22023"
+
+
+def test_unknown_setting() -> None:
+    with pytest.raises(UndefinedObject) as exc:
+        BASE.with_value("dp.epsilonn", 1, CAPS)
+    assert exc.value.sqlstate == "42704"
