@@ -39,6 +39,16 @@ async def find_wall_problems(
     return problems
 
 
+async def load_demo_data(conn: asyncpg.Connection) -> bool:
+    """Create and fill the demo tables unless `visits` exists; True when it loaded them."""
+    if await conn.fetchval("SELECT to_regclass('public.visits') IS NOT NULL"):
+        return False
+    async with conn.transaction():
+        for stmt in demo_schema_sql() + demo_data_sql():
+            await conn.execute(stmt)
+    return True
+
+
 async def prepare_embedded(pg: EmbeddedPostgres, config: Config) -> tuple[DSN, DSN]:
     """Create the demo database in `pg` (loading data unless it is there) and the roles.
 
@@ -53,11 +63,7 @@ async def prepare_embedded(pg: EmbeddedPostgres, config: Config) -> tuple[DSN, D
         await admin.close()
     conn = await asyncpg.connect(pg.dsn(database=DEMO_DATABASE))
     try:
-        loaded = await conn.fetchval("SELECT to_regclass('public.visits') IS NOT NULL")
-        if not loaded:
-            async with conn.transaction():
-                for stmt in demo_schema_sql() + demo_data_sql():
-                    await conn.execute(stmt)
+        await load_demo_data(conn)
         await apply_backend_setup(conn, config, DEMO_DATABASE)
     finally:
         await conn.close()

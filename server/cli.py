@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     ib.add_argument("--admin-dsn", help="a superuser connection string to run the setup with")
     ib.add_argument("--print", action="store_true", dest="print_only",
                     help="print the SQL instead of running it")
+    ib.add_argument("--demo-data", action="store_true",
+                    help="first load the demo tables (visits, purchases, countries) if absent")
     return ap
 
 
@@ -124,26 +126,38 @@ def _cmd_init_backend(args: argparse.Namespace) -> int:
     if not args.admin_dsn:
         print("give --admin-dsn (a superuser) or --print", file=sys.stderr)
         return 1
-    return asyncio.run(_init_backend(config, args.admin_dsn, restricted.database, roles))
+    passwords = {d.user: d.password for d in (pushdown, restricted) if d.password}
+    return asyncio.run(_init_backend(config, args.admin_dsn, restricted.database, roles, passwords,
+                                     args.demo_data))
 
 
-async def _init_backend(config: Config, admin_dsn: str, database: str, roles: object) -> int:
+async def _init_backend(config: Config, admin_dsn: str, database: str, roles: object,
+                        passwords: dict[str, str], demo_data: bool) -> int:
     import asyncpg
 
-    from server.backend_setup import BackendRoles
-    from server.bootstrap import BackendSetupError, apply_backend_setup
+    from server.backend_setup import BackendRoles, quote_ident, quote_literal
+    from server.bootstrap import BackendSetupError, apply_backend_setup, load_demo_data
+    from server.scram import make_verifier
 
     assert isinstance(roles, BackendRoles)
     conn = await asyncpg.connect(admin_dsn)
     try:
+        if demo_data:
+            await load_demo_data(conn)
         await apply_backend_setup(conn, config, database, roles)
+        for user, password in passwords.items():
+            # a verifier made here: the password itself never reaches the server or its logs
+            verifier = quote_literal(str(make_verifier(password)))
+            await conn.execute(f"ALTER ROLE {quote_ident(user)} PASSWORD {verifier}")
     except BackendSetupError as e:
         print(f"the setup ran but the wall does not hold: {e}", file=sys.stderr)
         return 1
     finally:
         await conn.close()
-    print(f"roles {roles.pushdown} and {roles.restricted} are ready in database {database}. "
-          "Set their passwords with \\password in psql.")
+    unset = sorted({roles.pushdown, roles.restricted} - set(passwords))
+    print(f"roles {roles.pushdown} and {roles.restricted} are ready in database {database}.")
+    if unset:
+        print(f"Set the password of {', '.join(unset)} (\\password in psql) if the backend asks for one.")
     return 0
 
 

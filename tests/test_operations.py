@@ -1,0 +1,136 @@
+"""Operator-facing pieces: init-backend on an existing Postgres, and the Docker files."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import asyncpg
+import pytest
+import yaml
+
+from server.cli import _parser
+from server.dsn import parse_dsn
+
+from .conftest import TEST_DATABASE, Backend
+
+ROOT = Path(__file__).parent.parent
+
+
+def _config_for(backend: Backend, tmp_path: Path, pushdown: str, restricted: str) -> Path:
+    base = parse_dsn(backend.admin_dsn)
+    text = (ROOT / "config" / "demo.toml").read_text().replace(
+        "[backend]\nembedded = true",
+        f'[backend]\npushdown_dsn = "postgresql://{pushdown}@/{TEST_DATABASE}?host={base.host}'
+        f'&port={base.port}"\nrestricted_dsn = "postgresql://{restricted}@/{TEST_DATABASE}'
+        f'?host={base.host}&port={base.port}"',
+    )
+    path = tmp_path / "existing.toml"
+    path.write_text(text)
+    return path
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_init_backend_print(backend: Backend, tmp_path: Path) -> None:
+    cfg = _config_for(backend, tmp_path, "ops_push", "ops_restr")
+    out = _cli("init-backend", "--config", str(cfg), "--print")
+    assert out.returncode == 0, out.stderr
+    sql = out.stdout
+    assert 'ALTER TABLE "public"."visits" ENABLE ROW LEVEL SECURITY;' in sql
+    assert 'CREATE POLICY dp_pushdown_reads_all ON "public"."visits" FOR SELECT TO "ops_push" USING (true);' \
+        in sql
+    assert 'CREATE SCHEMA IF NOT EXISTS "dpproxy" AUTHORIZATION "ops_push";' in sql
+    assert "ops_restr" in sql and "PASSWORD" not in sql
+
+
+def test_init_backend_runs_and_sets_verifier_passwords(backend: Backend, tmp_path: Path) -> None:
+    cfg = _config_for(backend, tmp_path, "ops_push:pw1", "ops_restr:pw2")
+    out = _cli("init-backend", "--config", str(cfg), "--admin-dsn", backend.admin_dsn)
+    assert out.returncode == 0, out.stderr
+    assert "ops_push and ops_restr are ready" in out.stdout
+
+    async def check() -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            rows = await conn.fetch("SELECT rolname, rolpassword FROM pg_authid "
+                                    "WHERE rolname IN ('ops_push', 'ops_restr')")
+            assert {r["rolname"] for r in rows} == {"ops_push", "ops_restr"}
+            assert all(r["rolpassword"].startswith("SCRAM-SHA-256$4096:") for r in rows)
+            policies = await conn.fetchval("SELECT count(*) FROM pg_policy WHERE polrelid = 'visits'::regclass")
+            assert policies == 1, "re-running the setup replaces the policy, it does not add one"
+        finally:
+            await conn.close()
+        base = parse_dsn(backend.admin_dsn)
+        restricted = await asyncpg.connect(base.uri(user="ops_restr", database=TEST_DATABASE))
+        try:
+            assert await restricted.fetchval("SELECT count(*) FROM visits") == 0
+            assert await restricted.fetchval("SELECT count(*) FROM countries") > 100
+        finally:
+            await restricted.close()
+
+    from config import DEMO_CONFIG, load_config
+    from server.bootstrap import apply_backend_setup
+
+    async def restore() -> None:  # the policy of the suite's own roles
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            await apply_backend_setup(conn, load_config(DEMO_CONFIG, environ={}), TEST_DATABASE)
+        finally:
+            await conn.close()
+
+    try:
+        asyncio.run(check())
+    finally:
+        asyncio.run(restore())
+
+
+def test_init_backend_refuses_embedded_config() -> None:
+    out = _cli("init-backend", "--config", "config/demo.toml", "--print")
+    assert out.returncode == 2 and "embedded" in out.stderr
+
+
+def _dp_proxy_args(command: list[str]) -> list[str]:
+    """The arguments after `dp-proxy` in a container command."""
+    return command[1:] if command and command[0] == "dp-proxy" else command
+
+
+def test_dockerfile_names_real_commands() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    entry = next(ln for ln in lines if ln.startswith("ENTRYPOINT"))
+    cmd = next(ln for ln in lines if ln.startswith("CMD"))
+    assert yaml.safe_load(entry.split(None, 1)[1]) == ["dp-proxy"]
+    args = yaml.safe_load(cmd.split(None, 1)[1])
+    ns = _parser().parse_args(args)
+    assert ns.command == "serve"
+    for ln in lines:
+        if ln.startswith("COPY "):
+            for src in shlex.split(ln)[1:-1]:
+                assert (ROOT / src).exists(), f"Dockerfile copies missing {src}"
+    assert "USER dpproxy" in lines and any(ln.startswith("HEALTHCHECK") for ln in lines)
+
+
+def test_compose_names_real_commands_and_files() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert services["postgres"]["image"].startswith("postgres:16")
+    for name in ("init", "proxy"):
+        args = _dp_proxy_args(services[name]["command"])
+        ns = _parser().parse_args(args)
+        config = Path(ns.config)
+        assert config.parts[:2] == ("/", "app") and (ROOT / Path(*config.parts[2:])).exists()
+    assert _parser().parse_args(services["init"]["command"]).demo_data
+    assert services["proxy"]["depends_on"]["init"]["condition"] == "service_completed_successfully"
+
+
+@pytest.mark.parametrize("path", ["config/docker.toml", "config/demo.toml", "config/example.toml"])
+def test_shipped_configs_pass_check_config(path: str) -> None:
+    out = _cli("check-config", path)
+    assert out.returncode == 0, out.stderr
