@@ -63,7 +63,8 @@ def test_init_backend_runs_and_sets_verifier_passwords(backend: Backend, tmp_pat
                                     "WHERE rolname IN ('ops_push', 'ops_restr')")
             assert {r["rolname"] for r in rows} == {"ops_push", "ops_restr"}
             assert all(r["rolpassword"].startswith("SCRAM-SHA-256$4096:") for r in rows)
-            policies = await conn.fetchval("SELECT count(*) FROM pg_policy WHERE polrelid = 'visits'::regclass")
+            policies = await conn.fetchval(
+                "SELECT count(*) FROM pg_policy WHERE polrelid = 'visits'::regclass")
             assert policies == 1, "re-running the setup replaces the policy, it does not add one"
         finally:
             await conn.close()
