@@ -48,6 +48,7 @@ MAX_BACKLOG = 1024
 """Queued client messages before the proxy stops reading from the client."""
 
 TEXT_OID = 25
+_FORWARDED = (StatementKind.PASS_THROUGH, StatementKind.EMPTY)
 
 
 class State(Enum):
@@ -141,7 +142,8 @@ class Session:
         self.backlog: deque[tuple[bytes, bytes]] = deque()
         self.busy = False
         self.reading_paused = False
-        self._startup_queue: asyncio.Queue[tuple[bytes, bytes] | None] = asyncio.Queue()
+        self._input = asyncio.Event()
+        """Set when bytes arrive during startup, which reads its frames itself."""
         self._task: asyncio.Task[None] | None = None
         self._idle_handle: asyncio.TimerHandle | None = None
         self._tls_ok = self.config.tls.enabled
@@ -154,16 +156,17 @@ class Session:
             return
         self._touch()
         self.frames.feed(data)
+        if self.state in (State.STARTUP, State.AUTHENTICATING):
+            # the startup coroutine frames the input itself, one packet at a time, so
+            # that nothing sent behind an SSLRequest is parsed before the handshake
+            self._input.set()
+            return
+        self._pump()
+
+    def _pump(self) -> None:
         try:
-            while (frame := self.frames.next_raw()) is not None:
-                if self.state in (State.STARTUP, State.AUTHENTICATING):
-                    self._startup_queue.put_nowait(frame)
-                    if frame[0] == b"":
-                        # a startup packet: the next ones are typed, unless it was
-                        # an SSL/GSS request (re-enabled by _startup as needed)
-                        self.frames.startup = False
-                else:
-                    self.on_frame(*frame)
+            while self.state is not State.CLOSED and (frame := self.frames.next_raw()) is not None:
+                self.on_frame(*frame)
         except p.ProtocolViolation as e:
             self.fatal(ProtocolViolationError(str(e)))
 
@@ -236,7 +239,7 @@ class Session:
             self.link.close()
         with contextlib.suppress(Exception):
             self.transport.close()
-        self._startup_queue.put_nowait(None)
+        self._input.set()
 
     def client_lost(self) -> None:
         if self._task is not None and not self._task.done():
@@ -261,10 +264,14 @@ class Session:
     # ------------------------------------------------------------------ startup
 
     async def _next_startup_frame(self) -> tuple[bytes, bytes]:
-        item = await self._startup_queue.get()
-        if item is None:
-            raise ConnectionResetError
-        return item
+        while True:
+            if self.state is State.CLOSED:
+                raise ConnectionResetError
+            frame = self.frames.next_raw()
+            if frame is not None:
+                return frame
+            self._input.clear()
+            await self._input.wait()
 
     async def _startup(self) -> None:
         try:
@@ -286,18 +293,21 @@ class Session:
         while True:
             _, raw = await self._next_startup_frame()
             packet = p.decode_startup(raw[4:])
+            if isinstance(packet, (p.SSLRequest, p.GSSENCRequest)) and self.frames.buffered:
+                # bytes behind an encryption request could be injected by a third party
+                raise ProtocolViolationError("received unencrypted data after SSL request")
             if isinstance(packet, p.SSLRequest):
                 await self._ssl_request()
                 continue
             if isinstance(packet, p.GSSENCRequest):
                 self.write(b"N")
-                self.frames.startup = True
                 continue
             if isinstance(packet, p.CancelRequest):
                 self.server.cancel(packet.process_id, packet.secret_key)
                 self.close()
                 return
             assert isinstance(packet, p.StartupMessage)
+            self.frames.startup = False  # from here on, messages are typed
             break
         if self.config.tls.require and not isinstance(
             self.transport.get_extra_info("ssl_object"), ssl.SSLObject
@@ -327,20 +337,12 @@ class Session:
                   p.ReadyForQuery(self.link.tx_status))
         self.state = State.READY
         self._touch()
-        # anything the client pipelined behind its login
-        while not self._startup_queue.empty():
-            item = self._startup_queue.get_nowait()
-            if item is not None:
-                self.on_frame(*item)
+        self._pump()  # anything the client pipelined behind its login
 
     async def _ssl_request(self) -> None:
         if not self._tls_ok or self.transport.get_extra_info("ssl_object") is not None:
             self.write(b"N")
-            self.frames.startup = True
             return
-        if self.frames.buffered:
-            # bytes sent before the TLS handshake could be injected by a third party
-            raise ProtocolViolationError("received unencrypted data after SSL request")
         self.write(b"S")
         loop = asyncio.get_running_loop()
         new_transport = await loop.start_tls(
@@ -348,7 +350,6 @@ class Session:
         )
         assert new_transport is not None
         self.transport = new_transport
-        self.frames.startup = True
 
     async def _authenticate(self) -> None:
         analyst = self.config.analysts.get(self.user)
@@ -408,7 +409,7 @@ class Session:
             msg = p.decode_frontend(tag, raw[5:])
             assert isinstance(msg, p.Query)
             stmts = self.server.classifier.classify(msg.sql)
-            if all(s.kind is StatementKind.PASS_THROUGH for s in stmts):
+            if all(s.kind in _FORWARDED for s in stmts):
                 link.forward(raw, tag)
                 return None
             return self._simple_query(stmts)
@@ -419,7 +420,7 @@ class Session:
             if len(stmts) > 1:
                 raise SyntaxError_("cannot insert multiple commands into a prepared statement")
             st = stmts[0]
-            if st.kind in (StatementKind.PASS_THROUGH, StatementKind.EMPTY):
+            if st.kind in _FORWARDED:
                 self.local_statements.pop(msg.name, None)
                 link.forward(raw, tag)
                 return None

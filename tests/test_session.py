@@ -1,0 +1,385 @@
+"""Session behaviour at the message level: ordering, error recovery, limits, TLS, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from config import Config
+from server import protocol as p
+
+from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, start_proxy
+from .rawclient import RawClient, close_all, errors, tags
+
+
+@pytest.fixture(autouse=True)
+def _close_raw_clients() -> Iterator[None]:
+    yield
+    close_all()
+
+
+@pytest.fixture
+def raw(proxy: Proxy) -> Iterator[RawClient]:
+    c = RawClient(proxy.host, proxy.port)
+    msgs = c.login("alice", "alice", TEST_DATABASE)
+    assert isinstance(msgs[-1], p.ReadyForQuery), msgs
+    yield c
+    c.close()
+
+
+def test_startup_sequence(proxy: Proxy) -> None:
+    c = RawClient(proxy.host, proxy.port)
+    msgs = c.login("alice", "alice", TEST_DATABASE)
+    names = tags(msgs)
+    assert names[:2] == ["Authentication", "Authentication"]  # SASL final, then OK
+    assert names[-2:] == ["BackendKeyData", "ReadyForQuery"]
+    params = {m.name: m.value for m in msgs if isinstance(m, p.ParameterStatus)}
+    for key in ("server_version", "server_encoding", "client_encoding", "DateStyle", "TimeZone",
+                "integer_datetimes", "standard_conforming_strings"):
+        assert key in params, key
+    assert params["client_encoding"] == "UTF8"
+    c.close()
+
+
+def test_simple_query_mixing_local_and_pass_through(raw: RawClient) -> None:
+    raw.send(p.Query("SELECT 1 AS a; SET dp.epsilon = 0.5; SHOW dp.epsilon; SELECT 2 AS b"))
+    msgs = raw.recv_until_ready()
+    completes = [m.command_tag for m in msgs if isinstance(m, p.CommandComplete)]
+    assert completes == ["SELECT 1", "SET", "SHOW", "SELECT 1"]
+    rows = [m.values for m in msgs if isinstance(m, p.DataRow)]
+    assert rows == [(b"1",), (b"0.5",), (b"2",)]
+    assert sum(isinstance(m, p.ReadyForQuery) for m in msgs) == 1
+
+
+def test_simple_query_stops_at_a_refused_statement(raw: RawClient) -> None:
+    raw.send(p.Query("SELECT 1; SELECT * FROM visits; SELECT 3"))
+    msgs = raw.recv_until_ready()
+    assert errors(msgs) == ["42501"]
+    assert [m.values for m in msgs if isinstance(m, p.DataRow)] == [(b"1",)]
+    raw.send(p.Query("SELECT 4"))
+    assert [m.values for m in raw.recv_until_ready() if isinstance(m, p.DataRow)] == [(b"4",)]
+
+
+def test_simple_query_stops_at_a_backend_error(raw: RawClient) -> None:
+    raw.send(p.Query("SELECT 1; SHOW dp.delta; SELECT 1/0; SHOW dp.epsilon"))
+    msgs = raw.recv_until_ready()
+    assert errors(msgs) == ["22012"]
+    assert [m.values for m in msgs if isinstance(m, p.DataRow)] == [(b"1",), (b"1e-06",)]
+
+
+def test_syntax_error_and_empty_query(raw: RawClient) -> None:
+    raw.send(p.Query("SELEC 1"))
+    assert errors(raw.recv_until_ready()) == ["42601"]
+    raw.send(p.Query(""))
+    assert "EmptyQueryResponse" in tags(raw.recv_until_ready())
+
+
+def test_extended_refused_parse_discards_until_sync(raw: RawClient) -> None:
+    raw.send(
+        p.Parse("ok", "SELECT $1::int", (23,)), p.Bind("", "ok", (), (b"5",)), p.Execute(""),
+        p.Parse("bad", "SELECT * FROM visits"),
+        p.Bind("", "ok", (), (b"6",)), p.Execute(""),  # skipped after the error
+        p.Sync(),
+    )
+    msgs = raw.recv_until_ready()
+    assert tags(msgs) == ["ParseComplete", "BindComplete", "DataRow", "CommandComplete",
+                          "ErrorResponse", "ReadyForQuery"]
+    assert errors(msgs) == ["42501"]
+    raw.send(p.Bind("", "ok", (), (b"7",)), p.Execute(""), p.Sync())
+    msgs = raw.recv_until_ready()
+    assert [m.values for m in msgs if isinstance(m, p.DataRow)] == [(b"7",)]
+
+
+def test_extended_backend_error_skips_following_local_messages(raw: RawClient) -> None:
+    raw.send(
+        p.Parse("", "SELECT 1/x FROM (VALUES (0), (1)) AS t(x)"), p.Bind("", ""), p.Execute(""),
+        p.Parse("s", "SHOW dp.epsilon"), p.Bind("", "s"), p.Execute(""),
+        p.Sync(),
+    )
+    msgs = raw.recv_until_ready()
+    # Postgres may fail at Bind (constant folding) or Execute; either way nothing after runs
+    assert tags(msgs)[0] == "ParseComplete" and tags(msgs)[-2:] == ["ErrorResponse", "ReadyForQuery"]
+    assert errors(msgs) == ["22012"]
+    assert "DataRow" not in tags(msgs) and tags(msgs).count("ParseComplete") == 1
+
+
+def test_extended_local_statement_describe_and_execute(raw: RawClient) -> None:
+    raw.send(
+        p.Parse("show", "SHOW dp.max_groups_contributed"), p.Describe(b"S", "show"),
+        p.Bind("portal", "show"), p.Describe(b"P", "portal"), p.Execute("portal"),
+        p.Parse("set", "SET dp.max_groups_contributed = 4"), p.Describe(b"S", "set"),
+        p.Bind("", "set"), p.Execute(""),
+        p.Bind("", "show"), p.Execute(""), p.Close(b"S", "show"), p.Close(b"P", "portal"),
+        p.Sync(),
+    )
+    msgs = raw.recv_until_ready()
+    assert tags(msgs) == [
+        "ParseComplete", "ParameterDescription", "RowDescription", "BindComplete", "RowDescription",
+        "DataRow", "CommandComplete", "ParseComplete", "ParameterDescription", "NoData",
+        "BindComplete", "CommandComplete", "BindComplete", "DataRow", "CommandComplete",
+        "CloseComplete", "CloseComplete", "ReadyForQuery",
+    ]
+    rows = [m.values for m in msgs if isinstance(m, p.DataRow)]
+    assert rows == [(b"1",), (b"4",)]
+    desc = next(m for m in msgs if isinstance(m, p.RowDescription))
+    assert desc.fields[0].name == "dp.max_groups_contributed"
+
+
+def test_extended_flush_returns_replies_before_sync(raw: RawClient) -> None:
+    raw.send(p.Parse("q", "SELECT 1"), p.Describe(b"S", "q"), p.Flush())
+    assert tags([raw.recv(), raw.recv(), raw.recv()]) == [
+        "ParseComplete", "ParameterDescription", "RowDescription"]
+    raw.send(p.Bind("", "q"), p.Execute(""), p.Sync())
+    assert tags(raw.recv_until_ready()) == ["BindComplete", "DataRow", "CommandComplete",
+                                             "ReadyForQuery"]
+
+
+def test_transaction_status_is_reported(raw: RawClient) -> None:
+    raw.send(p.Query("BEGIN"))
+    assert raw.recv_until_ready()[-1] == p.ReadyForQuery(b"T")
+    raw.send(p.Query("SELECT 1/0"))
+    assert raw.recv_until_ready()[-1] == p.ReadyForQuery(b"E")
+    raw.send(p.Query("ROLLBACK"))
+    assert raw.recv_until_ready()[-1] == p.ReadyForQuery(b"I")
+
+
+def test_function_call_protocol_is_refused(raw: RawClient) -> None:
+    raw.send(p.FunctionCall(b"\x00\x00\x00\x01\x00\x00\x00\x00\x00\x00"), p.Sync())
+    msgs = raw.recv_until_ready()
+    assert errors(msgs) == ["0A000"]
+
+
+# ---------------------------------------------------------------------------- malformed input
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"Q" + struct.pack("!i", 2),  # length below 4
+        b"Q" + struct.pack("!i", 9) + b"abcde",  # unterminated string
+        b"?" + struct.pack("!i", 4),  # unknown message type
+        b"Q" + struct.pack("!i", 8) + b"\xff\xfe\xfd\x00",  # invalid UTF-8
+        b"Q" + struct.pack("!i", 2**31 - 1),  # oversized
+    ],
+)
+def test_malformed_message_closes_only_that_session(proxy: Proxy, raw: RawClient, garbage: bytes) -> None:
+    other = RawClient(proxy.host, proxy.port)
+    other.login("bob", "bob", TEST_DATABASE)
+    raw.send_raw(garbage)
+    err = raw.recv()
+    assert isinstance(err, p.ErrorResponse) and err.sqlstate == "08P01" and err.get("S") == "FATAL"
+    assert raw.closed_by_server()
+    other.send(p.Query("SELECT 1"))
+    assert [m.values for m in other.recv_until_ready() if isinstance(m, p.DataRow)] == [(b"1",)]
+    other.close()
+
+
+def test_bad_startup_packets(proxy: Proxy) -> None:
+    c = RawClient(proxy.host, proxy.port)
+    c.send_raw(struct.pack("!ii", 8, 2 << 16))
+    err = c.recv()
+    assert isinstance(err, p.ErrorResponse) and err.sqlstate == "08P01"
+    c2 = RawClient(proxy.host, proxy.port)
+    c2.send_raw(struct.pack("!i", 3))
+    assert c2.closed_by_server()
+
+
+def test_plain_ssl_request_gets_n_when_tls_is_off(proxy: Proxy) -> None:
+    c = RawClient(proxy.host, proxy.port)
+    c.send(p.SSLRequest())
+    assert c.sock.recv(1) == b"N"
+    c.send(p.GSSENCRequest())
+    assert c.sock.recv(1) == b"N"
+    msgs = c.login("alice", "alice", TEST_DATABASE)
+    assert isinstance(msgs[-1], p.ReadyForQuery)
+    c.close()
+
+
+# ---------------------------------------------------------------------------- limits
+
+
+def _custom(loop_thread: LoopThread, demo_config: Config, backend: Backend, **listen: object) -> Proxy:
+    cfg = demo_config.model_copy(update={"listen": demo_config.listen.model_copy(update=listen)})
+    return start_proxy(loop_thread, cfg, backend)
+
+
+def test_max_connections(loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
+    px = _custom(loop_thread, demo_config, backend, max_connections=2)
+    try:
+        a, b = RawClient(px.host, px.port), RawClient(px.host, px.port)
+        a.login("alice", "alice", TEST_DATABASE)
+        b.login("alice", "alice", TEST_DATABASE)
+        c = RawClient(px.host, px.port)
+        c.send(p.StartupMessage({"user": "alice", "database": TEST_DATABASE}))
+        err = c.recv()
+        assert isinstance(err, p.ErrorResponse) and err.sqlstate == "53300"
+        a.close()
+        time.sleep(0.2)
+        d = RawClient(px.host, px.port)
+        assert isinstance(d.login("alice", "alice", TEST_DATABASE)[-1], p.ReadyForQuery)
+        b.close()
+        d.close()
+    finally:
+        loop_thread.run(px.server.stop())
+
+
+def test_startup_and_idle_timeouts(loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
+    px = _custom(loop_thread, demo_config, backend, startup_timeout=0.5, idle_timeout=0.7)
+    try:
+        silent = RawClient(px.host, px.port)
+        t0 = time.monotonic()
+        assert silent.closed_by_server()
+        assert time.monotonic() - t0 < 5
+        idle = RawClient(px.host, px.port)
+        idle.login("alice", "alice", TEST_DATABASE)
+        idle.send(p.Query("SELECT 1"))
+        idle.recv_until_ready()
+        err = idle.recv()
+        assert isinstance(err, p.ErrorResponse) and "idle" in (err.message or "")
+        assert idle.closed_by_server()
+    finally:
+        loop_thread.run(px.server.stop())
+
+
+# ---------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    d = tmp_path_factory.mktemp("tls")
+    cert.private_key_pem.write_to_path(str(d / "server.key"))
+    cert.cert_chain_pems[0].write_to_path(str(d / "server.crt"))
+    ca.cert_pem.write_to_path(str(d / "ca.crt"))
+    return d / "server.crt", d / "server.key", d / "ca.crt"
+
+
+def _tls_proxy(loop_thread: LoopThread, demo_config: Config, backend: Backend,
+               files: tuple[Path, Path, Path], require: bool) -> Proxy:
+    tls = demo_config.tls.model_copy(update={"cert_file": files[0], "key_file": files[1],
+                                             "require": require})
+    return start_proxy(loop_thread, demo_config.model_copy(update={"tls": tls}), backend)
+
+
+def test_tls_sslmode_require_and_verify_full(loop_thread: LoopThread, demo_config: Config,
+                                             backend: Backend, tls_files: tuple[Path, Path, Path]) -> None:
+    px = _tls_proxy(loop_thread, demo_config, backend, tls_files, require=False)
+    try:
+        with psycopg.connect(px.dsn(sslmode="require")) as conn:
+            assert conn.pgconn.ssl_in_use
+            assert conn.execute("SELECT count(*) FROM countries").fetchone() == (152,)
+        with psycopg.connect(px.dsn(sslmode="verify-full", sslrootcert=str(tls_files[2]))) as conn:
+            assert conn.pgconn.ssl_in_use
+        with psycopg.connect(px.dsn(sslmode="disable")) as conn:  # allowed: require is off
+            assert not conn.pgconn.ssl_in_use
+    finally:
+        loop_thread.run(px.server.stop())
+
+
+def test_tls_required_refuses_plaintext(loop_thread: LoopThread, demo_config: Config,
+                                        backend: Backend, tls_files: tuple[Path, Path, Path]) -> None:
+    px = _tls_proxy(loop_thread, demo_config, backend, tls_files, require=True)
+    try:
+        with pytest.raises(psycopg.OperationalError, match="requires TLS"):
+            psycopg.connect(px.dsn(sslmode="disable"))
+        with psycopg.connect(px.dsn(sslmode="require")) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        loop_thread.run(px.server.stop())
+
+
+def test_tls_rejects_bytes_sent_after_ssl_request(loop_thread: LoopThread, demo_config: Config,
+                                                  backend: Backend,
+                                                  tls_files: tuple[Path, Path, Path]) -> None:
+    """CVE-2021-23214: plaintext injected behind an SSLRequest must not be processed."""
+    px = _tls_proxy(loop_thread, demo_config, backend, tls_files, require=False)
+    try:
+        s = socket.create_connection((px.host, px.port), timeout=5)
+        s.sendall(p.SSLRequest().encode() + p.Query("SELECT 1").encode())
+        data = s.recv(4096)
+        assert data[:1] == b"E" and b"08P01" in data
+        s.close()
+    finally:
+        loop_thread.run(px.server.stop())
+
+
+def test_tls_handshake_with_plain_ssl_module(loop_thread: LoopThread, demo_config: Config,
+                                             backend: Backend, tls_files: tuple[Path, Path, Path]) -> None:
+    px = _tls_proxy(loop_thread, demo_config, backend, tls_files, require=True)
+    try:
+        s = socket.create_connection((px.host, px.port), timeout=5)
+        s.sendall(p.SSLRequest().encode())
+        assert s.recv(1) == b"S"
+        ctx = ssl.create_default_context(cafile=str(tls_files[2]))
+        tls = ctx.wrap_socket(s, server_hostname="127.0.0.1")
+        assert tls.version() in ("TLSv1.2", "TLSv1.3")
+        tls.close()
+    finally:
+        loop_thread.run(px.server.stop())
+
+
+# ---------------------------------------------------------------------------- backend failures
+
+
+def test_backend_connection_killed_gives_08006(proxy: Proxy, backend: Backend) -> None:
+    import asyncpg
+
+    c = RawClient(proxy.host, proxy.port)
+    c.login("alice", "alice", TEST_DATABASE)
+    c.send(p.Query("SELECT pg_backend_pid()"))
+    pid = int(next(m for m in c.recv_until_ready() if isinstance(m, p.DataRow)).values[0] or b"0")
+
+    async def kill() -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            await conn.execute(f"SELECT pg_terminate_backend({pid})")
+        finally:
+            await conn.close()
+
+    asyncio.run(kill())
+    c.send(p.Query("SELECT 1"))
+    msgs: list[p.BackendMessage] = []
+    try:
+        while True:
+            msgs.append(c.recv())
+    except (ConnectionError, OSError):
+        pass
+    codes = errors(msgs)
+    assert codes[-1] == "08006", msgs
+    # a new session works at once
+    with psycopg.connect(proxy.dsn()) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_unreachable_backend_is_a_clean_error(loop_thread: LoopThread, demo_config: Config,
+                                              backend: Backend) -> None:
+    from dataclasses import replace
+
+    from server.app import ProxyServer
+
+    dead = replace(backend.restricted, host="127.0.0.1", port=1)
+
+    async def make() -> ProxyServer:
+        cfg = demo_config.model_copy(update={"listen": demo_config.listen.model_copy(update={"port": 0})})
+        s = ProxyServer(cfg, dead, backend.pushdown)
+        await s.start()
+        return s
+
+    server = loop_thread.run(make())
+    try:
+        with pytest.raises(psycopg.OperationalError, match="could not connect to the backend database"):
+            psycopg.connect(f"host=127.0.0.1 port={server.port} user=alice password=alice "
+                            f"dbname={TEST_DATABASE} sslmode=disable")
+    finally:
+        loop_thread.run(server.stop())
