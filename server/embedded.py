@@ -165,6 +165,8 @@ class EmbeddedPostgres:
     tcp: bool = False
     fast: bool = True
     """Trade durability for speed (fsync off): right for throwaway clusters."""
+    host_auth: str = "trust"
+    """pg_hba method for TCP connections (e.g. "md5", "scram-sha-256"); the socket always trusts."""
 
     port: int = 5432
     socket_dir: Path = field(init=False)
@@ -224,7 +226,8 @@ class EmbeddedPostgres:
                         str(bindir / "initdb"),
                         "-D", str(data),
                         "-U", "postgres",
-                        "--auth=trust",
+                        "--auth-local=trust",
+                        f"--auth-host={self.host_auth}",
                         "--encoding=UTF8",
                         "--locale=C",
                         "--no-sync",
