@@ -9,6 +9,7 @@ cached by statement text.
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -96,6 +97,28 @@ class Classifier:
         self.policy = policy
         self._cache: OrderedDict[str, tuple[Statement, ...]] = OrderedDict()
         self._cache_size = cache_size
+        # Words whose presence sends a statement to the full classifier. SQL can
+        # only name a table by writing its name (any case, maybe quoted) or by a
+        # U&"..." escape; DP forms and local commands need their keywords.
+        words = sorted(policy.names | {"u&", "dp.", '"dp"', "dp_", "anonymization",
+                                       "differential_privacy"})
+        self._needs_parse = re.compile("|".join(re.escape(w) for w in words), re.IGNORECASE)
+        self._needs_parse_bytes = re.compile(
+            b"|".join(re.escape(w.encode()) for w in words), re.IGNORECASE
+        )
+
+    def is_plain_pass_through(self, sql: str) -> bool:
+        """True when `sql` certainly names no protected table and no DP feature.
+
+        Such text is forwarded without parsing: the fast path for statements
+        whose literals change every time (so the cache cannot help). The
+        restricted role stays the second wall, as for SQL built at run time.
+        """
+        return self._needs_parse.search(sql) is None
+
+    def is_plain_pass_through_bytes(self, sql: memoryview | bytes) -> bool:
+        """`is_plain_pass_through` on UTF-8 text (protected names are ASCII identifiers)."""
+        return self._needs_parse_bytes.search(sql) is None
 
     def classify(self, sql: str) -> tuple[Statement, ...]:
         """All statements of `sql`, in order. Raises SyntaxError_ (42601) when it does not parse."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import struct
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +64,8 @@ _COMPLETES = {
     b"s": (Pending.EXECUTE,),
 }
 _SIMPLE = (Pending.QUERY, Pending.QUERY_SPLIT)
+_TRACKED = frozenset({b"Z", b"E", b"S", *_COMPLETES})
+_LENGTH = struct.Struct("!i")
 
 
 @dataclass
@@ -94,6 +97,10 @@ class BackendLink(asyncio.Protocol):
         """ParameterStatus frames from login, to replay to the client byte for byte."""
         self.key: tuple[int, int] | None = None
         self.closed = False
+        self._partial = b""
+        self._skip = 0
+        """Bytes still to relay of an untracked frame that spans reads."""
+        self._corked: list[bytes] | None = None
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -101,21 +108,53 @@ class BackendLink(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        self._frames.feed(data)
         if not self._relaying:
+            self._frames.feed(data)
             self._handshake_frames()
+            if self._relaying and self._frames.buffered:
+                self._relay(self._frames.take_buffer())
             return
+        self._relay(data)
+
+    def _relay(self, data: bytes) -> None:
+        """Relay backend bytes, scanning frame headers in place.
+
+        Untracked frames (rows, notices...) stream through as they arrive, even
+        when a frame spans many reads; only small tracked frames are ever held
+        back, and only until they are complete.
+        """
         out: list[bytes] = []
-        try:
-            while (frame := self._frames.next_raw()) is not None:
-                tag, raw = frame
-                if self._track(tag, raw):
-                    out.append(raw)
-        except p.ProtocolViolation as e:
-            self._lose(e)
-            return
-        if out and self.target is not None:
-            self.target.write(b"".join(out))
+        if self._skip:
+            k = min(self._skip, len(data))
+            out.append(data[:k])
+            self._skip -= k
+            data = data[k:]
+        buf = self._partial + data if self._partial else data
+        self._partial = b""
+        n = len(buf)
+        pos = keep_from = 0
+        while pos + 5 <= n:
+            length = _LENGTH.unpack_from(buf, pos + 1)[0]
+            if length < 4:
+                self._lose(p.ProtocolViolation("invalid message length from the backend"))
+                return
+            end = pos + 1 + length
+            tag = buf[pos : pos + 1]
+            if end > n:
+                if tag not in _TRACKED:
+                    self._skip = end - n
+                    pos = n
+                break
+            if tag in _TRACKED and not self._track(tag, buf, pos, end):
+                out.append(buf[keep_from:pos])
+                keep_from = end
+            pos = end
+        out.append(buf[keep_from:pos])
+        self._partial = buf[pos:]
+        if self.target is not None:
+            chunk = out[0] if len(out) == 1 else b"".join(out)
+            if chunk:
+                self.target.write(chunk)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lose(exc)
@@ -134,13 +173,13 @@ class BackendLink(asyncio.Protocol):
 
     # ------------------------------------------------------------------ relay bookkeeping
 
-    def _track(self, tag: bytes, raw: bytes) -> bool:
-        """Update the pending queue for one backend frame; False means do not relay it."""
+    def _track(self, tag: bytes, buf: bytes, start: int, end: int) -> bool:
+        """Update the pending queue for the frame buf[start:end]; False: do not relay it."""
         pending = self.pending
         head = pending[0] if pending else None
         relay = True
         if tag == b"Z":
-            self.tx_status = raw[5:6]
+            self.tx_status = buf[start + 5 : start + 6]
             self.errors_at_ready = self.errors
             if head in _SIMPLE or head is Pending.SYNC:
                 pending.popleft()
@@ -155,7 +194,7 @@ class BackendLink(asyncio.Protocol):
                     pending.popleft()
         elif tag == b"S":
             with contextlib.suppress(p.ProtocolViolation):
-                msg = p.decode_backend(tag, raw[5:])
+                msg = p.decode_backend(tag, buf[start + 5 : end])
                 assert isinstance(msg, p.ParameterStatus)
                 self.parameters[msg.name] = msg.value
         elif head is not None and head in _COMPLETES.get(tag, ()):
@@ -171,7 +210,26 @@ class BackendLink(asyncio.Protocol):
         if kind is not None:
             self.pending.append(kind)
             self.idle.clear()
-        self.transport.write(raw)
+        if self._corked is not None:
+            self._corked.append(raw)
+        else:
+            self.transport.write(raw)
+
+    def write(self, data: bytes) -> None:
+        """Send raw client frames whose pending replies the caller has already noted."""
+        assert self.transport is not None
+        self.uncork()
+        self.transport.write(data)
+
+    def cork(self) -> None:
+        """Hold forwarded frames until `uncork`, to send them in one write."""
+        if self._corked is None:
+            self._corked = []
+
+    def uncork(self) -> None:
+        corked, self._corked = self._corked, None
+        if corked and self.transport is not None and not self.closed:
+            self.transport.write(b"".join(corked) if len(corked) > 1 else corked[0])
 
     def send_split_query(self, sql: str) -> None:
         """Run one statement on our own; its ReadyForQuery is not relayed."""
@@ -179,10 +237,12 @@ class BackendLink(asyncio.Protocol):
         self.pending.append(Pending.QUERY_SPLIT)
         self.last_split_failed = False
         self.idle.clear()
+        self.uncork()
         self.transport.write(p.Query(sql).encode())
 
     async def drain(self) -> None:
         """Wait until every forwarded message has its reply relayed (sending Flush if needed)."""
+        self.uncork()
         if not self.pending:
             return
         if self.pending[-1] not in _SIMPLE and self.pending[-1] is not Pending.SYNC:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import secrets
 import ssl
+import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -48,6 +49,12 @@ MAX_BACKLOG = 1024
 """Queued client messages before the proxy stops reading from the client."""
 
 TEXT_OID = 25
+_LENGTH = struct.Struct("!i")
+_FAST_KINDS = {
+    b"Q": backend.Pending.QUERY, b"P": backend.Pending.PARSE, b"B": backend.Pending.BIND,
+    b"D": backend.Pending.DESCRIBE, b"E": backend.Pending.EXECUTE, b"C": backend.Pending.CLOSE,
+    b"S": backend.Pending.SYNC, b"H": None,
+}
 _FORWARDED = (StatementKind.PASS_THROUGH, StatementKind.EMPTY)
 
 
@@ -164,11 +171,68 @@ class Session:
         self._pump()
 
     def _pump(self) -> None:
+        link = self.link
+        if link is not None and self.state is State.READY and not self.busy and not self.backlog:
+            self._fast_forward(link)
+        if link is not None:
+            link.cork()  # one write to the backend for everything this read forwards
         try:
             while self.state is not State.CLOSED and (frame := self.frames.next_raw()) is not None:
                 self.on_frame(*frame)
         except p.ProtocolViolation as e:
             self.fatal(ProtocolViolationError(str(e)))
+        finally:
+            if link is not None:
+                link.uncork()
+
+    def _fast_forward(self, link: backend.BackendLink) -> None:
+        """Forward the leading run of plain pass-through frames without decoding them.
+
+        Stops at the first frame that needs the proxy (or is malformed, or
+        incomplete); what is left stays buffered for the general path. Each
+        forwarded frame is noted in the link's pending queue exactly as
+        `BackendLink.forward` would.
+        """
+        data = self.frames.take_buffer()
+        n = len(data)
+        pos = 0
+        limit = self.frames.max_size
+        classifier = self.server.classifier
+        statements, portals = self.local_statements, self.local_portals
+        pending = link.pending
+        kinds = _FAST_KINDS
+        while pos + 5 <= n:
+            tag = data[pos : pos + 1]
+            length = _LENGTH.unpack_from(data, pos + 1)[0]
+            end = pos + 1 + length
+            if length < 4 or length > limit or end > n or tag not in kinds:
+                break
+            if tag == b"B":
+                if statements or portals:
+                    break  # names may be local: let the general path look
+            elif tag == b"P":
+                name_end = data.find(b"\0", pos + 5, end)
+                sql_end = data.find(b"\0", name_end + 1, end) if name_end >= 0 else -1
+                if sql_end < 0 or statements or not classifier.is_plain_pass_through_bytes(
+                    memoryview(data)[name_end + 1 : sql_end]
+                ):
+                    break
+            elif tag == b"Q":
+                if data[end - 1] != 0 or not classifier.is_plain_pass_through_bytes(
+                    memoryview(data)[pos + 5 : end - 1]
+                ):
+                    break
+            elif tag in (b"D", b"C", b"E") and (statements or portals):
+                break
+            kind = kinds[tag]
+            if kind is not None:
+                pending.append(kind)
+            pos = end
+        if pos:
+            link.idle.clear()
+            link.write(data[:pos] if pos < n else data)
+        if pos < n:
+            self.frames.feed(data[pos:] if pos else data)
 
     def on_frame(self, tag: bytes, raw: bytes) -> None:
         if self.busy or self.backlog:
@@ -406,9 +470,11 @@ class Session:
 
     def _route(self, tag: bytes, raw: bytes, link: backend.BackendLink) -> Awaitable[None] | None:
         if tag == b"Q":
-            msg = p.decode_frontend(tag, raw[5:])
-            assert isinstance(msg, p.Query)
-            stmts = self.server.classifier.classify(msg.sql)
+            sql = _query_text(raw)
+            if self.server.classifier.is_plain_pass_through(sql):
+                link.forward(raw, tag)
+                return None
+            stmts = self.server.classifier.classify(sql)
             if all(s.kind in _FORWARDED for s in stmts):
                 link.forward(raw, tag)
                 return None
@@ -416,6 +482,10 @@ class Session:
         if tag == b"P":
             msg = p.decode_frontend(tag, raw[5:])
             assert isinstance(msg, p.Parse)
+            if self.server.classifier.is_plain_pass_through(msg.sql):
+                self.local_statements.pop(msg.name, None)
+                link.forward(raw, tag)
+                return None
             stmts = self.server.classifier.classify(msg.sql)
             if len(stmts) > 1:
                 raise SyntaxError_("cannot insert multiple commands into a prepared statement")
@@ -426,33 +496,36 @@ class Session:
                 return None
             return self._local_parse(msg, st)
         if tag == b"B":
+            # only the names decide the route: decode the whole message only when local
+            portal_name, statement_name = _two_names(raw)
+            local = self.local_statements.get(statement_name)
+            if local is None:
+                if self.local_portals:
+                    self.local_portals.pop(portal_name, None)
+                link.forward(raw, tag)
+                return None
             bind = p.decode_frontend(tag, raw[5:])
             assert isinstance(bind, p.Bind)
-            local = self.local_statements.get(bind.statement)
-            if local is None:
-                self.local_portals.pop(bind.portal, None)
-                link.forward(raw, tag)
-                return None
             return self._local(lambda: self._local_bind(bind, local))
         if tag in (b"D", b"C"):
-            msg = p.decode_frontend(tag, raw[5:])
-            assert isinstance(msg, (p.Describe, p.Close))
             table: dict[str, Any] = (
-                self.local_statements if msg.kind == b"S" else self.local_portals
+                self.local_statements if raw[5:6] == b"S" else self.local_portals
             )
-            if msg.name not in table:
+            if not table or _name_after_kind(raw) not in table:
                 link.forward(raw, tag)
                 return None
+            msg = p.decode_frontend(tag, raw[5:])
+            assert isinstance(msg, (p.Describe, p.Close))
             if isinstance(msg, p.Close):
                 return self._local(lambda: self._local_close(msg))
             return self._local(lambda: self._local_describe(msg))
         if tag == b"E":
-            ex = p.decode_frontend(tag, raw[5:])
-            assert isinstance(ex, p.Execute)
-            portal = self.local_portals.get(ex.portal)
+            portal = self.local_portals.get(_first_name(raw)) if self.local_portals else None
             if portal is None:
                 link.forward(raw, tag)
                 return None
+            ex = p.decode_frontend(tag, raw[5:])
+            assert isinstance(ex, p.Execute)
             return self._local_async(self._local_execute(ex, portal))
         if tag in (b"S", b"H", b"d", b"c", b"f"):
             link.forward(raw, tag)
@@ -648,6 +721,45 @@ class Session:
         """A CancelRequest named this session: cancel what runs now."""
         if self.link is not None and self.link.key is not None and self.link.pending:
             asyncio.get_running_loop().create_task(self.server.cancel_backend(self.link.key))
+
+
+def _query_text(raw: bytes) -> str:
+    """The SQL of a raw Query frame; raises ProtocolViolation like the full decoder."""
+    if len(raw) < 6 or raw[-1] != 0 or raw.find(b"\0", 5) != len(raw) - 1:
+        msg = p.decode_frontend(b"Q", raw[5:])  # raises the precise error
+        assert isinstance(msg, p.Query)
+        return msg.sql
+    try:
+        return raw[5:-1].decode("utf-8")
+    except UnicodeDecodeError:
+        raise p.ProtocolViolation("invalid UTF-8 in message") from None
+
+
+def _first_name(raw: bytes) -> str:
+    end = raw.find(b"\0", 5)
+    if end < 0:
+        raise p.ProtocolViolation("unterminated string in message")
+    return raw[5:end].decode("utf-8", errors="replace")
+
+
+def _two_names(raw: bytes) -> tuple[str, str]:
+    """Portal and statement names at the start of a Bind frame."""
+    end1 = raw.find(b"\0", 5)
+    end2 = raw.find(b"\0", end1 + 1) if end1 >= 0 else -1
+    if end2 < 0:
+        raise p.ProtocolViolation("unterminated string in message")
+    return (raw[5:end1].decode("utf-8", errors="replace"),
+            raw[end1 + 1:end2].decode("utf-8", errors="replace"))
+
+
+def _name_after_kind(raw: bytes) -> str:
+    """The name in a Describe or Close frame (after its S/P byte)."""
+    if raw[5:6] not in (b"S", b"P"):
+        raise p.ProtocolViolation("invalid DESCRIBE/CLOSE message subtype")
+    end = raw.find(b"\0", 6)
+    if end < 0:
+        raise p.ProtocolViolation("unterminated string in message")
+    return raw[6:end].decode("utf-8", errors="replace")
 
 
 def _const_value(node: Any) -> str | float | int | None:

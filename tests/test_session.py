@@ -166,7 +166,6 @@ def test_function_call_protocol_is_refused(raw: RawClient) -> None:
         b"Q" + struct.pack("!i", 2),  # length below 4
         b"Q" + struct.pack("!i", 9) + b"abcde",  # unterminated string
         b"?" + struct.pack("!i", 4),  # unknown message type
-        b"Q" + struct.pack("!i", 8) + b"\xff\xfe\xfd\x00",  # invalid UTF-8
         b"Q" + struct.pack("!i", 2**31 - 1),  # oversized
     ],
 )
@@ -180,6 +179,15 @@ def test_malformed_message_closes_only_that_session(proxy: Proxy, raw: RawClient
     other.send(p.Query("SELECT 1"))
     assert [m.values for m in other.recv_until_ready() if isinstance(m, p.DataRow)] == [(b"1",)]
     other.close()
+
+
+def test_invalid_utf8_is_answered_as_postgres_does(raw: RawClient) -> None:
+    raw.send_raw(b"Q" + struct.pack("!i", 8) + b"\xff\xfe\xfd\x00")
+    assert errors(raw.recv_until_ready()) == ["22021"]
+    raw.send_raw(b"Q" + struct.pack("!i", 27) + b"SELECT * FROM visits\xff\xfe\x00")
+    err = raw.recv()  # the proxy must read this one to route it: a protocol violation
+    assert isinstance(err, p.ErrorResponse) and err.sqlstate == "08P01" and err.get("S") == "FATAL"
+    assert raw.closed_by_server()
 
 
 def test_bad_startup_packets(proxy: Proxy) -> None:

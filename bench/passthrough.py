@@ -1,0 +1,150 @@
+"""Pass-through overhead: pgbench -S against Postgres directly and through dp-proxy, in one run.
+
+    .venv/bin/python bench/passthrough.py [--seconds 10] [--runs 3] [--clients 8]
+
+Starts an embedded Postgres (TCP on loopback) with the demo tables and pgbench's
+tables, then dp-proxy as a separate process (uvloop, as `dp-proxy serve` runs),
+and alternates direct and proxied pgbench runs in simple and extended query
+mode. Prints the median TPS of each and the ratio proxied / direct, and appends
+the figures to bench/RESULTS.md with a description of the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import asyncpg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from config import DEMO_CONFIG, load_config  # noqa: E402
+from server.bootstrap import apply_backend_setup, load_demo_data  # noqa: E402
+from server.embedded import EmbeddedPostgres, find_bindir  # noqa: E402
+
+DATABASE = "bench"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _prepare(pg: EmbeddedPostgres) -> None:
+    admin = await asyncpg.connect(pg.dsn())
+    try:
+        await admin.execute(f"DROP DATABASE IF EXISTS {DATABASE}")
+        await admin.execute(f"CREATE DATABASE {DATABASE}")
+    finally:
+        await admin.close()
+    bindir = find_bindir()
+    subprocess.run([str(bindir / "pgbench"), "-i", "-q", "-s", "1", "-h", str(pg.socket_dir),
+                    "-p", str(pg.port), "-U", "postgres", DATABASE], check=True,
+                   capture_output=True)
+    conn = await asyncpg.connect(pg.dsn(database=DATABASE))
+    try:
+        await load_demo_data(conn)
+        await apply_backend_setup(conn, load_config(DEMO_CONFIG, environ={}), DATABASE)
+    finally:
+        await conn.close()
+
+
+def _start_proxy(pg: EmbeddedPostgres, port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    text = DEMO_CONFIG.read_text().replace(
+        "[backend]\nembedded = true",
+        f'[backend]\npushdown_dsn = "postgresql://dp_pushdown@/{DATABASE}?host={pg.socket_dir}'
+        f'&port={pg.port}"\nrestricted_dsn = "postgresql://dp_restricted@/{DATABASE}'
+        f'?host={pg.socket_dir}&port={pg.port}"',
+    ).replace("port = 6432", f"port = {port}")
+    cfg = workdir / "bench.toml"
+    cfg.write_text(text)
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "--log-level", "WARNING", "serve",
+                             "--config", str(cfg)], cwd=ROOT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("dp-proxy did not start")
+
+
+def _pgbench(host: str, port: int, user: str, mode: str, seconds: int, clients: int) -> float:
+    env = dict(os.environ, PGPASSWORD=user, PGSSLMODE="disable")
+    out = subprocess.run(
+        [str(find_bindir() / "pgbench"), "-S", "-n", "-M", mode, "-c", str(clients), "-j", "2",
+         "-T", str(seconds), "-h", host, "-p", str(port), "-U", user, DATABASE],
+        capture_output=True, text=True, env=env, check=False,
+    )
+    m = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", out.stdout)
+    if out.returncode != 0 or not m:
+        raise SystemExit(f"pgbench failed: {out.stderr[-500:]}")
+    return float(m.group(1))
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    with open("/proc/cpuinfo") as f:
+        names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+    if names:
+        cpu = names[0]
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--no-write", action="store_true", help="do not append to bench/RESULTS.md")
+    args = ap.parse_args()
+
+    results: dict[tuple[str, str], list[float]] = {}
+    with EmbeddedPostgres(tcp=True) as pg, tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(_prepare(pg))
+        port = _free_port()
+        proxy = _start_proxy(pg, port, Path(tmp))
+        try:
+            for _ in range(args.runs):
+                for mode in ("simple", "extended"):
+                    for target, (p, user) in {"direct": (pg.port, "postgres"),
+                                              "proxy": (port, "alice")}.items():
+                        tps = _pgbench("127.0.0.1", p, user, mode, args.seconds, args.clients)
+                        results.setdefault((mode, target), []).append(tps)
+                        print(f"{mode:8s} {target:6s} {tps:10.0f} tps", flush=True)
+        finally:
+            proxy.send_signal(signal.SIGTERM)
+            proxy.wait(30)
+
+    lines = [f"### Pass-through: pgbench -S, {args.clients} clients, 2 threads, "
+             f"{args.runs} × {args.seconds} s (median)", "", f"Machine: {machine()}", "",
+             "| mode | direct TPS | through dp-proxy TPS | ratio |", "|---|---|---|---|"]
+    for mode in ("simple", "extended"):
+        d = statistics.median(results[(mode, "direct")])
+        x = statistics.median(results[(mode, "proxy")])
+        lines.append(f"| {mode} | {d:.0f} | {x:.0f} | {x / d:.2f}× |")
+        print(f"{mode}: proxied / direct = {x / d:.2f}×")
+    if not args.no_write:
+        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
+            f.write("\n" + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
