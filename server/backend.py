@@ -145,9 +145,15 @@ class BackendLink(asyncio.Protocol):
                     self._skip = end - n
                     pos = n
                 break
-            if tag in _TRACKED and not self._track(tag, buf, pos, end):
-                out.append(buf[keep_from:pos])
-                keep_from = end
+            if tag in _TRACKED:
+                pending = self.pending
+                if pending and tag in _COMPLETES and pending[0] in _COMPLETES[tag]:
+                    pending.popleft()  # the common case of _track, inline on the hot path
+                    if not pending:
+                        self.idle.set()
+                elif not self._track(tag, buf, pos, end):
+                    out.append(buf[keep_from:pos])
+                    keep_from = end
             pos = end
         out.append(buf[keep_from:pos])
         self._partial = buf[pos:]

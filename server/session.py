@@ -162,6 +162,15 @@ class Session:
         if self.state is State.CLOSED:
             return
         self._touch()
+        link = self.link
+        if (self.state is State.READY and not self.busy and not self.backlog
+                and not self.frames.buffered and link is not None):
+            rest = self._fast_forward(link, data)  # the common case: no copy into the buffer
+            if not rest:
+                return
+            self.frames.feed(rest)
+            self._pump(fast=False)
+            return
         self.frames.feed(data)
         if self.state in (State.STARTUP, State.AUTHENTICATING):
             # the startup coroutine frames the input itself, one packet at a time, so
@@ -170,10 +179,14 @@ class Session:
             return
         self._pump()
 
-    def _pump(self) -> None:
+    def _pump(self, fast: bool = True) -> None:
         link = self.link
-        if link is not None and self.state is State.READY and not self.busy and not self.backlog:
-            self._fast_forward(link)
+        if fast and link is not None and self.state is State.READY and not self.busy \
+                and not self.backlog:
+            rest = self._fast_forward(link, self.frames.take_buffer())
+            if not rest:
+                return
+            self.frames.feed(rest)
         if link is not None:
             link.cork()  # one write to the backend for everything this read forwards
         try:
@@ -185,15 +198,14 @@ class Session:
             if link is not None:
                 link.uncork()
 
-    def _fast_forward(self, link: backend.BackendLink) -> None:
-        """Forward the leading run of plain pass-through frames without decoding them.
+    def _fast_forward(self, link: backend.BackendLink, data: bytes) -> bytes:
+        """Forward the leading run of plain pass-through frames of `data` without decoding them.
 
         Stops at the first frame that needs the proxy (or is malformed, or
-        incomplete); what is left stays buffered for the general path. Each
-        forwarded frame is noted in the link's pending queue exactly as
+        incomplete) and returns the bytes from there on, for the general path.
+        Each forwarded frame is noted in the link's pending queue exactly as
         `BackendLink.forward` would.
         """
-        data = self.frames.take_buffer()
         n = len(data)
         pos = 0
         limit = self.frames.max_size
@@ -231,8 +243,7 @@ class Session:
         if pos:
             link.idle.clear()
             link.write(data[:pos] if pos < n else data)
-        if pos < n:
-            self.frames.feed(data[pos:] if pos else data)
+        return data[pos:] if pos else data
 
     def on_frame(self, tag: bytes, raw: bytes) -> None:
         if self.busy or self.backlog:
@@ -395,7 +406,8 @@ class Session:
         except (OSError, backend.BackendError, TimeoutError) as e:
             log.warning("session %s: backend connection failed: %s", self.process_id, e)
             raise ConnectionFailure("could not connect to the backend database") from None
-        self.link.target = backend.RelayTarget(self.write, self._backend_lost)
+        # relayed bytes go straight to the transport: it no longer changes (TLS is set up)
+        self.link.target = backend.RelayTarget(self.transport.write, self._backend_lost)
         self.write(b"".join(self.link.startup_frames))
         self.send(p.BackendKeyData(self.process_id, self.secret_key),
                   p.ReadyForQuery(self.link.tx_status))
