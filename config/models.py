@@ -10,6 +10,8 @@ from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from dp_core.mechanisms import NoiseKind
+
 _SCRAM_VERIFIER = re.compile(
     r"^SCRAM-SHA-256\$(?P<iterations>\d+):(?P<salt>[A-Za-z0-9+/=]+)"
     r"\$(?P<stored_key>[A-Za-z0-9+/=]+):(?P<server_key>[A-Za-z0-9+/=]+)$"
@@ -27,11 +29,6 @@ class _Strict(BaseModel):
 class AuthMethod(StrEnum):
     SCRAM_SHA_256 = "scram-sha-256"
     TRUST = "trust"
-
-
-class NoiseKind(StrEnum):
-    LAPLACE = "laplace"
-    GAUSSIAN = "gaussian"
 
 
 class Accountant(StrEnum):

@@ -1,0 +1,142 @@
+"""The noise mechanisms: every noisy value dp-proxy releases is drawn here.
+
+Floating-point safety (Mironov 2012): a textbook float Laplace sample added to
+a true value leaks the value through the low bits of the result. Here, as in
+Google's secure noise, both the true value and the noise live on a grid of
+spacing `granularity(scale)`, a power of two about 2^-40 of the noise scale:
+the true value is rounded to the grid and an integer number of grid steps is
+added. Every released value is then an exact multiple of the granularity,
+whatever the true value was. The integer noise is a two-sided geometric
+(discrete Laplace) or a rounded normal (discrete Gaussian), vectorised with
+numpy and drawn from a PCG64 generator seeded with 128 bits from `secrets` for
+each call.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+from numpy.typing import NDArray
+
+GRID_BITS = 40
+"""The grid is 2^-GRID_BITS of the noise scale (rounded up to a power of two)."""
+
+Z_95 = 1.959963984540054
+"""The two-sided 95% quantile of the standard normal."""
+
+
+class NoiseKind(StrEnum):
+    LAPLACE = "laplace"
+    GAUSSIAN = "gaussian"
+
+
+def granularity(scale: float) -> float:
+    """The grid spacing for noise of this scale: the power of two at or above scale·2^-40."""
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"noise scale must be positive and finite, not {scale}")
+    return math.ldexp(1.0, math.ceil(math.log2(scale)) - GRID_BITS)
+
+
+def secure_rng() -> np.random.Generator:
+    """A generator seeded from the operating system's CSPRNG."""
+    return np.random.Generator(np.random.PCG64(secrets.randbits(128)))
+
+
+def _on_grid(values: NDArray[np.float64], g: float) -> NDArray[np.float64]:
+    # values far beyond 2^53·g would lose integrality; clamped inputs never get there
+    return np.rint(np.asarray(values, dtype=np.float64) / g) * g
+
+
+def laplace(values: NDArray[np.float64] | float, scale: float,
+            rng: np.random.Generator | None = None) -> NDArray[np.float64]:
+    """values + Laplace(scale) noise, on the secure grid (discrete Laplace)."""
+    g = granularity(scale)
+    arr = np.atleast_1d(np.asarray(values, dtype=np.float64))
+    rng = rng or secure_rng()
+    # two-sided geometric with ratio exp(-g/scale): the difference of two geometrics
+    p = -math.expm1(-g / scale)
+    steps = rng.geometric(p, arr.shape).astype(np.float64) - rng.geometric(p, arr.shape)
+    return _on_grid(arr, g) + steps * g
+
+
+def gaussian(values: NDArray[np.float64] | float, sigma: float,
+             rng: np.random.Generator | None = None) -> NDArray[np.float64]:
+    """values + N(0, sigma²) noise, on the secure grid (rounded normal)."""
+    g = granularity(sigma)
+    arr = np.atleast_1d(np.asarray(values, dtype=np.float64))
+    rng = rng or secure_rng()
+    steps = np.rint(rng.normal(0.0, sigma / g, arr.shape))
+    return _on_grid(arr, g) + steps * g
+
+
+def _phi(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def gaussian_delta(sigma: float, epsilon: float, l2_sensitivity: float) -> float:
+    """The exact δ of the Gaussian mechanism at ε (Balle & Wang 2018, Theorem 8)."""
+    a = l2_sensitivity / (2 * sigma)
+    b = epsilon * sigma / l2_sensitivity
+    return _phi(a - b) - math.exp(epsilon) * _phi(-a - b)
+
+
+def gaussian_sigma(epsilon: float, delta: float, l2_sensitivity: float) -> float:
+    """The smallest σ for which N(0, σ²) noise is (ε, δ)-DP (analytic calibration)."""
+    if not (epsilon > 0 and 0 < delta < 1 and l2_sensitivity > 0):
+        raise ValueError("epsilon and l2_sensitivity must be positive and delta in (0, 1)")
+    lo, hi = 1e-12 * l2_sensitivity, l2_sensitivity
+    while gaussian_delta(hi, epsilon, l2_sensitivity) > delta:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if gaussian_delta(mid, epsilon, l2_sensitivity) > delta:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+@dataclass(frozen=True)
+class NoiseSpec:
+    """How one noisy quantity is perturbed: the kind and its scale (b, or σ)."""
+
+    kind: NoiseKind
+    scale: float
+
+    def add(self, values: NDArray[np.float64] | float,
+            rng: np.random.Generator | None = None) -> NDArray[np.float64]:
+        if self.kind is NoiseKind.LAPLACE:
+            return laplace(values, self.scale, rng)
+        return gaussian(values, self.scale, rng)
+
+    @property
+    def half_width_95(self) -> float:
+        """Half-width of the interval that holds the noise with probability 95%."""
+        if self.kind is NoiseKind.LAPLACE:
+            return self.scale * math.log(20.0)
+        return self.scale * Z_95
+
+    @classmethod
+    def calibrate(cls, kind: NoiseKind, epsilon: float, delta: float,
+                  max_groups: int, sensitivity: float) -> NoiseSpec:
+        """Noise for a quantity to which one user adds at most `sensitivity` in each of
+        `max_groups` groups: Laplace scale C_u·Δ/ε, or Gaussian with L2 sensitivity √C_u·Δ."""
+        if kind is NoiseKind.LAPLACE:
+            return cls(kind, max_groups * sensitivity / epsilon)
+        return cls(kind, gaussian_sigma(epsilon, delta, math.sqrt(max_groups) * sensitivity))
+
+
+def threshold_tau(max_groups: int, epsilon: float, delta: float) -> float:
+    """τ of paper §3.5: a group whose Laplace(C_u/ε)-noisy user count is ≥ τ is released.
+
+    τ = 1 − (C_u/ε)·ln(2 − 2·(1−δ)^(1/C_u)).
+    """
+    if not (epsilon > 0 and 0 < delta < 1 and max_groups >= 1):
+        raise ValueError("epsilon must be positive, delta in (0, 1), max_groups at least 1")
+    # 1 - (1-δ)^(1/C_u) computed without cancellation
+    tail = -math.expm1(math.log1p(-delta) / max_groups)
+    return 1.0 - (max_groups / epsilon) * math.log(2.0 * tail)
