@@ -8,11 +8,11 @@ import logging
 import os
 import secrets
 import ssl
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from config import Config
-from dp_core.classify import Classifier, ProtectionPolicy, Statement
-from dp_core.errors import FeatureNotSupported, TooManyConnections
+from dp_core.classify import Classifier, ProtectionPolicy
+from dp_core.errors import TooManyConnections
 from dp_core.settings import Caps, DPSettings
 from server import backend
 from server import protocol as p
@@ -42,6 +42,8 @@ class ProxyServer:
         self._default_settings = DPSettings(d.epsilon, d.delta, d.max_groups_contributed,
                                             d.noise.value)
         self.mock_secret = secrets.token_bytes(16)
+        self.pool: Any = None
+        self.dp: Any = None
         self.sessions: dict[int, Session] = {}
         self._server: asyncio.Server | None = None
         self._ssl: ssl.SSLContext | None = None
@@ -50,6 +52,19 @@ class ProxyServer:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        import asyncpg
+
+        from server.dp import DPService
+        from server.ledger import Ledger
+
+        b = self.config.backend
+        self.pool = await asyncpg.create_pool(
+            self.pushdown.uri(), min_size=1, max_size=b.pushdown_pool_size,
+            server_settings={"application_name": "dp-proxy pushdown"},
+        )
+        ledger = Ledger(self.pool, b.ledger_schema)
+        await ledger.migrate(self.config)
+        self.dp = DPService(self.config, self.pool, ledger)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             self._new_connection, self.config.listen.host, self.config.listen.port,
@@ -73,6 +88,10 @@ class ProxyServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
             self._server = None
+        if self.pool is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.pool.close(), 10)
+            self.pool = None
 
     # ------------------------------------------------------------------ sessions
 
@@ -114,25 +133,6 @@ class ProxyServer:
 
     def default_settings(self) -> DPSettings:
         return self._default_settings
-
-    # ------------------------------------------------------------------ proxy-local work
-
-    async def local_function(self, session: Session, st: Statement, describe: bool) -> None:
-        raise FeatureNotSupported(
-            f"{st.setting}() needs the privacy-budget ledger, which this build does not have yet"
-        )
-
-    async def dp_query(
-        self, session: Session, st: Statement, describe: bool, bind: p.Bind | None
-    ) -> None:
-        raise FeatureNotSupported(
-            "differentially private queries are not available in this build yet "
-            "(the DP engine is not installed)"
-        )
-
-    def describe_local(self, session: Session, st: Statement) -> p.RowDescription | None:
-        return None
-
 
 class _Refuse(asyncio.Protocol):
     """Answers a connection over the limit with one FATAL error and closes it."""

@@ -43,6 +43,11 @@ class Pending(Enum):
     EXECUTE = "E"  # ends with CommandComplete, EmptyQueryResponse or PortalSuspended
     CLOSE = "C"
     SYNC = "S"
+    # the proxy's own statements (DP results): their replies are swallowed, rows relayed
+    INTERNAL_PARSE = "iP"
+    INTERNAL_BIND = "iB"
+    INTERNAL_CLOSE = "iC"
+    INTERNAL_SYNC = "iS"
 
 
 _EXTENDED_TAGS = {
@@ -64,6 +69,13 @@ _COMPLETES = {
     b"s": (Pending.EXECUTE,),
 }
 _SIMPLE = (Pending.QUERY, Pending.QUERY_SPLIT)
+_INTERNAL_COMPLETES = {
+    b"1": Pending.INTERNAL_PARSE,
+    b"2": Pending.INTERNAL_BIND,
+    b"3": Pending.INTERNAL_CLOSE,
+}
+_SYNCS = (Pending.SYNC, Pending.INTERNAL_SYNC)
+INTERNAL_NAME = "dp_proxy_internal"
 _TRACKED = frozenset({b"Z", b"E", b"S", *_COMPLETES})
 _LENGTH = struct.Struct("!i")
 
@@ -187,22 +199,25 @@ class BackendLink(asyncio.Protocol):
         if tag == b"Z":
             self.tx_status = buf[start + 5 : start + 6]
             self.errors_at_ready = self.errors
-            if head in _SIMPLE or head is Pending.SYNC:
+            if head in _SIMPLE or head in _SYNCS:
                 pending.popleft()
-                relay = head is not Pending.QUERY_SPLIT
+                relay = head is not Pending.QUERY_SPLIT and head is not Pending.INTERNAL_SYNC
         elif tag == b"E":
             self.errors += 1
             if head is Pending.QUERY_SPLIT:
                 self.last_split_failed = True
             if head is not None and head not in _SIMPLE:
                 # the backend now skips everything up to the next Sync
-                while pending and pending[0] is not Pending.SYNC:
+                while pending and pending[0] not in _SYNCS:
                     pending.popleft()
         elif tag == b"S":
             with contextlib.suppress(p.ProtocolViolation):
                 msg = p.decode_backend(tag, buf[start + 5 : end])
                 assert isinstance(msg, p.ParameterStatus)
                 self.parameters[msg.name] = msg.value
+        elif head is not None and head is _INTERNAL_COMPLETES.get(tag):
+            pending.popleft()
+            relay = False
         elif head is not None and head in _COMPLETES.get(tag, ()):
             pending.popleft()
         if not pending:
@@ -246,12 +261,28 @@ class BackendLink(asyncio.Protocol):
         self.uncork()
         self.transport.write(p.Query(sql).encode())
 
+    def run_internal(self, sql: str, result_formats: tuple[int, ...]) -> None:
+        """Run one statement of the proxy's own in the client's result formats.
+
+        Only its DataRows and CommandComplete (or its error) reach the client;
+        await `drain()` for it to finish.
+        """
+        assert self.transport is not None
+        self.uncork()
+        n = INTERNAL_NAME
+        self.pending.extend([Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND, Pending.EXECUTE,
+                             Pending.INTERNAL_CLOSE, Pending.INTERNAL_CLOSE, Pending.INTERNAL_SYNC])
+        self.idle.clear()
+        self.transport.write(b"".join(m.encode() for m in (
+            p.Parse(n, sql), p.Bind(n, n, (), (), result_formats), p.Execute(n, 0),
+            p.Close(b"P", n), p.Close(b"S", n), p.Sync())))
+
     async def drain(self) -> None:
         """Wait until every forwarded message has its reply relayed (sending Flush if needed)."""
         self.uncork()
         if not self.pending:
             return
-        if self.pending[-1] not in _SIMPLE and self.pending[-1] is not Pending.SYNC:
+        if self.pending[-1] not in _SIMPLE and self.pending[-1] not in _SYNCS:
             assert self.transport is not None
             self.transport.write(p.Flush().encode())
         await self.idle.wait()

@@ -56,6 +56,11 @@ _FAST_KINDS = {
     b"S": backend.Pending.SYNC, b"H": None,
 }
 _FORWARDED = (StatementKind.PASS_THROUGH, StatementKind.EMPTY)
+_DP_KINDS = (StatementKind.DP_QUERY, StatementKind.DP_EXPLAIN, StatementKind.LOCAL_FUNCTION)
+
+
+class _AlreadyReported(Exception):
+    """The error has reached the client already (relayed from the backend)."""
 
 
 class State(Enum):
@@ -530,7 +535,7 @@ class Session:
             assert isinstance(msg, (p.Describe, p.Close))
             if isinstance(msg, p.Close):
                 return self._local(lambda: self._local_close(msg))
-            return self._local(lambda: self._local_describe(msg))
+            return self._local_async(self._local_describe(msg))
         if tag == b"E":
             portal = self.local_portals.get(_first_name(raw)) if self.local_portals else None
             if portal is None:
@@ -603,6 +608,8 @@ class Session:
                 return
             try:
                 await work
+            except _AlreadyReported:
+                self.state = State.FAILED_BATCH
             except DPError as e:
                 self.send_error(e)
                 self.state = State.FAILED_BATCH
@@ -626,6 +633,8 @@ class Session:
                 continue
             try:
                 await self._run_local_statement(st, describe=True)
+            except _AlreadyReported:
+                break
             except DPError as e:
                 self.send_error(e)
                 break
@@ -636,7 +645,8 @@ class Session:
         return self.link.last_split_failed
 
     async def _run_local_statement(
-        self, st: Statement, describe: bool, bind: p.Bind | None = None
+        self, st: Statement, describe: bool, bind: p.Bind | None = None,
+        param_types: tuple[int, ...] = (),
     ) -> None:
         """Answer one non-pass-through statement: its rows (with RowDescription if asked)."""
         if st.kind is StatementKind.REFUSED:
@@ -655,10 +665,12 @@ class Session:
             self.send(p.DataRow((value.encode(),)), p.CommandComplete("SHOW"))
             return
         if st.kind is StatementKind.LOCAL_FUNCTION:
-            await self.server.local_function(self, st, describe)
+            await self.relay_result(await self.server.dp.local_function(self, st), bind)
             return
-        if st.kind in (StatementKind.DP_QUERY, StatementKind.DP_EXPLAIN):
-            await self.server.dp_query(self, st, describe, bind)
+        if st.kind in _DP_KINDS:
+            sql, notices = await self.server.dp.answer(self, st, bind, param_types)
+            await self.relay_result(sql, bind)
+            self.send(*notices)
             return
         raise InternalError()
 
@@ -707,25 +719,55 @@ class Session:
             self.local_portals.pop(msg.name, None)
         self.send(p.CloseComplete())
 
-    def _local_describe(self, msg: p.Describe) -> None:
+    async def _local_describe(self, msg: p.Describe) -> None:
         if msg.kind == b"S":
             local = self.local_statements[msg.name]
-            self.send(p.ParameterDescription(local.param_types))
-            self.send(self._row_description(local.statement))
+            st = local.statement
+            types = tuple(local.param_types)
+            if st.kind in _DP_KINDS:
+                types = await self.server.dp.parameter_types(self, st, local.param_types)
+            self.send(p.ParameterDescription(types))
+            self.send(await self._row_description(st, None, local.param_types, ()))
         else:
-            self.send(self._row_description(self.local_portals[msg.name].statement.statement))
+            portal = self.local_portals[msg.name]
+            self.send(await self._row_description(portal.statement.statement, portal.bind,
+                                                  portal.statement.param_types,
+                                                  portal.bind.result_formats))
 
-    def _row_description(self, st: Statement) -> p.RowDescription | p.NoData:
+    async def _row_description(self, st: Statement, bind: p.Bind | None,
+                               param_types: tuple[int, ...],
+                               formats: tuple[int, ...]) -> p.RowDescription | p.NoData:
         if st.kind is StatementKind.LOCAL_SHOW:
             assert st.setting is not None
-            return p.RowDescription((p.FieldDescription(st.setting, type_oid=TEXT_OID),))
+            return p.RowDescription((p.FieldDescription(
+                st.setting, type_oid=TEXT_OID, format=formats[0] if formats else 0),))
         if st.kind is StatementKind.LOCAL_SET:
             return p.NoData()
-        desc = self.server.describe_local(self, st)
-        return desc if desc is not None else p.NoData()
+        desc: p.RowDescription = await self.server.dp.describe(self, st, bind, param_types, formats)
+        return desc
 
     async def _local_execute(self, ex: p.Execute, portal: LocalPortal) -> None:
-        await self._run_local_statement(portal.statement.statement, describe=False, bind=portal.bind)
+        await self._run_local_statement(portal.statement.statement, describe=False, bind=portal.bind,
+                                        param_types=portal.statement.param_types)
+
+    async def relay_result(self, sql: str, bind: p.Bind | None) -> None:
+        """Have the backend answer `sql` (the proxy's own query) to the client.
+
+        Simple protocol: its RowDescription, rows and CommandComplete are
+        relayed. Extended: only rows and CommandComplete, in the Bind's formats.
+        """
+        link = self.link
+        assert link is not None
+        before = link.errors
+        if bind is None:
+            link.send_split_query(sql)
+        else:
+            link.run_internal(sql, bind.result_formats)
+        await link.drain()
+        if link.errors > before:
+            log.error("session %s: the backend refused a result query (this is a bug)",
+                      self.process_id)
+            raise _AlreadyReported()
 
     # ------------------------------------------------------------------ cancel
 

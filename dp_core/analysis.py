@@ -1,0 +1,668 @@
+"""Analysis of a DP query: ownership rules (paper Table 2), total expressions, keys and aggregates.
+
+Input: the statement text with its DP clause blanked out, the policy, and the
+session's DP settings. Output: an `AnalyzedQuery` holding pglast AST pieces
+that the rewriter assembles into the pushdown. Everything outside the rules is
+refused with 0A000 naming the rule. Every expression that runs over user rows
+is made total, so that whether the query fails never depends on one user's
+data (paper §5.2): arithmetic runs in `numeric`, division goes through
+`NULLIF(divisor, 0)`, and only functions known to be immutable and total for
+all inputs are allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from pglast import ast, parse_sql
+from pglast.enums import A_Expr_Kind, BoolExprType, JoinType
+from pglast.parser import ParseError
+from pglast.visitors import Visitor
+
+from dp_core.errors import FeatureNotSupported, SyntaxError_
+
+
+class AggKind(Enum):
+    COUNT = "count"
+    """Rows per user and group, clamped to [0, U] (U = 1 unless given): a bounded sum."""
+    COUNT_USERS = "count_users"
+    """COUNT(DISTINCT uid): the number of users in the group."""
+    SUM = "sum"
+    AVG = "avg"
+    VAR = "var"
+    STDDEV = "stddev"
+
+
+@dataclass(frozen=True)
+class Bounds:
+    lower: float
+    upper: float
+
+
+@dataclass(frozen=True)
+class TableRef:
+    """A protected table in the query's FROM: its alias and uid column."""
+
+    name: str
+    alias: str
+    uid_column: str
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    kind: AggKind
+    arg: ast.Node | None
+    """The (totalised) argument; None for COUNT(*) and COUNT(DISTINCT uid)."""
+    bounds: Bounds
+    """Per-user contribution bounds: [0, U] for counts."""
+    output_name: str
+
+
+@dataclass(frozen=True)
+class Key:
+    expr: ast.Node
+    output_name: str
+
+
+@dataclass(frozen=True)
+class OutputColumn:
+    """One column of the result, in select-list order: a key or an aggregate."""
+
+    name: str
+    key: int | None = None
+    aggregate: int | None = None
+
+
+@dataclass(frozen=True)
+class ColumnPolicy:
+    lower: float
+    upper: float
+
+
+@dataclass(frozen=True)
+class TablePolicy:
+    schema: str
+    uid_column: str
+    columns: Mapping[str, ColumnPolicy] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AnalyzedQuery:
+    """A validated DP query, in pieces for the rewriter."""
+
+    from_clause: tuple[ast.Node, ...]
+    where: ast.Node | None
+    uid: ast.Node
+    tables: tuple[TableRef, ...]
+    keys: tuple[Key, ...]
+    aggregates: tuple[Aggregate, ...]
+    outputs: tuple[OutputColumn, ...]
+    having: ast.Node | None
+    order_by: tuple[ast.Node, ...]
+    limit: ast.Node | None
+    offset: ast.Node | None
+    plain_form: bool
+    """True for `SELECT k, COUNT(*) ...` without WITH ANONYMIZATION."""
+
+
+# ---------------------------------------------------------------------------- functions
+
+ANON_FUNCTIONS = {
+    "anon_count": AggKind.COUNT, "anon_sum": AggKind.SUM, "anon_avg": AggKind.AVG,
+    "anon_var": AggKind.VAR, "anon_stddev": AggKind.STDDEV,
+}
+PLAIN_FUNCTIONS = {
+    "count": AggKind.COUNT, "sum": AggKind.SUM, "avg": AggKind.AVG,
+    "variance": AggKind.VAR, "var_samp": AggKind.VAR, "var_pop": AggKind.VAR,
+    "stddev": AggKind.STDDEV, "stddev_samp": AggKind.STDDEV, "stddev_pop": AggKind.STDDEV,
+}
+LATER_FUNCTIONS = frozenset({"anon_ntile", "anon_median", "anon_min", "anon_max", "approx_bounds",
+                             "percentile_cont", "percentile_disc", "min", "max", "median"})
+
+# Immutable functions that cannot raise for any argument values of the types they accept.
+TOTAL_FUNCTIONS = frozenset({
+    "lower", "upper", "length", "char_length", "character_length", "octet_length", "bit_length",
+    "btrim", "ltrim", "rtrim", "md5", "concat", "initcap", "reverse", "ascii",
+    "abs", "sign", "round", "floor", "ceil", "ceiling", "trunc", "greatest", "least",
+    "isfinite", "date_trunc", "date_part", "extract", "coalesce", "nullif", "num_nulls",
+    "num_nonnulls",
+})
+_NUMERIC_ARG_FUNCTIONS = frozenset({"abs", "sign", "round", "floor", "ceil", "ceiling", "trunc"})
+_DATE_UNITS = frozenset({
+    "microseconds", "milliseconds", "second", "minute", "hour", "day", "week", "month", "quarter",
+    "year", "decade", "century", "millennium", "dow", "doy", "isodow", "isoyear", "epoch",
+})
+_TOTAL_OPERATORS = frozenset({"=", "<>", "!=", "<", ">", "<=", ">="})
+_ARITHMETIC = frozenset({"+", "-", "*", "/", "%"})
+_SYSTEM_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast"})
+
+
+def _refuse(rule: str, fragment: str = "") -> FeatureNotSupported:
+    where = f": {fragment}" if fragment else ""
+    return FeatureNotSupported(f"not allowed in a DP query ({rule}){where}")
+
+
+def _funcname(fc: ast.FuncCall) -> str:
+    return str(fc.funcname[-1].sval).lower()
+
+
+def _sql(node: Any) -> str:
+    from pglast.stream import RawStream
+
+    try:
+        text = str(RawStream()(node))
+    except Exception:  # pragma: no cover - printing only feeds error messages
+        return type(node).__name__
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+# ---------------------------------------------------------------------------- constants
+
+
+def const_number(node: Any) -> float | None:
+    """The value of a numeric literal, or of a negated one."""
+    if isinstance(node, ast.A_Const) and not node.isnull:
+        val = node.val
+        if isinstance(val, ast.Integer):
+            return float(val.ival)
+        if isinstance(val, ast.Float):
+            return float(val.fval)
+        return None
+    if (isinstance(node, ast.A_Expr) and node.kind == A_Expr_Kind.AEXPR_OP and node.lexpr is None
+            and node.name[-1].sval == "-"):
+        inner = const_number(node.rexpr)
+        return -inner if inner is not None else None
+    return None
+
+
+def const_string(node: Any) -> str | None:
+    if isinstance(node, ast.A_Const) and isinstance(node.val, ast.String):
+        return str(node.val.sval)
+    return None
+
+
+def _numeric(node: ast.Node) -> ast.Node:
+    return ast.TypeCast(arg=node, typeName=ast.TypeName(names=(ast.String(sval="numeric"),)))
+
+
+def _nullif_zero(node: ast.Node) -> ast.Node:
+    zero = ast.A_Const(val=ast.Integer(ival=0))
+    return ast.A_Expr(kind=A_Expr_Kind.AEXPR_NULLIF, name=(ast.String(sval="="),),
+                      lexpr=_numeric(node), rexpr=zero)
+
+
+# ---------------------------------------------------------------------------- totality
+
+
+class Totalizer:
+    """Checks an expression over user rows and returns a total version of it."""
+
+    def __init__(self, protected_names: frozenset[str]) -> None:
+        self.protected_names = protected_names
+
+    def __call__(self, node: Any, context: str) -> Any:
+        return self._total(node, context)
+
+    def _total(self, node: Any, ctx: str) -> Any:
+        if node is None or isinstance(node, (ast.A_Const, ast.ColumnRef, ast.ParamRef)):
+            if isinstance(node, ast.ColumnRef) and isinstance(node.fields[-1], ast.A_Star):
+                raise _refuse("* outside COUNT(*)", ctx)
+            return node
+        if isinstance(node, ast.BoolExpr):
+            node.args = tuple(self._total(a, ctx) for a in node.args)
+            return node
+        if isinstance(node, (ast.NullTest, ast.BooleanTest)):
+            node.arg = self._total(node.arg, ctx)
+            return node
+        if isinstance(node, ast.A_Expr):
+            return self._a_expr(node, ctx)
+        if isinstance(node, ast.CaseExpr):
+            node.arg = self._total(node.arg, ctx)
+            node.args = tuple(self._total(w, ctx) for w in node.args)
+            node.defresult = self._total(node.defresult, ctx)
+            return node
+        if isinstance(node, ast.CaseWhen):
+            node.expr = self._total(node.expr, ctx)
+            node.result = self._total(node.result, ctx)
+            return node
+        if isinstance(node, (ast.CoalesceExpr, ast.MinMaxExpr)):
+            node.args = tuple(self._total(a, ctx) for a in node.args)
+            return node
+        if isinstance(node, ast.TypeCast):
+            return self._cast(node, ctx)
+        if isinstance(node, ast.FuncCall):
+            return self._function(node, ctx)
+        if isinstance(node, ast.SubLink):
+            raise _refuse("subqueries inside a DP query", ctx)
+        if isinstance(node, ast.SQLValueFunction):
+            raise _refuse("only immutable functions", _sql(node))
+        raise _refuse(f"expression of type {type(node).__name__}", _sql(node))
+
+    def _a_expr(self, node: ast.A_Expr, ctx: str) -> Any:
+        kind = node.kind
+        op = str(node.name[-1].sval) if node.name else ""
+        if kind == A_Expr_Kind.AEXPR_OP:
+            if op in _TOTAL_OPERATORS:
+                node.lexpr, node.rexpr = self._total(node.lexpr, ctx), self._total(node.rexpr, ctx)
+                return node
+            if op in _ARITHMETIC:
+                # exact numeric arithmetic cannot overflow on column values; x/0 is NULL
+                left = None if node.lexpr is None else _numeric(self._total(node.lexpr, ctx))
+                right = self._total(node.rexpr, ctx)
+                node.lexpr = left
+                node.rexpr = _nullif_zero(right) if op in ("/", "%") else _numeric(right)
+                return node
+            raise _refuse(f"operator {op} (it can fail on some values)", _sql(node))
+        if kind in (A_Expr_Kind.AEXPR_IN, A_Expr_Kind.AEXPR_DISTINCT, A_Expr_Kind.AEXPR_NOT_DISTINCT,
+                    A_Expr_Kind.AEXPR_BETWEEN, A_Expr_Kind.AEXPR_NOT_BETWEEN,
+                    A_Expr_Kind.AEXPR_NULLIF):
+            node.lexpr = self._total(node.lexpr, ctx)
+            if isinstance(node.rexpr, (tuple, list)):
+                node.rexpr = tuple(self._total(r, ctx) for r in node.rexpr)
+            else:
+                node.rexpr = self._total(node.rexpr, ctx)
+            return node
+        if kind in (A_Expr_Kind.AEXPR_LIKE, A_Expr_Kind.AEXPR_ILIKE):
+            pattern = const_string(node.rexpr)
+            if pattern is None:
+                raise _refuse("LIKE patterns must be constant strings", _sql(node))
+            trailing = len(pattern) - len(pattern.rstrip("\\"))
+            if trailing % 2:
+                raise SyntaxError_("LIKE pattern must not end with escape character")
+            node.lexpr = self._total(node.lexpr, ctx)
+            return node
+        raise _refuse("this operator kind (regular expressions, SIMILAR TO, ...)", _sql(node))
+
+    def _cast(self, node: ast.TypeCast, ctx: str) -> Any:
+        target = str(node.typeName.names[-1].sval).lower()
+        if isinstance(node.arg, ast.A_Const):
+            return node  # folded when the pushdown is planned: fails, if at all, before any row
+        if target in ("text", "varchar"):
+            node.arg = self._total(node.arg, ctx)
+            return node
+        raise _refuse(f"casts of column values to {target} (they can fail on some values)",
+                      _sql(node))
+
+    def _function(self, fc: ast.FuncCall, ctx: str) -> Any:
+        name = _funcname(fc)
+        if fc.over is not None:
+            raise _refuse("window functions", _sql(fc))
+        if name in ANON_FUNCTIONS or name in PLAIN_FUNCTIONS or name in LATER_FUNCTIONS:
+            raise _refuse("aggregates inside expressions or in WHERE", _sql(fc))
+        if len(fc.funcname) > 1 and str(fc.funcname[0].sval) != "pg_catalog":
+            raise _refuse("only built-in functions", _sql(fc))
+        if name not in TOTAL_FUNCTIONS:
+            raise _refuse(f"function {name}() (only immutable built-ins that cannot fail are "
+                          f"allowed: {', '.join(sorted(TOTAL_FUNCTIONS))})", _sql(fc))
+        if fc.agg_star or fc.agg_distinct or fc.agg_order or fc.agg_filter or fc.func_variadic:
+            raise _refuse("aggregate syntax on a plain function", _sql(fc))
+        args = list(fc.args or ())
+        if name in ("date_trunc", "date_part", "extract"):
+            unit = const_string(args[0]) if args else None
+            if unit is None or unit.lower() not in _DATE_UNITS:
+                raise _refuse(f"{name}() needs a constant, valid unit", _sql(fc))
+            args[1:] = [self._total(a, ctx) for a in args[1:]]
+        elif name in _NUMERIC_ARG_FUNCTIONS:
+            if name in ("round", "trunc") and len(args) == 2 and const_number(args[1]) is None:
+                raise _refuse(f"{name}() needs a constant number of digits", _sql(fc))
+            args[0] = _numeric(self._total(args[0], ctx))
+        else:
+            args = [self._total(a, ctx) for a in args]
+        fc.args = tuple(args)
+        return fc
+
+
+# ---------------------------------------------------------------------------- FROM clause
+
+
+class _FromAnalysis:
+    """Walks FROM: finds protected tables, checks joins between them equate their uids."""
+
+    def __init__(self, policy: Mapping[str, TablePolicy], totalize: Totalizer) -> None:
+        self.policy = policy
+        self.totalize = totalize
+        self.tables: list[TableRef] = []
+        self.uid_equalities: list[tuple[str, str]] = []
+        self.using: list[tuple[set[str], str]] = []
+
+    def item(self, node: Any) -> Any:
+        if isinstance(node, ast.RangeVar):
+            return self._range_var(node)
+        if isinstance(node, ast.JoinExpr):
+            if node.isNatural:
+                raise _refuse("NATURAL JOIN (name the join columns)", _sql(node))
+            if node.jointype not in (JoinType.JOIN_INNER, JoinType.JOIN_LEFT, JoinType.JOIN_RIGHT,
+                                     JoinType.JOIN_FULL):
+                raise _refuse("this kind of join", _sql(node))
+            before = len(self.tables)
+            node.larg = self.item(node.larg)
+            mid = len(self.tables)
+            node.rarg = self.item(node.rarg)
+            left = {t.alias for t in self.tables[before:mid]}
+            right = {t.alias for t in self.tables[mid:]}
+            if node.usingClause:
+                cols = {str(c.sval) for c in node.usingClause}
+                for alias in left | right:
+                    uid = self._by_alias(alias).uid_column
+                    if left and right and uid in cols:
+                        self.using.append((left | right, uid))
+            if node.quals is not None:
+                self._collect_uid_equalities(node.quals)
+                node.quals = self.totalize(node.quals, "JOIN condition")
+            return node
+        if isinstance(node, ast.RangeSubselect):
+            raise _refuse("subqueries in FROM are not supported yet", _sql(node))
+        if isinstance(node, ast.RangeFunction):
+            raise _refuse("functions in FROM", _sql(node))
+        raise _refuse(f"FROM item {type(node).__name__}", _sql(node))
+
+    def _range_var(self, rv: ast.RangeVar) -> ast.RangeVar:
+        name = str(rv.relname)
+        schema = str(rv.schemaname) if rv.schemaname else None
+        if (schema in _SYSTEM_SCHEMAS) or name.startswith("pg_"):
+            raise _refuse("system catalogs", name)
+        pol = self.policy.get(name)
+        if pol is not None and schema in (None, pol.schema):
+            alias = str(rv.alias.aliasname) if rv.alias else name
+            if any(t.alias == alias for t in self.tables):
+                raise _refuse("the same alias twice", alias)
+            self.tables.append(TableRef(name, alias, pol.uid_column))
+        return rv
+
+    def _by_alias(self, alias: str) -> TableRef:
+        for t in self.tables:
+            if t.alias == alias:
+                return t
+        raise KeyError(alias)
+
+    def _collect_uid_equalities(self, cond: Any) -> None:
+        for conj in _conjuncts(cond):
+            if (isinstance(conj, ast.A_Expr) and conj.kind == A_Expr_Kind.AEXPR_OP
+                    and conj.name[-1].sval == "="):
+                a, b = self._uid_alias(conj.lexpr), self._uid_alias(conj.rexpr)
+                if a and b and a != b:
+                    self.uid_equalities.append((a, b))
+
+    def _uid_alias(self, node: Any) -> str | None:
+        """The alias whose uid column `node` names (alias.uid), if any."""
+        if not isinstance(node, ast.ColumnRef) or len(node.fields) != 2:
+            return None
+        alias, col = str(node.fields[0].sval), str(node.fields[1].sval)
+        for t in self.tables:
+            if t.alias == alias and t.uid_column == col:
+                return alias
+        return None
+
+    def check_connected(self, where: Any) -> None:
+        """All protected tables must be joined on uid equality into one privacy unit."""
+        if len(self.tables) <= 1:
+            return
+        if where is not None:
+            self._collect_uid_equalities(where)
+        parent = {t.alias: t.alias for t in self.tables}
+
+        def find(a: str) -> str:
+            while parent[a] != a:
+                a = parent[a]
+            return a
+
+        for a, b in self.uid_equalities:
+            parent[find(a)] = find(b)
+        for aliases, _ in self.using:
+            first, *rest = sorted(aliases)
+            for other in rest:
+                parent[find(other)] = find(first)
+        roots = {find(t.alias) for t in self.tables}
+        if len(roots) > 1:
+            names = ", ".join(t.alias for t in self.tables)
+            raise _refuse("joins between protected tables must equate their uid columns, "
+                          "e.g. USING (uid) or ON a.uid = b.uid", names)
+
+
+def _conjuncts(node: Any) -> Iterator[Any]:
+    if isinstance(node, ast.BoolExpr) and node.boolop == BoolExprType.AND_EXPR:
+        for a in node.args:
+            yield from _conjuncts(a)
+    else:
+        yield node
+
+
+# ---------------------------------------------------------------------------- the query
+
+
+class _ParamBinder(Visitor):
+    def __init__(self, values: Mapping[int, ast.Node]) -> None:
+        super().__init__()
+        self.values = values
+
+    def visit_ParamRef(self, ancestors: Any, node: ast.ParamRef) -> Any:
+        value = self.values.get(node.number)
+        if value is None:
+            raise SyntaxError_(f"there is no parameter ${node.number}")
+        return value
+
+
+def parse_select(stripped_sql: str, params: Mapping[int, ast.Node] | None = None) -> ast.SelectStmt:
+    """Parse one SELECT (the DP clause already blanked) and bind `$n` parameters as constants."""
+    try:
+        stmts = parse_sql(stripped_sql)
+    except ParseError as e:
+        raise SyntaxError_(str(e)) from None
+    if len(stmts) != 1:
+        raise SyntaxError_("a DP query is exactly one statement")
+    stmt = stmts[0].stmt
+    if isinstance(stmt, ast.ExplainStmt):
+        stmt = stmt.query
+    if not isinstance(stmt, ast.SelectStmt):
+        raise _refuse("only SELECT", type(stmt).__name__)
+    if params:
+        _ParamBinder(params)(stmt)
+    return stmt
+
+
+def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form: bool) -> AnalyzedQuery:
+    """Check `stmt` against the DP rules and split it into keys, aggregates and the rest."""
+    if stmt.op is not None and stmt.op != 0 and stmt.larg is not None:
+        raise _refuse("set operations (UNION, INTERSECT, EXCEPT)")
+    if stmt.withClause is not None:
+        raise _refuse("WITH (common table expressions) is not supported yet")
+    if stmt.distinctClause:
+        raise _refuse("SELECT DISTINCT (distinct over users' rows)")
+    if stmt.windowClause:
+        raise _refuse("window functions")
+    if stmt.intoClause is not None or stmt.lockingClause:
+        raise _refuse("SELECT INTO or FOR UPDATE")
+    if not stmt.fromClause:
+        raise _refuse("a DP query must read a protected table")
+    totalize = Totalizer(frozenset(policy))
+    fa = _FromAnalysis(policy, totalize)
+    from_clause = tuple(fa.item(item) for item in stmt.fromClause)
+    if not fa.tables:
+        raise _refuse("a DP query must read a protected table")
+    fa.check_connected(stmt.whereClause)
+    where = totalize(stmt.whereClause, "WHERE") if stmt.whereClause is not None else None
+    first = fa.tables[0]
+    uid = ast.ColumnRef(fields=(ast.String(sval=first.alias), ast.String(sval=first.uid_column)))
+
+    group_exprs = _group_expressions(stmt)
+    keys: list[Key] = []
+    aggregates: list[Aggregate] = []
+    outputs: list[OutputColumn] = []
+    for target in stmt.targetList:
+        if not isinstance(target, ast.ResTarget) or target.val is None:
+            raise _refuse("this select-list item")
+        val = target.val
+        if isinstance(val, ast.ColumnRef) and isinstance(val.fields[-1], ast.A_Star):
+            raise _refuse("SELECT * (list the group keys and DP aggregates)")
+        name = str(target.name) if target.name else _default_name(val)
+        agg = _aggregate_call(val, plain_form)
+        if agg is not None:
+            aggregates.append(_make_aggregate(agg, name, fa, policy, totalize))
+            outputs.append(OutputColumn(name, aggregate=len(aggregates) - 1))
+            continue
+        _no_aggregates_inside(val)
+        if not any(_same(val, g) or _is_ref_to(g, name) for g in group_exprs):
+            raise _refuse("every selected column must be a GROUP BY key or a DP aggregate",
+                          _sql(val))
+        keys.append(Key(totalize(val, "GROUP BY key"), name))
+        outputs.append(OutputColumn(name, key=len(keys) - 1))
+    for g in group_exprs:
+        if not any(_same(g, k.expr) or _is_ref_to(g, k.output_name) for k in keys):
+            # a GROUP BY key that is not selected still partitions the result
+            keys.append(Key(totalize(g, "GROUP BY key"), f"__key{len(keys)}"))
+    if not aggregates:
+        raise _refuse("a DP query needs at least one DP aggregate, e.g. ANON_COUNT(*)")
+    return AnalyzedQuery(
+        from_clause=from_clause, where=where, uid=uid, tables=tuple(fa.tables), keys=tuple(keys),
+        aggregates=tuple(aggregates), outputs=tuple(outputs), having=stmt.havingClause,
+        order_by=tuple(stmt.sortClause or ()), limit=stmt.limitCount, offset=stmt.limitOffset,
+        plain_form=plain_form,
+    )
+
+
+def _group_expressions(stmt: ast.SelectStmt) -> list[Any]:
+    out = []
+    for g in stmt.groupClause or ():
+        if isinstance(g, (ast.GroupingSet,)):
+            raise _refuse("GROUPING SETS, ROLLUP and CUBE")
+        n = const_number(g)
+        if n is not None:
+            idx = int(n) - 1
+            if not 0 <= idx < len(stmt.targetList) or n != int(n):
+                raise SyntaxError_(f"GROUP BY position {n} is not in select list")
+            out.append(stmt.targetList[idx].val)
+        else:
+            out.append(g)
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    return bool(a == b)  # pglast's equality ignores source locations
+
+
+def _is_ref_to(node: Any, name: str) -> bool:
+    return (isinstance(node, ast.ColumnRef) and len(node.fields) == 1
+            and isinstance(node.fields[0], ast.String) and node.fields[0].sval == name)
+
+
+def _default_name(val: Any) -> str:
+    """The column name Postgres would give an unaliased select-list item."""
+    if isinstance(val, ast.ColumnRef) and isinstance(val.fields[-1], ast.String):
+        return str(val.fields[-1].sval)
+    if isinstance(val, ast.FuncCall):
+        return _funcname(val)
+    if isinstance(val, ast.TypeCast):
+        inner = _default_name(val.arg)
+        return inner if inner != "?column?" else str(val.typeName.names[-1].sval)
+    return "?column?"
+
+
+def _aggregate_call(val: Any, plain_form: bool) -> ast.FuncCall | None:
+    if not isinstance(val, ast.FuncCall):
+        return None
+    name = _funcname(val)
+    if name in LATER_FUNCTIONS:
+        raise FeatureNotSupported(f"{name.upper()} is not available yet (quantiles and automatic "
+                                  "bounds are coming)")
+    if name in ANON_FUNCTIONS or name in PLAIN_FUNCTIONS:  # both forms: BigQuery spells them plainly
+        return val
+    return None
+
+
+def _no_aggregates_inside(val: Any) -> None:
+    for node in _walk(val):
+        if isinstance(node, ast.FuncCall):
+            name = _funcname(node)
+            if name in ANON_FUNCTIONS or name in PLAIN_FUNCTIONS:
+                raise _refuse("expressions over DP aggregates are not supported yet "
+                              "(select the aggregate itself)", _sql(val))
+
+
+def _walk(node: Any) -> Iterator[Any]:
+    stack = [node]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, ast.Node):
+            yield cur
+            stack.extend(getattr(cur, name) for name in cur)
+        elif isinstance(cur, (tuple, list)):
+            stack.extend(cur)
+
+
+def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
+                    policy: Mapping[str, TablePolicy], totalize: Totalizer) -> Aggregate:
+    fname = _funcname(fc)
+    kind = ANON_FUNCTIONS.get(fname) or PLAIN_FUNCTIONS[fname]
+    if fc.over is not None:
+        raise _refuse("window functions", _sql(fc))
+    if fc.agg_filter is not None or fc.agg_order or fc.agg_within_group:
+        raise _refuse("FILTER, ORDER BY or WITHIN GROUP in a DP aggregate", _sql(fc))
+    args = list(fc.args or ())
+    if kind is AggKind.COUNT:
+        if fc.agg_distinct:
+            if len(args) == 1 and _is_uid(args[0], fa):
+                return Aggregate(AggKind.COUNT_USERS, None, Bounds(0, 1), name)
+            raise _refuse("COUNT(DISTINCT ...) of anything but the uid column", _sql(fc))
+        if fc.agg_star:
+            bound = 1.0
+            if args:  # ANON_COUNT(*, U)
+                bound = _bound_literal(args[-1], fc)
+                args = []
+            return Aggregate(AggKind.COUNT, None, Bounds(0, bound), name)
+        if len(args) not in (1, 2):
+            raise _refuse("COUNT takes one column (and an optional per-user bound)", _sql(fc))
+        bound = _bound_literal(args[1], fc) if len(args) == 2 else 1.0
+        if bound <= 0:
+            raise _refuse("the per-user bound of a count must be positive", _sql(fc))
+        return Aggregate(AggKind.COUNT, totalize(args[0], "aggregate argument"), Bounds(0, bound),
+                         name)
+    if fc.agg_distinct:
+        raise _refuse(f"{fname.upper()}(DISTINCT ...)", _sql(fc))
+    if len(args) == 3:
+        lower, upper = _bound_literal(args[1], fc), _bound_literal(args[2], fc)
+    elif len(args) == 1:
+        configured = _configured_bounds(args[0], fa, policy)
+        if configured is None:
+            raise FeatureNotSupported(
+                f"{fname.upper()}({_sql(args[0])}) needs contribution bounds",
+                hint=f"write them, e.g. ANON_{kind.name}({_sql(args[0])}, 0, 100), or configure "
+                     "columns.<name> = {{ lower = ..., upper = ... }} for the table",
+            )
+        lower, upper = configured
+    else:
+        raise _refuse(f"{fname.upper()} takes (x) or (x, lower, upper)", _sql(fc))
+    if not lower < upper:
+        raise FeatureNotSupported(f"lower bound {lower:g} is not below upper bound {upper:g}",
+                                  hint=_sql(fc))
+    return Aggregate(kind, totalize(args[0], "aggregate argument"), Bounds(lower, upper), name)
+
+
+def _bound_literal(node: Any, fc: ast.FuncCall) -> float:
+    value = const_number(node)
+    if value is None or not math.isfinite(value):
+        raise _refuse("contribution bounds must be finite number literals", _sql(fc))
+    return value
+
+
+def _is_uid(node: Any, fa: _FromAnalysis) -> bool:
+    if not isinstance(node, ast.ColumnRef):
+        return False
+    parts = [str(f.sval) for f in node.fields if isinstance(f, ast.String)]
+    return any(parts == [t.uid_column] or parts == [t.alias, t.uid_column] for t in fa.tables)
+
+
+def _configured_bounds(node: Any, fa: _FromAnalysis,
+                       policy: Mapping[str, TablePolicy]) -> tuple[float, float] | None:
+    if not isinstance(node, ast.ColumnRef):
+        return None
+    parts = [str(f.sval) for f in node.fields if isinstance(f, ast.String)]
+    candidates = []
+    for t in fa.tables:
+        col = policy[t.name].columns.get(parts[-1])
+        if col is not None and (len(parts) == 1 or parts[0] == t.alias):
+            candidates.append((col.lower, col.upper))
+    return candidates[0] if len(candidates) == 1 else None

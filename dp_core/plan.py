@@ -1,0 +1,140 @@
+"""The DP query plan: which noisy quantities a query releases, their share of ε/δ, noise and τ.
+
+The plan is frozen and its `cost` is exactly what the ledger debits: the sum of
+the quantities' shares (exact fractions) is asserted equal to it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery
+from dp_core.errors import InternalError
+from dp_core.mechanisms import NoiseKind, NoiseSpec, threshold_tau
+
+
+class Component:
+    """What a noisy quantity measures, per group."""
+
+    USERS = "users"  # users in the group (τ-thresholding, COUNT(DISTINCT uid), COUNT(*))
+    COUNT = "count"  # sum over users of min(rows, U)
+    SUM = "sum"  # sum over users of the clamped per-user value
+    N = "n"  # users with a value (AVG/VAR denominators)
+    CENTERED_SUM = "csum"  # sum of (clamped value − midpoint)
+    CENTERED_SQUARES = "csq"  # sum of (clamped value − midpoint)²
+
+
+@dataclass(frozen=True)
+class NoisyQuantity:
+    name: str
+    """The pushdown column that holds the true value."""
+    component: str
+    aggregate: int | None
+    sensitivity: float
+    """Largest change one user makes to this quantity in one group."""
+    epsilon: Fraction
+    delta: Fraction
+    noise: NoiseSpec
+
+
+@dataclass(frozen=True)
+class PrivacyCost:
+    epsilon: Fraction
+    delta: Fraction
+
+
+@dataclass(frozen=True)
+class DPQueryPlan:
+    epsilon: Fraction
+    delta: Fraction
+    max_groups_contributed: int
+    noise_kind: NoiseKind
+    grouped: bool
+    tau: float | None
+    """Release threshold on the noisy user count (grouped queries)."""
+    threshold: NoisyQuantity | None
+    quantities: tuple[NoisyQuantity, ...]
+    shared_users: bool
+    """COUNT(*) / COUNT(DISTINCT uid) read the (noisy) user count, at no extra cost."""
+    cost: PrivacyCost
+
+    def quantity(self, name: str) -> NoisyQuantity:
+        for q in self.all_quantities:
+            if q.name == name:
+                return q
+        raise KeyError(name)
+
+    @property
+    def all_quantities(self) -> tuple[NoisyQuantity, ...]:
+        return ((self.threshold,) if self.threshold else ()) + self.quantities
+
+
+def _components(agg: Aggregate) -> list[tuple[str, float]]:
+    lo, hi = agg.bounds.lower, agg.bounds.upper
+    half = (hi - lo) / 2
+    if agg.kind is AggKind.COUNT:
+        return [(Component.COUNT, hi)]
+    if agg.kind is AggKind.SUM:
+        return [(Component.SUM, max(abs(lo), abs(hi)))]
+    if agg.kind is AggKind.AVG:
+        return [(Component.N, 1.0), (Component.CENTERED_SUM, half)]
+    if agg.kind in (AggKind.VAR, AggKind.STDDEV):
+        return [(Component.N, 1.0), (Component.CENTERED_SUM, half),
+                (Component.CENTERED_SQUARES, half * half)]
+    raise InternalError()
+
+
+def reads_user_count(agg: Aggregate) -> bool:
+    """Aggregates equal to the user count of the group: one row per user, counted once."""
+    return agg.kind is AggKind.COUNT_USERS or (
+        agg.kind is AggKind.COUNT and agg.arg is None and agg.bounds.upper == 1
+    )
+
+
+def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: int,
+              noise: NoiseKind) -> DPQueryPlan:
+    """Split (ε, δ) over the query's noisy quantities and calibrate each one's noise."""
+    grouped = bool(query.keys)
+    # the decimal the analyst wrote (1e-6), not the binary expansion of the float
+    eps, dlt = Fraction(repr(float(epsilon))), Fraction(repr(float(delta)))
+    shared = any(reads_user_count(a) for a in query.aggregates)
+    specs: list[tuple[str, str, int | None, float]] = []
+    if grouped or shared:
+        specs.append(("dp_users", Component.USERS, None, 1.0))
+    for i, agg in enumerate(query.aggregates):
+        if reads_user_count(agg):
+            continue
+        for component, sensitivity in _components(agg):
+            specs.append((f"dp_a{i}_{component}", component, i, sensitivity))
+    if any(s <= 0 for *_, s in specs):
+        raise InternalError()
+    share = eps / len(specs)
+    gaussian = noise is NoiseKind.GAUSSIAN
+    n_gauss = sum(1 for name, *_ in specs if name != "dp_users" or not grouped) if gaussian else 0
+    delta_threshold = (dlt / 2 if gaussian else dlt) if grouped else Fraction(0)
+    delta_each = (dlt - delta_threshold) / n_gauss if n_gauss else Fraction(0)
+    threshold: NoisyQuantity | None = None
+    tau = None
+    quantities = []
+    for name, component, agg_index, sensitivity in specs:
+        if name == "dp_users" and grouped:
+            spec = NoiseSpec.calibrate(NoiseKind.LAPLACE, float(share), 0, max_groups, 1.0)
+            threshold = NoisyQuantity(name, component, None, 1.0, share, delta_threshold, spec)
+            tau = threshold_tau(max_groups, float(share), float(delta_threshold))
+            continue
+        kind = NoiseKind.GAUSSIAN if gaussian else NoiseKind.LAPLACE
+        spec = NoiseSpec.calibrate(kind, float(share), float(delta_each), max_groups, sensitivity)
+        quantities.append(NoisyQuantity(name, component, agg_index, sensitivity, share,
+                                        delta_each if gaussian else Fraction(0), spec))
+    cost = PrivacyCost(eps, delta_threshold + delta_each * n_gauss)
+    plan = DPQueryPlan(eps, dlt, max_groups, noise, grouped, tau, threshold, tuple(quantities),
+                       shared, cost)
+    spent_eps = sum((q.epsilon for q in plan.all_quantities), Fraction(0))
+    spent_delta = sum((q.delta for q in plan.all_quantities), Fraction(0))
+    if spent_eps != cost.epsilon or spent_delta != cost.delta or cost.delta > dlt:
+        raise InternalError("the plan's privacy loss differs from its cost (this is a bug)")
+    if tau is not None and not math.isfinite(tau):
+        raise InternalError()
+    return plan

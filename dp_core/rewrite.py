@@ -1,0 +1,233 @@
+"""The pushdown: per-user aggregation, contribution bounding, clamping and cross-user sums in SQL.
+
+The pushdown's structure is our own SQL template, parsed by pglast; the user's
+(validated, totalised) expressions are spliced in as AST nodes where the
+template has placeholders, and the result is printed by pglast. No user text
+is ever concatenated into SQL. Postgres returns one row per group:
+
+    WITH dp_per_user AS (SELECT keys, uid, per-user partials FROM ... WHERE ...
+                         GROUP BY keys, uid),
+         dp_bounded AS (SELECT *, row_number() OVER (PARTITION BY dp_uid
+                        ORDER BY random()) AS dp_rn FROM dp_per_user)
+    SELECT keys, count(*) AS dp_users, sums of clamped partials
+    FROM dp_bounded WHERE dp_rn <= C_u GROUP BY keys
+
+Clamping `LEAST(GREATEST(v, L), U)` maps NaN to U (Postgres orders NaN above
+every number) and ±Infinity to U and L, so none survives to the output.
+Per-user partials are computed in `numeric`, which neither overflows nor
+fails on NaN or infinities.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+from pglast import ast, parse_sql
+from pglast.stream import RawStream
+from pglast.visitors import Visitor
+
+from dp_core.analysis import AggKind, AnalyzedQuery
+from dp_core.errors import FeatureNotSupported, InternalError
+from dp_core.plan import Component, DPQueryPlan, reads_user_count
+
+_PH = "dp_ph_"
+
+
+def _num(x: float) -> str:
+    """A numeric literal for one of our own (finite) constants."""
+    if x != x or x in (float("inf"), float("-inf")):
+        raise InternalError()
+    text = repr(float(x))
+    return f"({text})::numeric" if text.startswith("-") else f"{text}::numeric"
+
+
+def _clamp(col: str, lower: float, upper: float) -> str:
+    return (f"CASE WHEN {col} IS NULL THEN NULL ELSE "
+            f"LEAST(GREATEST({col}, {_num(lower)}), {_num(upper)}) END")
+
+
+def _template(query: AnalyzedQuery, plan: DPQueryPlan) -> str:
+    keys = [f"{_PH}k{i} AS dp_k{i}" for i in range(len(query.keys))]
+    partials = []
+    for i, agg in enumerate(query.aggregates):
+        if reads_user_count(agg):
+            continue  # the plan reads the user count for it
+        if agg.kind is AggKind.COUNT:
+            partials.append(f"count({_PH}a{i}) AS dp_p{i}" if agg.arg is not None
+                            else f"count(*) AS dp_p{i}")
+        elif agg.kind is AggKind.SUM:
+            partials.append(f"sum(({_PH}a{i})::numeric) AS dp_p{i}")
+        else:
+            partials.append(f"avg(({_PH}a{i})::numeric) AS dp_p{i}")
+    group_by = ", ".join(str(n) for n in range(1, len(keys) + 2))
+    per_user = (f"SELECT {', '.join([*keys, f'{_PH}uid AS dp_uid', *partials])} "
+                f"FROM {_PH}from WHERE {_PH}where GROUP BY {group_by}")
+    finals = []
+    if plan.threshold is not None or plan.shared_users:
+        finals.append("count(*) AS dp_users")
+    for q in plan.quantities:
+        if q.component == Component.USERS:
+            continue  # dp_users, above
+        assert q.aggregate is not None
+        agg = query.aggregates[q.aggregate]
+        lo, hi = agg.bounds.lower, agg.bounds.upper
+        mid = (lo + hi) / 2
+        p = f"dp_p{q.aggregate}"
+        if q.component == Component.COUNT:
+            finals.append(f"sum(LEAST({p}, {_num(hi)})) AS {q.name}")
+        elif q.component == Component.SUM:
+            finals.append(f"sum({_clamp(p, lo, hi)}) AS {q.name}")
+        elif q.component == Component.N:
+            finals.append(f"count({p}) AS {q.name}")
+        elif q.component == Component.CENTERED_SUM:
+            finals.append(f"sum({_clamp(p, lo, hi)} - {_num(mid)}) AS {q.name}")
+        elif q.component == Component.CENTERED_SQUARES:
+            c = f"({_clamp(p, lo, hi)} - {_num(mid)})"
+            finals.append(f"sum({c} * {c}) AS {q.name}")
+        else:
+            raise InternalError()
+    if not query.keys:
+        return f"WITH dp_per_user AS ({per_user}) SELECT {', '.join(finals)} FROM dp_per_user"
+    key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
+    key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
+    return (
+        f"WITH dp_per_user AS ({per_user}), "
+        "dp_bounded AS (SELECT *, row_number() OVER (PARTITION BY dp_uid ORDER BY random()) "
+        "AS dp_rn FROM dp_per_user) "
+        f"SELECT {', '.join([*key_cols, *key_text, *finals])} FROM dp_bounded "
+        f"WHERE dp_rn <= {int(plan.max_groups_contributed)} GROUP BY {', '.join(key_cols)}"
+    )
+
+
+class _Splice(Visitor):
+    """Replaces placeholders in the template with the user's AST nodes."""
+
+    def __init__(self, nodes: dict[str, Any], from_clause: tuple[Any, ...]) -> None:
+        super().__init__()
+        self.nodes = nodes
+        self.from_clause = from_clause
+
+    def visit_ColumnRef(self, ancestors: Any, node: ast.ColumnRef) -> Any:
+        last = node.fields[-1]
+        name = getattr(last, "sval", "")
+        if len(node.fields) == 1 and name.startswith(_PH):
+            if name not in self.nodes:
+                raise InternalError()
+            return copy.deepcopy(self.nodes[name])
+        return None
+
+    def visit_SelectStmt(self, ancestors: Any, node: ast.SelectStmt) -> Any:
+        fc = node.fromClause
+        if (fc and len(fc) == 1 and isinstance(fc[0], ast.RangeVar)
+                and fc[0].relname == f"{_PH}from"):
+            node.fromClause = copy.deepcopy(self.from_clause)
+        return None
+
+
+def pushdown_sql(query: AnalyzedQuery, plan: DPQueryPlan) -> str:
+    """The SQL that the pushdown role runs: one row per group with the true quantities."""
+    stmt = parse_sql(_template(query, plan))[0].stmt
+    nodes: dict[str, Any] = {f"{_PH}uid": query.uid,
+                             f"{_PH}where": query.where or ast.A_Const(val=ast.Boolean(boolval=True))}
+    for i, key in enumerate(query.keys):
+        nodes[f"{_PH}k{i}"] = key.expr
+    for i, agg in enumerate(query.aggregates):
+        if agg.arg is not None:
+            nodes[f"{_PH}a{i}"] = agg.arg
+    _Splice(nodes, query.from_clause)(stmt)
+    return str(RawStream()(stmt))
+
+
+# ---------------------------------------------------------------------------- the result
+
+TypeRef = tuple[str, str]
+"""(schema, type name) of a result column, e.g. ("pg_catalog", "int8")."""
+
+
+def _type_name(t: TypeRef) -> Any:
+    return ast.TypeName(names=(ast.String(sval=t[0]), ast.String(sval=t[1])))
+
+
+def _literal(value: str | int | float | None, t: TypeRef) -> Any:
+    if value is None:
+        const = ast.A_Const(isnull=True)
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(value, int):
+        const = ast.A_Const(val=ast.String(sval=str(value)))
+    else:
+        if value != value or value in (float("inf"), float("-inf")):
+            raise InternalError()
+        const = ast.A_Const(val=ast.String(sval=repr(value)))
+    return ast.TypeCast(arg=const, typeName=_type_name(t))
+
+
+def _result_ref(i: int) -> Any:
+    return ast.ColumnRef(fields=(ast.String(sval=f"dp_c{i}"),))
+
+
+class _ToResultColumns(Visitor):
+    """Rewrites HAVING / ORDER BY over the select list into references to result columns."""
+
+    def __init__(self, sources: list[Any], names: list[str]) -> None:
+        super().__init__()
+        self.sources = sources
+        self.names = names
+
+    def visit(self, ancestors: Any, node: Any) -> Any:
+        for i, src in enumerate(self.sources):
+            if node == src:
+                return _result_ref(i)
+        if (isinstance(node, ast.ColumnRef) and len(node.fields) == 1
+                and isinstance(node.fields[0], ast.String)):
+            name = node.fields[0].sval
+            if name in self.names:
+                return _result_ref(self.names.index(name))
+            if not name.startswith("dp_c"):
+                raise FeatureNotSupported(
+                    f"HAVING and ORDER BY may only use the query's output columns, not {name}")
+        elif isinstance(node, (ast.ColumnRef, ast.SubLink)):
+            raise FeatureNotSupported(
+                "HAVING and ORDER BY may only use the query's output columns")
+        return None
+
+
+def result_sql(names: list[str], types: list[TypeRef],
+               rows: Sequence[Sequence[str | int | float | None]], *,
+               sources: list[Any] | None = None, having: Any = None,
+               order_by: Sequence[Any] = (), limit: Any = None, offset: Any = None) -> str:
+    """A query that returns `rows` with the given column names and types.
+
+    HAVING and ORDER BY, written over the select list (`sources`) or the output
+    names, are applied to the (already noisy) values by Postgres, which also
+    encodes the result in whatever format the client asked for.
+    """
+    cols = tuple(ast.String(sval=f"dp_c{i}") for i in range(len(names)))
+    empty = not rows
+    values = [[_literal(v, t) for v, t in zip(row, types, strict=True)] for row in rows] or [
+        [_literal(None, t) for t in types]]
+    inner = ast.SelectStmt(valuesLists=tuple(tuple(v) for v in values))
+    stmt = ast.SelectStmt(
+        targetList=tuple(ast.ResTarget(name=n, val=_result_ref(i)) for i, n in enumerate(names)),
+        fromClause=(ast.RangeSubselect(subquery=inner,
+                                       alias=ast.Alias(aliasname="dp_result", colnames=cols)),),
+    )
+    mapper = _ToResultColumns(list(sources or []), names)
+    where = None
+    if having is not None:
+        holder = ast.ResTarget(val=copy.deepcopy(having))
+        mapper(holder)
+        where = holder.val
+    if empty:
+        false = ast.A_Const(val=ast.Boolean(boolval=False))
+        where = false if where is None else ast.BoolExpr(boolop=0, args=(false, where))
+    stmt.whereClause = where
+    if order_by:
+        sorts = copy.deepcopy(tuple(order_by))
+        mapper(ast.SelectStmt(sortClause=sorts))
+        stmt.sortClause = sorts
+    stmt.limitCount = copy.deepcopy(limit)
+    stmt.limitOffset = copy.deepcopy(offset)
+    if limit is not None or offset is not None:
+        stmt.limitOption = 1  # LIMIT_OPTION_COUNT
+    return str(RawStream()(stmt))

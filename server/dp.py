@@ -1,0 +1,446 @@
+"""The DP query path in the server: analyse, plan, charge, run the pushdown, release, answer.
+
+Order of events for one DP answer: the pushdown is prepared (planning errors,
+which do not depend on data, are reported as they are and cost nothing); the
+ledger is charged and committed; the pushdown runs as the pushdown role with a
+statement timeout; noise and thresholding are applied; the released rows go
+back to the client through the session's own backend connection as a small
+VALUES query, so Postgres encodes them in the format the client asked for. A
+failure after the charge returns one generic error that names no row or value.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+from pglast import ast
+from pglast.stream import RawStream
+from pglast.visitors import Visitor
+
+from config import Config
+from dp_core.analysis import AnalyzedQuery, ColumnPolicy, TablePolicy, analyze, parse_select
+from dp_core.classify import Statement, StatementKind
+from dp_core.errors import DPError, FeatureNotSupported, InternalError, InvalidParameterValue
+from dp_core.mechanisms import NoiseKind
+from dp_core.plan import DPQueryPlan, make_plan
+from dp_core.release import output_type, release
+from dp_core.rewrite import TypeRef, pushdown_sql, result_sql
+from dp_core.settings import Caps, validate
+from server import protocol as p
+from server.ledger import (
+    BUDGET_COLUMNS,
+    LEDGER_COLUMNS,
+    Ledger,
+    check_affordable,
+    require_admin,
+    to_numeric,
+)
+
+if TYPE_CHECKING:
+    from server.session import Session
+
+log = logging.getLogger("dp_proxy.dp")
+
+_OIDS = {"int8": 20, "float8": 701, "text": 25, "numeric": 1700, "timestamptz": 1184, "int4": 23}
+PG = "pg_catalog"
+
+
+class QueryFailed(DPError):
+    """A charged DP query failed while running: one generic message, nothing about data."""
+
+    sqlstate = "XX000"
+
+    def __init__(self) -> None:
+        super().__init__("the DP query failed after its privacy cost was charged; the charge stands",
+                         hint="nothing about the data is revealed by this error")
+
+
+@dataclass
+class Prepared:
+    """A DP query analysed, planned and prepared on the backend (not yet charged or run)."""
+
+    query: AnalyzedQuery
+    plan: DPQueryPlan
+    sql: str
+    statement: Any  # asyncpg PreparedStatement
+    key_types: list[TypeRef]
+    key_oids: list[int]
+    param_oids: list[int]
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.query.outputs]
+
+    def types(self) -> list[TypeRef]:
+        out: list[TypeRef] = []
+        for c in self.query.outputs:
+            if c.key is not None:
+                out.append(self.key_types[c.key])
+            else:
+                assert c.aggregate is not None
+                out.append((PG, output_type(self.query.aggregates[c.aggregate])))
+        return out
+
+    def oids(self) -> list[int]:
+        out = []
+        for c in self.query.outputs:
+            if c.key is not None:
+                out.append(self.key_oids[c.key])
+            else:
+                assert c.aggregate is not None
+                out.append(_OIDS[output_type(self.query.aggregates[c.aggregate])])
+        return out
+
+
+def row_description(names: Sequence[str], oids: Sequence[int],
+                    formats: Sequence[int] = ()) -> p.RowDescription:
+    def fmt(i: int) -> int:
+        if not formats:
+            return 0
+        return formats[0] if len(formats) == 1 else formats[i]
+
+    return p.RowDescription(tuple(p.FieldDescription(n, type_oid=o, format=fmt(i))
+                                  for i, (n, o) in enumerate(zip(names, oids, strict=True))))
+
+
+class DPService:
+    def __init__(self, config: Config, pool: asyncpg.Pool, ledger: Ledger) -> None:
+        self.config = config
+        self.pool = pool
+        self.ledger = ledger
+        self.policy = {
+            name: TablePolicy(t.schema_, t.uid_column,
+                              {c: ColumnPolicy(b.lower, b.upper) for c, b in t.columns.items()})
+            for name, t in config.tables.items()
+        }
+        self._type_names: dict[int, TypeRef] = {}
+
+    # ------------------------------------------------------------------ analysis and planning
+
+    def _settings(self, session: Session, st: Statement) -> tuple[float, float, int, NoiseKind]:
+        s = session.settings
+        values: dict[str, Any] = {"epsilon": s.epsilon, "delta": s.delta,
+                                  "max_groups_contributed": s.max_groups_contributed,
+                                  "noise": s.noise}
+        if st.dp_clause is not None:
+            # the per-query caps are checked against the plan's cost, after the budget
+            unlimited = Caps(math.inf, 1.0 - 1e-12, 10_000)
+            for name, value in st.dp_clause.options:
+                values[name] = validate(name, value, unlimited)
+        return (float(values["epsilon"]), float(values["delta"]),
+                int(values["max_groups_contributed"]), NoiseKind(values["noise"]))
+
+    async def prepare(self, session: Session, st: Statement, bind: p.Bind | None,
+                      param_types: Sequence[int] = ()) -> Prepared:
+        """Analyse and plan `st` and prepare its pushdown; raises DPError on refusal."""
+        params = await self._bind_params(bind, param_types) if bind is not None else None
+        stmt = parse_select(st.stripped_sql, params)
+        query = analyze(stmt, self.policy, plain_form=st.dp_clause is None)
+        epsilon, delta, max_groups, noise = self._settings(session, st)
+        plan = make_plan(query, epsilon, delta, max_groups, noise)
+        sql = pushdown_sql(query, plan)
+        async with self.pool.acquire() as conn:
+            try:
+                prepared = await conn.prepare(sql)
+            except asyncpg.PostgresError as e:
+                # planning reads no rows: its errors (unknown column, type mismatch) are safe to show
+                err = DPError(str(e).replace("dp_per_user", "the query"))
+                err.sqlstate = e.sqlstate or "XX000"
+                raise err from None
+            attrs = {a.name: a.type for a in prepared.get_attributes()}
+            key_types = [(attrs[f"dp_k{i}"].schema, attrs[f"dp_k{i}"].name)
+                         for i in range(len(query.keys))]
+            key_oids = [attrs[f"dp_k{i}"].oid for i in range(len(query.keys))]
+            param_oids = [t.oid for t in prepared.get_parameters()]
+        return Prepared(query, plan, sql, prepared, key_types, key_oids, param_oids)
+
+    async def _type_name(self, oid: int) -> TypeRef:
+        if oid not in self._type_names:
+            row = await self.pool.fetchrow(
+                "SELECT n.nspname, t.typname FROM pg_type t JOIN pg_namespace n "
+                "ON n.oid = t.typnamespace WHERE t.oid = $1", oid)
+            if row is None:
+                raise InvalidParameterValue(f"unknown parameter type oid {oid}")
+            self._type_names[oid] = (row[0], row[1])
+        return self._type_names[oid]
+
+    async def _bind_params(self, bind: p.Bind, param_types: Sequence[int]) -> dict[int, Any]:
+        """The Bind's parameter values as typed constants for the analysis."""
+        out: dict[int, Any] = {}
+        for i, raw in enumerate(bind.params):
+            oid = param_types[i] if i < len(param_types) and param_types[i] else 0
+            text = None if raw is None else _param_text(raw, bind.param_format(i), oid)
+            const: Any = ast.A_Const(isnull=True) if text is None else ast.A_Const(
+                val=ast.String(sval=text))
+            if oid:
+                schema, name = await self._type_name(oid)
+                const = ast.TypeCast(arg=const, typeName=ast.TypeName(
+                    names=(ast.String(sval=schema), ast.String(sval=name))))
+            out[i + 1] = const
+        return out
+
+    # ------------------------------------------------------------------ answering
+
+    async def describe(self, session: Session, st: Statement, bind: p.Bind | None,
+                       param_types: Sequence[int], formats: Sequence[int]) -> p.RowDescription:
+        if st.kind is StatementKind.DP_EXPLAIN:
+            return row_description(["QUERY PLAN"], [_OIDS["text"]], formats)
+        if st.kind is StatementKind.LOCAL_FUNCTION:
+            names, oids = _local_function_columns(st)
+            return row_description(names, oids, formats)
+        prepared = await self.prepare(session, st, bind, param_types)
+        return row_description(prepared.names, prepared.oids(), formats)
+
+    async def parameter_types(self, session: Session, st: Statement,
+                              declared: Sequence[int]) -> tuple[int, ...]:
+        if st.kind in (StatementKind.DP_QUERY, StatementKind.DP_EXPLAIN):
+            prepared = await self.prepare(session, st, None)
+            found = list(prepared.param_oids)
+            return tuple(d or f for d, f in zip(list(declared) + [0] * len(found), found,
+                                                strict=False))
+        return tuple(declared)
+
+    async def answer(self, session: Session, st: Statement, bind: p.Bind | None,
+                     param_types: Sequence[int]) -> tuple[str, list[p.NoticeResponse]]:
+        """Run a DP query or EXPLAIN; returns the result query to relay and notices to send."""
+        prepared = await self.prepare(session, st, bind, param_types)
+        plan = prepared.plan
+        if st.kind is StatementKind.DP_EXPLAIN:
+            lines = explain_lines(prepared)
+            return result_sql(["QUERY PLAN"], [(PG, "text")], [(ln,) for ln in lines]), []
+        mechanisms = {q.name: {"kind": q.noise.kind.value, "scale": q.noise.scale,
+                               "epsilon": str(q.epsilon), "delta": str(q.delta)}
+                      for q in plan.all_quantities}
+        if plan.tau is not None:
+            mechanisms["threshold"] = {"tau": plan.tau}
+        await self._check_affordable(session, plan)
+        await self.ledger.charge(session.user, plan.cost.epsilon, plan.cost.delta, st.sql, mechanisms)
+        try:
+            async with self.pool.acquire() as conn:
+                timeout = self.config.backend.statement_timeout
+                rows = await conn.fetch(prepared.sql, timeout=timeout)
+        except (asyncpg.PostgresError, OSError, TimeoutError) as e:
+            log.warning("session %s: charged DP query failed: %s", session.process_id,
+                        type(e).__name__)
+            raise QueryFailed() from None
+        released = release(prepared.query, plan, rows)
+        q = prepared.query
+        sources = [t.val for t in parse_select(st.stripped_sql).targetList]
+        sql = result_sql(prepared.names, prepared.types(), released.rows, sources=sources,
+                         having=q.having, order_by=q.order_by, limit=q.limit, offset=q.offset)
+        budget = await self.ledger.budget(session.user)
+        return sql, [self._notice(prepared, budget)]
+
+    async def _check_affordable(self, session: Session, plan: DPQueryPlan) -> None:
+        """A query costing more than is left gets 53400; then the per-query caps (22023)."""
+        budget = await self.ledger.budget(session.user)
+        check_affordable(budget, to_numeric(plan.cost.epsilon), to_numeric(plan.cost.delta))
+        caps = session.server.caps
+        if float(plan.epsilon) > caps.max_epsilon:
+            raise InvalidParameterValue(
+                f"epsilon {_g(float(plan.epsilon))} is above this proxy's per-query limit "
+                f"{_g(caps.max_epsilon)}")
+        if float(plan.delta) > caps.max_delta:
+            raise InvalidParameterValue(
+                f"delta {_g(float(plan.delta))} is above this proxy's per-query limit "
+                f"{_g(caps.max_delta)}")
+        if plan.max_groups_contributed > caps.max_groups_contributed:
+            raise InvalidParameterValue(
+                f"max_groups_contributed {plan.max_groups_contributed} is above this proxy's "
+                f"limit {caps.max_groups_contributed}")
+
+    def _notice(self, prepared: Prepared, budget: Any) -> p.NoticeResponse:
+        from server.session import notice_response
+
+        plan = prepared.plan
+        widths = []
+        for col in prepared.query.outputs:
+            if col.aggregate is None:
+                continue
+            qs = [q for q in plan.all_quantities if q.aggregate == col.aggregate]
+            if not qs and plan.threshold is not None:
+                qs = [plan.threshold]
+            elif not qs:
+                qs = [q for q in plan.quantities if q.name == "dp_users"]
+            if qs:
+                widths.append(f"{col.name} ±{_g(qs[-1].noise.half_width_95)}")
+        message = (f"DP answer: spent epsilon {_g(float(plan.cost.epsilon))}, delta "
+                   f"{_g(float(plan.cost.delta))}; budget left epsilon "
+                   f"{_g(float(budget.epsilon_remaining))}, delta {_g(float(budget.delta_remaining))}")
+        detail = "95% noise half-width: " + ", ".join(widths) if widths else None
+        return notice_response(message, detail)
+
+    # ------------------------------------------------------------------ dp_budget() and friends
+
+    async def local_function(self, session: Session, st: Statement, dry_run: bool = False) -> str:
+        """Rewrite the statement with the function's result in place; returns SQL to relay."""
+        if st.protected:
+            raise FeatureNotSupported("dp_budget(), dp_ledger() and dp_reset_budget() cannot be "
+                                      "combined with protected tables")
+        stmt = parse_select(st.stripped_sql)
+        is_admin = session.config.analysts[session.user].admin
+        replacer = _LocalFunctions(self, session.user, is_admin, dry_run)
+        await replacer.resolve(stmt)
+        replacer(stmt)
+        return str(RawStream()(stmt))
+
+
+def _local_function_columns(st: Statement) -> tuple[list[str], list[int]]:
+    if st.setting == "dp_budget" and "FROM" in st.stripped_sql.upper():
+        return BUDGET_COLUMNS, [25, 1700, 1700, 1700, 1700, 1700, 1700]
+    if st.setting == "dp_ledger" and "FROM" in st.stripped_sql.upper():
+        return LEDGER_COLUMNS, [20, 1184, 25, 1700, 1700, 25, 25, 25, 25, 25]
+    return [st.setting or "?column?"], [25]
+
+
+class _LocalFunctions(Visitor):
+    """Replaces dp_budget() / dp_ledger(a) in FROM with VALUES, and calls in expressions with text."""
+
+    def __init__(self, service: DPService, user: str, is_admin: bool, dry_run: bool) -> None:
+        super().__init__()
+        self.service = service
+        self.user = user
+        self.is_admin = is_admin
+        self.dry_run = dry_run
+        self.results: dict[int, Any] = {}
+
+    async def resolve(self, stmt: Any) -> None:
+        """Run the functions (admin checks first) and keep their results for the rewrite."""
+        from dp_core.analysis import const_string
+
+        calls = [n for n in _walk(stmt) if isinstance(n, ast.FuncCall)
+                 and str(n.funcname[-1].sval).lower() in ("dp_budget", "dp_ledger", "dp_reset_budget")]
+        for fc in calls:
+            name = str(fc.funcname[-1].sval).lower()
+            args = list(fc.args or ())
+            target = self.user
+            if name != "dp_budget" or args:
+                if len(args) != 1 or const_string(args[0]) is None:
+                    raise FeatureNotSupported(f"{name}() takes one analyst name as a string literal")
+                target = str(const_string(args[0]))
+            if name == "dp_budget":
+                if target != self.user:
+                    require_admin(self.is_admin, "dp_budget(analyst)")
+                self.results[id(fc)] = [(await self.service.ledger.budget(target)).row()]
+            elif name == "dp_ledger":
+                require_admin(self.is_admin, name)
+                self.results[id(fc)] = await self.service.ledger.entries(target)
+            else:
+                require_admin(self.is_admin, name)
+                if self.dry_run:
+                    self.results[id(fc)] = [("",)]
+                else:
+                    b = await self.service.ledger.reset(target, self.user)
+                    self.results[id(fc)] = [(f"budget of {b.analyst} reset: epsilon "
+                                             f"{_g(float(b.epsilon_total))}, delta "
+                                             f"{_g(float(b.delta_total))} available",)]
+
+    def visit_RangeFunction(self, ancestors: Any, node: Any) -> Any:
+        fc = node.functions[0][0] if node.functions else None
+        if not isinstance(fc, ast.FuncCall) or id(fc) not in self.results:
+            return None
+        name = str(fc.funcname[-1].sval).lower()
+        cols, types = ((BUDGET_COLUMNS, ["text"] + ["numeric"] * 6) if name == "dp_budget" else
+                       (LEDGER_COLUMNS, ["int8", "timestamptz", "text", "numeric", "numeric", "text",
+                                         "text", "text", "text", "text"]) if name == "dp_ledger" else
+                       ([name], ["text"]))
+        rows = self.results[id(fc)]
+        alias = str(node.alias.aliasname) if node.alias else name
+        inner_sql = result_sql(cols, [(PG, t) for t in types], [tuple(_plain(v) for v in r) for r in rows])
+        from pglast import parse_sql
+
+        sub = parse_sql(inner_sql)[0].stmt
+        return ast.RangeSubselect(subquery=sub, alias=ast.Alias(aliasname=alias))
+
+    def visit_FuncCall(self, ancestors: Any, node: Any) -> Any:
+        if id(node) not in self.results:
+            return None
+        rows = self.results[id(node)]
+        text = rows[0][0] if len(rows[0]) == 1 else "(" + ",".join(str(_plain(v)) for v in rows[0]) + ")"
+        return ast.A_Const(val=ast.String(sval=str(text)))
+
+
+def _walk(node: Any) -> list[Any]:
+    out, stack = [], [node]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, ast.Node):
+            out.append(cur)
+            stack.extend(getattr(cur, n) for n in cur)
+        elif isinstance(cur, (tuple, list)):
+            stack.extend(cur)
+    return out
+
+
+def _plain(v: Any) -> str | int | float | None:
+    if v is None or isinstance(v, (int, float, str)):
+        return v
+    if isinstance(v, Decimal):
+        return str(v)
+    return str(v)
+
+
+def _g(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def explain_lines(prepared: Prepared) -> list[str]:
+    plan = prepared.plan
+    lines = [
+        f"DP query: epsilon {_g(float(plan.epsilon))}, delta {_g(float(plan.delta))}, "
+        f"max_groups_contributed {plan.max_groups_contributed}, noise {plan.noise_kind.value}",
+        f"Cost charged when run: epsilon {_g(float(plan.cost.epsilon))}, "
+        f"delta {_g(float(plan.cost.delta))}",
+    ]
+    if plan.threshold is not None and plan.tau is not None:
+        t = plan.threshold
+        lines.append(f"Partition selection: noisy user count >= tau {_g(plan.tau)} "
+                     f"(laplace scale {_g(t.noise.scale)}, epsilon {_g(float(t.epsilon))}, "
+                     f"delta {_g(float(t.delta))})")
+    for q in plan.quantities:
+        owner = (prepared.query.aggregates[q.aggregate].output_name
+                 if q.aggregate is not None else "user count")
+        lines.append(f"  {owner}: {q.component}, sensitivity {_g(q.sensitivity)}, epsilon "
+                     f"{_g(float(q.epsilon))}, delta {_g(float(q.delta))}, {q.noise.kind.value} "
+                     f"scale {_g(q.noise.scale)}, 95% half-width {_g(q.noise.half_width_95)}")
+    lines.append("Pushdown SQL (run as the pushdown role):")
+    lines.append("  " + prepared.sql)
+    return lines
+
+
+def _param_text(raw: bytes, fmt: int, oid: int) -> str:
+    """A parameter's value as text, decoding binary for the common scalar types."""
+    if fmt == 0:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidParameterValue("parameter is not valid UTF-8") from None
+    try:
+        if oid == 21:
+            return str(struct.unpack("!h", raw)[0])
+        if oid == 23:
+            return str(struct.unpack("!i", raw)[0])
+        if oid == 20:
+            return str(struct.unpack("!q", raw)[0])
+        if oid == 700:
+            return repr(struct.unpack("!f", raw)[0])
+        if oid == 701:
+            return repr(struct.unpack("!d", raw)[0])
+        if oid == 16:
+            return "true" if raw == b"\x01" else "false"
+        if oid in (25, 1043, 1042, 19, 0):
+            return raw.decode("utf-8")
+    except (struct.error, UnicodeDecodeError):
+        raise InvalidParameterValue("malformed binary parameter") from None
+    raise FeatureNotSupported(f"binary parameters of type oid {oid} are not supported in DP "
+                              "queries; send them in text format")
+
+
+__all__ = ["DPService", "InternalError", "QueryFailed"]

@@ -1,0 +1,218 @@
+"""The privacy-budget ledger, in the backend Postgres: limits, running totals, one row per event.
+
+A charge is one transaction that locks the analyst's row, checks
+`spent + cost <= limit` in exact `numeric` arithmetic, adds the cost and
+appends the ledger row, and commits before the pushdown runs: an answer is
+never released uncharged, and concurrent queries (from any number of proxy
+processes sharing the ledger) cannot spend past the limit. Resets are
+appended events, never deletions.
+"""
+
+from __future__ import annotations
+
+import decimal
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import asyncpg
+
+from config import Config
+from dp_core.errors import BudgetExhausted, InsufficientPrivilege, UndefinedObject
+from server.backend_setup import quote_ident
+
+SCHEMA_VERSION = 1
+_EXACT = decimal.Context(prec=400)
+
+
+def to_numeric(x: Fraction) -> decimal.Decimal:
+    """The exact decimal value of `x`; its denominator must be of the form 2^a·5^b."""
+    d = x.denominator
+    for prime in (2, 5):
+        while d % prime == 0:
+            d //= prime
+    if d != 1:
+        raise ValueError(f"{x} has no exact decimal expansion")
+    exact = _EXACT.divide(decimal.Decimal(x.numerator), decimal.Decimal(x.denominator))
+    return exact.normalize(_EXACT)
+
+
+@dataclass(frozen=True)
+class Budget:
+    analyst: str
+    epsilon_total: decimal.Decimal
+    epsilon_spent: decimal.Decimal
+    delta_total: decimal.Decimal
+    delta_spent: decimal.Decimal
+
+    @property
+    def epsilon_remaining(self) -> decimal.Decimal:
+        return max(self.epsilon_total - self.epsilon_spent, decimal.Decimal(0))
+
+    @property
+    def delta_remaining(self) -> decimal.Decimal:
+        return max(self.delta_total - self.delta_spent, decimal.Decimal(0))
+
+    def row(self) -> tuple[Any, ...]:
+        return (self.analyst, self.epsilon_total, self.epsilon_spent, self.epsilon_remaining,
+                self.delta_total, self.delta_spent, self.delta_remaining)
+
+
+BUDGET_COLUMNS = ["analyst", "epsilon_total", "epsilon_spent", "epsilon_remaining", "delta_total",
+                  "delta_spent", "delta_remaining"]
+LEDGER_COLUMNS = ["id", "at", "kind", "epsilon", "delta", "outcome", "fingerprint", "query",
+                  "mechanisms", "by_admin"]
+
+
+def fingerprint(sql: str) -> str:
+    """A stable identifier of the query's shape (pglast's fingerprint, hashed text as fallback)."""
+    from pglast.parser import fingerprint as pg_fingerprint
+
+    try:
+        return str(pg_fingerprint(sql))
+    except Exception:
+        return hashlib.sha256(sql.encode()).hexdigest()[:16]
+
+
+class Ledger:
+    """Ledger operations over the pushdown role's pool."""
+
+    def __init__(self, pool: asyncpg.Pool, schema: str) -> None:
+        self.pool = pool
+        self.s = quote_ident(schema)
+
+    async def migrate(self, config: Config) -> None:
+        """Create or upgrade the schema (idempotent) and load the analysts' limits from the config."""
+        s = self.s
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext('dp-proxy ledger migration'))")
+            await conn.execute(f"CREATE TABLE IF NOT EXISTS {s}.schema_version (version int NOT NULL)")
+            version = await conn.fetchval(f"SELECT max(version) FROM {s}.schema_version")
+            if version is None:
+                await conn.execute(f"""
+                    CREATE TABLE {s}.analysts (
+                        analyst text PRIMARY KEY,
+                        epsilon_total numeric NOT NULL CHECK (epsilon_total >= 0),
+                        delta_total numeric NOT NULL CHECK (delta_total >= 0),
+                        epsilon_spent numeric NOT NULL DEFAULT 0,
+                        delta_spent numeric NOT NULL DEFAULT 0,
+                        updated_at timestamptz NOT NULL DEFAULT now())""")
+                await conn.execute(f"""
+                    CREATE TABLE {s}.ledger (
+                        id bigserial PRIMARY KEY,
+                        at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                        analyst text NOT NULL,
+                        kind text NOT NULL CHECK (kind IN ('charge', 'reset', 'refused', 'limits')),
+                        epsilon numeric NOT NULL DEFAULT 0,
+                        delta numeric NOT NULL DEFAULT 0,
+                        outcome text NOT NULL,
+                        fingerprint text,
+                        query text,
+                        mechanisms jsonb,
+                        by_admin text)""")
+                await conn.execute(f"CREATE INDEX ledger_analyst_at ON {s}.ledger (analyst, at)")
+                # append-only: the table refuses UPDATE and DELETE, whoever asks
+                await conn.execute(f"""
+                    CREATE FUNCTION {s}.ledger_append_only() RETURNS trigger LANGUAGE plpgsql AS
+                    $$BEGIN RAISE EXCEPTION 'the privacy ledger is append-only'; END$$""")
+                await conn.execute(f"""
+                    CREATE TRIGGER ledger_append_only BEFORE UPDATE OR DELETE ON {s}.ledger
+                    FOR EACH STATEMENT EXECUTE FUNCTION {s}.ledger_append_only()""")
+                await conn.execute(f"INSERT INTO {s}.schema_version VALUES ($1)", SCHEMA_VERSION)
+            for name, a in config.analysts.items():
+                eps, dlt = decimal.Decimal(repr(a.epsilon_budget)), decimal.Decimal(repr(a.delta_budget))
+                changed = await conn.fetchval(f"""
+                    INSERT INTO {s}.analysts AS t (analyst, epsilon_total, delta_total)
+                    VALUES ($1, $2, $3)
+                    ON CONFLICT (analyst) DO UPDATE SET epsilon_total = EXCLUDED.epsilon_total,
+                        delta_total = EXCLUDED.delta_total, updated_at = now()
+                    WHERE t.epsilon_total <> EXCLUDED.epsilon_total
+                       OR t.delta_total <> EXCLUDED.delta_total
+                    RETURNING true""", name, eps, dlt)
+                if changed:
+                    await conn.execute(
+                        f"INSERT INTO {s}.ledger (analyst, kind, outcome, mechanisms) "
+                        "VALUES ($1, 'limits', 'limits set from the configuration', $2)",
+                        name, json.dumps({"epsilon_total": str(eps), "delta_total": str(dlt)}))
+
+    async def budget(self, analyst: str) -> Budget:
+        row = await self.pool.fetchrow(
+            f"SELECT analyst, epsilon_total, epsilon_spent, delta_total, delta_spent "
+            f"FROM {self.s}.analysts WHERE analyst = $1", analyst)
+        if row is None:
+            raise UndefinedObject(f'analyst "{analyst}" has no budget')
+        return Budget(row[0], row[1], row[2], row[3], row[4])
+
+    async def charge(self, analyst: str, epsilon: Fraction, delta: Fraction, sql: str,
+                     mechanisms: Mapping[str, Any]) -> int:
+        """Debit (ε, δ) or raise BudgetExhausted (53400, nothing charged). Returns the ledger id."""
+        eps, dlt = to_numeric(epsilon), to_numeric(delta)
+        s = self.s
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(
+                f"SELECT epsilon_total, epsilon_spent, delta_total, delta_spent "
+                f"FROM {s}.analysts WHERE analyst = $1 FOR UPDATE", analyst)
+            if row is None:
+                raise UndefinedObject(f'analyst "{analyst}" has no budget')
+            e_total, e_spent, d_total, d_spent = row
+            check_affordable(Budget(analyst, e_total, e_spent, d_total, d_spent), eps, dlt)
+            await conn.execute(
+                f"UPDATE {s}.analysts SET epsilon_spent = epsilon_spent + $2, "
+                f"delta_spent = delta_spent + $3, updated_at = now() WHERE analyst = $1",
+                analyst, eps, dlt)
+            ledger_id: int = await conn.fetchval(
+                f"INSERT INTO {s}.ledger (analyst, kind, epsilon, delta, outcome, fingerprint, "
+                f"query, mechanisms) VALUES ($1, 'charge', $2, $3, 'charged', $4, $5, $6) "
+                "RETURNING id",
+                analyst, eps, dlt, fingerprint(sql), sql, json.dumps(mechanisms))
+        return ledger_id
+
+    async def record(self, analyst: str, outcome: str, sql: str) -> None:
+        """Append an uncharged event (a refused or failed query) for the audit trail."""
+        await self.pool.execute(
+            f"INSERT INTO {self.s}.ledger (analyst, kind, outcome, fingerprint, query) "
+            "VALUES ($1, 'refused', $2, $3, $4)", analyst, outcome[:500], fingerprint(sql), sql)
+
+    async def reset(self, analyst: str, by_admin: str) -> Budget:
+        s = self.s
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(
+                f"UPDATE {s}.analysts SET epsilon_spent = 0, delta_spent = 0, updated_at = now() "
+                "WHERE analyst = $1 RETURNING analyst, epsilon_total, epsilon_spent, delta_total, "
+                "delta_spent", analyst)
+            if row is None:
+                raise UndefinedObject(f'analyst "{analyst}" does not exist')
+            await conn.execute(
+                f"INSERT INTO {s}.ledger (analyst, kind, outcome, by_admin) "
+                "VALUES ($1, 'reset', 'budget reset', $2)", analyst, by_admin)
+        return Budget(row[0], row[1], row[2], row[3], row[4])
+
+    async def entries(self, analyst: str) -> list[tuple[Any, ...]]:
+        rows = await self.pool.fetch(
+            f"SELECT id, at, kind, epsilon, delta, outcome, fingerprint, query, mechanisms::text, "
+            f"by_admin FROM {self.s}.ledger WHERE analyst = $1 ORDER BY id", analyst)
+        return [tuple(r) for r in rows]
+
+
+def check_affordable(budget: Budget, epsilon: decimal.Decimal, delta: decimal.Decimal) -> None:
+    """Raise BudgetExhausted (53400) if (ε, δ) does not fit in what is left."""
+    for what, spent, total, cost in (("epsilon", budget.epsilon_spent, budget.epsilon_total, epsilon),
+                                     ("delta", budget.delta_spent, budget.delta_total, delta)):
+        if spent + cost > total:
+            raise BudgetExhausted(
+                f"privacy budget exhausted: {what} spent {_fmt(spent)} of {_fmt(total)}, "
+                f"this query costs {_fmt(cost)}",
+                hint="ask an admin to reset the budget, or lower dp.epsilon / OPTIONS(epsilon=...)",
+            )
+
+
+def require_admin(is_admin: bool, function: str) -> None:
+    if not is_admin:
+        raise InsufficientPrivilege(f"{function}() is for admins only")
+
+
+def _fmt(x: decimal.Decimal) -> str:
+    return format(x.normalize(), "f") if x == x.to_integral() else format(x.normalize())
