@@ -618,6 +618,8 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
         bound = _bound_literal(args[1], fc) if len(args) == 2 else 1.0
         if bound <= 0:
             raise _refuse("the per-user bound of a count must be positive", _sql(fc))
+        if isinstance(args[0], ast.A_Const) and not args[0].isnull:
+            return Aggregate(AggKind.COUNT, None, Bounds(0, bound), name)  # COUNT(1) is COUNT(*)
         return Aggregate(AggKind.COUNT, totalize(args[0], "aggregate argument"), Bounds(0, bound),
                          name)
     if fc.agg_distinct:

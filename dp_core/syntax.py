@@ -38,9 +38,9 @@ class DPClause:
 
 
 def might_have_dp_clause(sql: str) -> bool:
-    """Cheap pre-filter: False means the text certainly has no DP clause."""
+    """Cheap pre-filter: False means the text certainly has no DP clause nor ANON_COUNT(*, U)."""
     low = sql.lower()
-    return "anonymization" in low or "differential_privacy" in low
+    return "anonymization" in low or "differential_privacy" in low or "anon_count" in low
 
 
 def strip_dp_clauses(sql: str) -> tuple[str, tuple[DPClause, ...]]:
@@ -79,6 +79,20 @@ def strip_dp_clauses(sql: str) -> tuple[str, tuple[DPClause, ...]]:
             done = end
             clauses.append(DPClause(len(sql[: t.start].encode("utf-8")), options))
             i = j
+        elif (
+            t.name == "IDENT"
+            and _text(raw, t).lower() == "anon_count"
+            and i + 3 < len(tokens)
+            and tokens[i + 1].name == "ASCII_40"
+            and tokens[i + 2].name == "ASCII_42"
+            and tokens[i + 3].name == "ASCII_44"
+        ):
+            # ANON_COUNT(*, U) is not Postgres grammar; counting 1 counts the same rows
+            star = tokens[i + 2].start
+            pieces.append(sql[done:star])
+            pieces.append("1")
+            done = star + 1
+            i += 4
         else:
             i += 1
     pieces.append(sql[done:])

@@ -159,6 +159,13 @@ def test_malformed_options(options: str, message: str) -> None:
         strip_dp_clauses(f"SELECT WITH ANONYMIZATION {options} ANON_COUNT(*) FROM visits")
 
 
+def test_anon_count_star_with_bound_becomes_parseable() -> None:
+    sql = "SELECT ANON_COUNT(*, 5), 'ANON_COUNT(*, 5)', anon_count ( * , 2) FROM visits"
+    stripped, clauses = strip_dp_clauses(sql)
+    assert clauses == ()
+    assert stripped == "SELECT ANON_COUNT(1, 5), 'ANON_COUNT(*, 5)', anon_count ( 1 , 2) FROM visits"
+
+
 def test_negative_and_empty_options() -> None:
     _, (clause,) = strip_dp_clauses("SELECT WITH ANONYMIZATION OPTIONS(epsilon=-1) 1")
     assert clause.option("epsilon") == -1  # parsed; the planner refuses it with its reason

@@ -1,0 +1,1 @@
+WITH dp_per_user AS (SELECT p.category AS dp_k0, p.uid AS dp_uid FROM purchases AS p, visits AS v WHERE p.uid = v.uid AND v.browser = 'Chrome' GROUP BY 1, 2), dp_bounded AS (SELECT *, row_number() OVER (PARTITION BY dp_uid ORDER BY random()) AS dp_rn FROM dp_per_user) SELECT dp_k0, CAST(dp_k0 AS text) AS dp_t0, count(*) AS dp_users FROM dp_bounded WHERE dp_rn <= 1 GROUP BY dp_k0

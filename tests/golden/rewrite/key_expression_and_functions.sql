@@ -1,0 +1,1 @@
+SELECT WITH DIFFERENTIAL_PRIVACY lower(browser) AS b, date_part('hour', '2024-01-01 10:00'::timestamp) AS h, ANON_COUNT(*) AS n FROM visits WHERE browser LIKE 'C%' AND country IN ('US', 'DE') GROUP BY 1, 2

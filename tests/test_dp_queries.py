@@ -1,0 +1,309 @@
+"""DP queries end to end through the proxy: answers, types, noise, budget, refusals, side channels."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import psycopg
+import pytest
+
+from config import Config
+
+from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, start_proxy
+from .test_dp_engine import GOLDEN_CASES, build
+
+Q = "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) browser, ANON_COUNT(*) AS n FROM visits GROUP BY browser"
+
+
+@pytest.fixture
+def reset(proxy: Proxy) -> Iterator[None]:
+    def do() -> None:
+        with psycopg.connect(proxy.dsn("admin"), autocommit=True) as c:
+            for who in ("alice", "bob"):
+                c.execute(f"SELECT dp_reset_budget('{who}')")
+    do()
+    yield
+    do()
+
+
+def spent(conn: psycopg.Connection) -> tuple[float, float]:
+    row = conn.execute("SELECT epsilon_spent, delta_spent FROM dp_budget()").fetchone()
+    assert row is not None
+    return float(row[0]), float(row[1])
+
+
+# ---------------------------------------------------------------------------- answers and types
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_grouped_query_types_and_threshold(proxy: Proxy, reset: None, binary: bool) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        cur = conn.cursor(binary=binary)
+        rows = cur.execute("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) AS n, "
+                           "ANON_AVG(duration, 0, 3600) AS a FROM visits WHERE duration > %s "
+                           "GROUP BY browser ORDER BY n DESC", (10,)).fetchall()
+        assert [d.name for d in cur.description] == ["browser", "n", "a"]
+        assert [d.type_code for d in cur.description] == [25, 20, 701]
+        assert rows[0][0] == "Chrome"
+        assert all(isinstance(r[1], int) and isinstance(r[2], float) for r in rows)
+        assert all(0 <= r[2] <= 3600 for r in rows)
+        assert 3 <= len(rows) <= 20
+
+
+def test_rare_countries_are_suppressed(proxy: Proxy, reset: None, backend: Backend) -> None:
+    async def true_counts() -> dict[str, int]:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            return {r[0].strip(): r[1] for r in await conn.fetch(
+                "SELECT country, count(DISTINCT uid) FROM visits GROUP BY country")}
+        finally:
+            await conn.close()
+
+    truth = asyncio.run(true_counts())
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        rows = conn.execute("SELECT WITH ANONYMIZATION country, ANON_COUNT(DISTINCT uid) "
+                            "FROM visits GROUP BY country").fetchall()
+    released = {r[0].strip() for r in rows}
+    assert all(truth[c] >= 5 for c in released), "groups of a handful of users are never released"
+    assert {c for c, n in truth.items() if n > 100} <= released
+    assert len(released) < len(truth)
+
+
+def test_global_aggregate_is_exactly_one_row(proxy: Proxy, reset: None) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        for where in ("", "WHERE false", "WHERE uid = -1"):
+            rows = conn.execute(f"SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) ANON_COUNT(*) AS n, "
+                                f"ANON_SUM(duration, 0, 10) AS s FROM visits {where}").fetchall()
+            assert len(rows) == 1
+
+
+def test_noise_varies_and_is_centred(proxy: Proxy, reset: None) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        vals = [conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.05) ANON_SUM(duration, 0, 100) "
+                             "FROM visits").fetchone()[0] for _ in range(8)]  # type: ignore[index]
+    assert len(set(vals)) == 8
+    true = None
+    assert all(isinstance(v, float) for v in vals)
+    del true
+
+
+def test_plain_sql_form_for_bi_tools(proxy: Proxy, reset: None) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        cur = conn.execute("SELECT browser, COUNT(*), SUM(duration), AVG(duration) FROM visits "
+                           "GROUP BY browser")
+        assert [d.name for d in cur.description] == ["browser", "count", "sum", "avg"]
+        assert len(cur.fetchall()) >= 3
+        assert spent(conn)[0] == pytest.approx(1.0)  # the configured default epsilon
+
+
+def test_having_order_by_limit_on_noisy_values(proxy: Proxy, reset: None) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        rows = conn.execute("SELECT WITH ANONYMIZATION country, ANON_COUNT(*) AS n FROM visits "
+                            "GROUP BY country HAVING ANON_COUNT(*) > 100 ORDER BY n DESC, 1 "
+                            "LIMIT 3").fetchall()
+        assert len(rows) == 3 and rows[0][0] == "US"
+        assert rows[0][1] >= rows[1][1] >= rows[2][1] > 100
+
+
+def test_join_on_uid_and_lookup_table(proxy: Proxy, reset: None) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        rows = conn.execute("SELECT WITH ANONYMIZATION c.region, ANON_SUM(p.amount, 0, 100) AS spend "
+                            "FROM visits v JOIN purchases p USING (uid) JOIN countries c "
+                            "ON c.code = v.country GROUP BY c.region ORDER BY 1").fetchall()
+    assert {r[0] for r in rows} <= {"Africa", "Americas", "Asia", "Europe", "Oceania"}
+    assert any(r[0] == "Americas" for r in rows)
+
+
+def test_asyncpg_prepared_dp_query_with_parameters(proxy: Proxy, reset: None) -> None:
+    async def go() -> None:
+        conn = await asyncpg.connect(proxy.uri())
+        try:
+            stmt = await conn.prepare("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) "
+                                      "ANON_SUM(duration, 0, 100) AS s, ANON_COUNT(*) AS n "
+                                      "FROM visits WHERE browser = $1")
+            assert [a.name for a in stmt.get_attributes()] == ["s", "n"]
+            assert [t.name for t in stmt.get_parameters()] == ["text"]
+            row = await stmt.fetchrow("Chrome")
+            assert row is not None and isinstance(row["s"], float) and isinstance(row["n"], int)
+            rows = await conn.fetch(Q)
+            assert rows and isinstance(rows[0]["n"], int)
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
+
+
+# ---------------------------------------------------------------------------- budget and ledger
+
+
+def test_explain_spends_nothing_and_shows_the_plan(proxy: Proxy, reset: None) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        before = spent(conn)
+        lines = [r[0] for r in conn.execute("EXPLAIN " + Q).fetchall()]
+        assert spent(conn) == before
+    text = "\n".join(lines)
+    assert "epsilon 0.1" in text and "tau" in text and "dp_per_user" in text
+    assert "laplace scale" in text
+
+
+def test_notice_reports_spend_and_noise(proxy: Proxy, reset: None) -> None:
+    notices: list[tuple[str, str]] = []
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        # a Diagnostic is only readable inside the callback
+        conn.add_notice_handler(lambda d: notices.append((d.message_primary or "",
+                                                          d.message_detail or "")))
+        conn.execute(Q).fetchall()
+    assert len(notices) == 1
+    message, detail = notices[0]
+    assert "spent epsilon 0.1" in message and "budget left epsilon 9.9" in message
+    assert "95% noise half-width: n ±" in detail
+
+
+def test_exact_charge_refusal_reset_and_ledger(proxy: Proxy, reset: None) -> None:
+    with psycopg.connect(proxy.dsn("bob"), autocommit=True) as bob:
+        for _ in range(3):
+            bob.execute(Q.replace("0.1", "0.3")).fetchall()
+        assert spent(bob) == (pytest.approx(0.9), pytest.approx(3e-6))
+        with pytest.raises(psycopg.Error) as exc:
+            bob.execute(Q.replace("0.1", "0.2")).fetchall()
+        assert exc.value.sqlstate == "53400"
+        assert "spent 0.9 of 1" in str(exc.value) and "costs 0.2" in str(exc.value)
+        assert spent(bob)[0] == pytest.approx(0.9), "a refused query charges nothing"
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            bob.execute("SELECT dp_reset_budget('bob')")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            bob.execute("SELECT * FROM dp_ledger('alice')")
+    with psycopg.connect(proxy.dsn("admin"), autocommit=True) as admin:
+        rows = admin.execute("SELECT kind, epsilon FROM dp_ledger('bob') ORDER BY id").fetchall()
+        charges = [r for r in rows if r[0] == "charge"]
+        assert len(charges) >= 3 and all(float(r[1]) == 0.3 for r in charges[-3:])
+        msg = admin.execute("SELECT dp_reset_budget('bob')").fetchone()
+        assert msg is not None and "budget of bob reset" in msg[0]
+        kinds = [r[0] for r in admin.execute("SELECT kind FROM dp_ledger('bob') ORDER BY id")]
+        assert kinds[-1] == "reset" and kinds.count("charge") >= 3, "a reset appends, never deletes"
+
+
+def test_concurrent_queries_never_overspend(proxy: Proxy, reset: None) -> None:
+    """Bob has ε = 1; 20 racing queries of ε = 0.1 each: exactly 10 are answered."""
+    answered: list[int] = []
+    refused: list[str] = []
+
+    def run() -> None:
+        try:
+            with psycopg.connect(proxy.dsn("bob"), autocommit=True) as c:
+                c.execute(Q).fetchall()
+                answered.append(1)
+        except psycopg.Error as e:
+            refused.append(e.sqlstate or "?")
+
+    threads = [threading.Thread(target=run) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(answered) == 10 and refused == ["53400"] * 10
+    with psycopg.connect(proxy.dsn("bob"), autocommit=True) as c:
+        assert spent(c)[0] == pytest.approx(1.0)
+
+
+def test_failed_pushdown_stays_charged_with_a_generic_error(
+        loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
+    slow = demo_config.backend.model_copy(update={"statement_timeout": 0.001})
+    px = start_proxy(loop_thread, demo_config.model_copy(update={"backend": slow}), backend)
+    try:
+        with psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
+            admin.execute("SELECT dp_reset_budget('alice')")
+        with psycopg.connect(px.dsn(), autocommit=True) as conn:
+            with pytest.raises(psycopg.errors.InternalError_) as exc:
+                conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.5) a.browser, ANON_COUNT(*) "
+                             "FROM visits a JOIN visits b USING (uid) GROUP BY a.browser").fetchall()
+            assert "failed after its privacy cost was charged" in str(exc.value)
+            assert "visits" not in str(exc.value) and "dp_per_user" not in str(exc.value)
+            assert spent(conn)[0] == pytest.approx(0.5)
+    finally:
+        loop_thread.run(px.server.stop())
+
+
+# ---------------------------------------------------------------------------- refusals and side channels
+
+
+def test_refusal_through_the_proxy_names_the_rule(proxy: Proxy, reset: None) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.FeatureNotSupported, match="subqueries in FROM"):
+            conn.execute("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM (SELECT * FROM visits) s")
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="above this proxy's limit"):
+            conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=5, max_groups_contributed=500) "
+                         "ANON_COUNT(*) FROM visits")
+        assert spent(conn) == (0.0, 0.0)
+
+
+def test_group_by_uid_releases_nothing(proxy: Proxy, reset: None) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        rows = conn.execute("SELECT WITH ANONYMIZATION uid, ANON_COUNT(*) FROM visits GROUP BY uid"
+                            ).fetchall()
+    assert rows == []
+
+
+@pytest.mark.parametrize("special", ["'NaN'::float8", "'Infinity'::float8", "'-Infinity'::float8",
+                                     "1e308::float8 * 10", "99999999999999999999999999::numeric"])
+def test_special_values_are_clamped(proxy: Proxy, reset: None, special: str) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        (s, a), = conn.execute(f"SELECT WITH ANONYMIZATION OPTIONS(epsilon=1) ANON_SUM(CASE WHEN uid = 1 "
+                               f"THEN {special} ELSE 0 END, 0, 1) AS s, ANON_AVG(CASE WHEN uid = 1 THEN "
+                               f"{special} ELSE 0 END, 0, 1) AS a FROM visits").fetchall()
+    assert math.isfinite(s) and math.isfinite(a) and 0 <= a <= 1
+
+
+@pytest.mark.parametrize("clause", [
+    "WHERE 1 / (uid - {u}) > 0",
+    "WHERE duration % (uid - {u}) = 0",
+    "WHERE (duration * 0 + 2147483647) * (CASE WHEN uid = {u} THEN 2147483647 ELSE 1 END) > 0",
+])
+def test_division_and_overflow_tricks_cannot_tell_if_a_user_exists(
+        proxy: Proxy, reset: None, clause: str) -> None:
+    """A query that would fail only when user u exists must answer alike for an existing and an absent u."""
+    outcomes = []
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        for u in (42, -5):  # 42 exists, -5 does not
+            sql = (f"SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) ANON_COUNT(*) FROM visits "
+                   f"{clause.format(u=u)}")
+            try:
+                conn.execute(sql).fetchall()
+                outcomes.append("answered")
+            except psycopg.Error as e:
+                outcomes.append(e.sqlstate)
+    assert outcomes == ["answered", "answered"]
+
+
+def test_golden_pushdowns_run_as_the_pushdown_role(backend: Backend) -> None:
+    async def go() -> None:
+        conn = await asyncpg.connect(backend.pushdown.uri())
+        try:
+            for case in GOLDEN_CASES:
+                text = "\n".join(ln for ln in case.read_text().splitlines() if not ln.startswith("--"))
+                _, _, sql = build(text.strip())
+                await conn.fetch(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
+
+
+def test_restricted_and_pushdown_roles_see_different_worlds(backend: Backend) -> None:
+    async def count(dsn: str) -> int:
+        conn = await asyncpg.connect(dsn)
+        try:
+            return int(await conn.fetchval("SELECT count(*) FROM visits"))
+        finally:
+            await conn.close()
+
+    assert asyncio.run(count(backend.restricted.uri())) == 0
+    assert asyncio.run(count(backend.pushdown.uri())) > 100_000
+
+
+del Path, TEST_DATABASE
