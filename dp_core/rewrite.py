@@ -48,7 +48,26 @@ def _clamp(col: str, lower: float, upper: float) -> str:
             f"LEAST(GREATEST({col}, {_num(lower)}), {_num(upper)}) END")
 
 
-def _template(query: AnalyzedQuery, plan: DPQueryPlan) -> str:
+_EXACT_INTEGERS = frozenset({"int2", "int4", "int8"})
+"""sum/avg of these accumulate exactly in int8/numeric: no overflow, no NaN."""
+_FLOATS = frozenset({"float4", "float8"})
+FLOAT_ROW_CLAMP = 1e290
+"""Float rows are clamped to ±1e290 first, so a sum of up to 10^18 of them cannot overflow."""
+
+
+def _arg(i: int, arg_type: str | None) -> str:
+    """The per-row argument of aggregate i, in a form whose sum cannot fail."""
+    if arg_type in _EXACT_INTEGERS or arg_type == "numeric":
+        return f"{_PH}a{i}"
+    if arg_type in _FLOATS:
+        # NaN sorts above every number: it becomes +1e290, then the per-user clamp to U
+        return (f"LEAST(GREATEST(({_PH}a{i})::float8, ({-FLOAT_ROW_CLAMP!r})::float8), "
+                f"({FLOAT_ROW_CLAMP!r})::float8)")
+    return f"({_PH}a{i})::numeric"
+
+
+def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
+              order_seed: int) -> str:
     keys = [f"{_PH}k{i} AS dp_k{i}" for i in range(len(query.keys))]
     partials = []
     for i, agg in enumerate(query.aggregates):
@@ -58,9 +77,9 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan) -> str:
             partials.append(f"count({_PH}a{i}) AS dp_p{i}" if agg.arg is not None
                             else f"count(*) AS dp_p{i}")
         elif agg.kind is AggKind.SUM:
-            partials.append(f"sum(({_PH}a{i})::numeric) AS dp_p{i}")
+            partials.append(f"sum({_arg(i, arg_types.get(i))}) AS dp_p{i}")
         else:
-            partials.append(f"avg(({_PH}a{i})::numeric) AS dp_p{i}")
+            partials.append(f"avg({_arg(i, arg_types.get(i))}) AS dp_p{i}")
     group_by = ", ".join(str(n) for n in range(1, len(keys) + 2))
     per_user = (f"SELECT {', '.join([*keys, f'{_PH}uid AS dp_uid', *partials])} "
                 f"FROM {_PH}from WHERE {_PH}where GROUP BY {group_by}")
@@ -92,10 +111,13 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan) -> str:
         return f"WITH dp_per_user AS ({per_user}) SELECT {', '.join(finals)} FROM dp_per_user"
     key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
     key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
+    # which groups a user keeps: a keyed hash of the group with a fresh secret key per query
+    # (as random as random() to the analyst, but parallel-safe and cheap to sort)
+    group_text = "concat_ws(',', " + ", ".join(f"dp_k{i}::text" for i in range(len(keys))) + ")"
     return (
         f"WITH dp_per_user AS ({per_user}), "
-        "dp_bounded AS (SELECT *, row_number() OVER (PARTITION BY dp_uid ORDER BY random()) "
-        "AS dp_rn FROM dp_per_user) "
+        "dp_bounded AS (SELECT *, row_number() OVER (PARTITION BY dp_uid ORDER BY "
+        f"hashtextextended({group_text}, {int(order_seed)})) AS dp_rn FROM dp_per_user) "
         f"SELECT {', '.join([*key_cols, *key_text, *finals])} FROM dp_bounded "
         f"WHERE dp_rn <= {int(plan.max_groups_contributed)} GROUP BY {', '.join(key_cols)}"
     )
@@ -126,9 +148,31 @@ class _Splice(Visitor):
         return None
 
 
-def pushdown_sql(query: AnalyzedQuery, plan: DPQueryPlan) -> str:
-    """The SQL that the pushdown role runs: one row per group with the true quantities."""
-    stmt = parse_sql(_template(query, plan))[0].stmt
+def argument_probe_sql(query: AnalyzedQuery) -> str | None:
+    """A query whose result columns have the types of the aggregates' arguments (prepared only)."""
+    cols = [f"{_PH}a{i} AS a{i}" for i, a in enumerate(query.aggregates)
+            if a.arg is not None and a.kind is not AggKind.COUNT]
+    if not cols:
+        return None
+    stmt = parse_sql(f"SELECT {', '.join(cols)} FROM {_PH}from WHERE FALSE")[0].stmt
+    nodes = {f"{_PH}a{i}": a.arg for i, a in enumerate(query.aggregates) if a.arg is not None}
+    _Splice(nodes, query.from_clause)(stmt)
+    return str(RawStream()(stmt))
+
+
+def pushdown_sql(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None = None,
+                 order_seed: int | None = None) -> str:
+    """The SQL that the pushdown role runs: one row per group with the true quantities.
+
+    `arg_types` maps aggregate indexes to their argument's type name (from
+    `argument_probe_sql`); unknown types are summed in numeric. `order_seed`
+    keys the hash that picks which groups a user keeps; a fresh secret one is
+    drawn when none is given.
+    """
+    import secrets
+
+    seed = secrets.randbits(62) if order_seed is None else order_seed
+    stmt = parse_sql(_template(query, plan, arg_types or {}, seed))[0].stmt
     nodes: dict[str, Any] = {f"{_PH}uid": query.uid,
                              f"{_PH}where": query.where or ast.A_Const(val=ast.Boolean(boolval=True))}
     for i, key in enumerate(query.keys):

@@ -60,7 +60,8 @@ class ProxyServer:
         b = self.config.backend
         self.pool = await asyncpg.create_pool(
             self.pushdown.uri(), min_size=1, max_size=b.pushdown_pool_size,
-            server_settings={"application_name": "dp-proxy pushdown"},
+            server_settings={"application_name": "dp-proxy pushdown",
+                             "work_mem": b.pushdown_work_mem},
         )
         ledger = Ledger(self.pool, b.ledger_schema)
         await ledger.migrate(self.config)

@@ -119,8 +119,12 @@ def demo_schema_sql() -> list[str]:
     ]
 
 
-def demo_data_sql(users: int = DEMO_USERS) -> list[str]:
-    """Statements that fill the demo tables (run after `demo_schema_sql`)."""
+def demo_data_sql(users: int = DEMO_USERS, min_visits: int = VISITS_PER_USER_MIN) -> list[str]:
+    """Statements that fill the demo tables (run after `demo_schema_sql`).
+
+    `users` and `min_visits` (the Pareto scale of rows per user) size the data:
+    the defaults give ≈ 200k visits; 100,000 users with `min_visits=4` give ≈ 2M.
+    """
     codes = [c[0] for c in COUNTRIES]
     country_rows = ",".join(
         "(" + ",".join("'" + f.replace("'", "''") + "'" for f in row) + ")" for row in COUNTRIES
@@ -130,13 +134,13 @@ def demo_data_sql(users: int = DEMO_USERS) -> list[str]:
     return [
         f"INSERT INTO countries VALUES {country_rows}",
         "CREATE TEMP TABLE demo_users AS SELECT uid, "
-        f"least({VISITS_PER_USER_CAP}, floor({VISITS_PER_USER_MIN} * power({_u('uid', 1)}, "
+        f"least({VISITS_PER_USER_CAP}, floor({int(min_visits)} * power({_u('uid', 1)}, "
         f"-1.0 / {alpha})))::int AS n_visits, "
         f"({_text_array(codes)})[width_bucket({_u('uid', 2)}, "
         f"{_zipf_lower_bounds(len(codes), 1.6)})] AS country, "
         f"120 + 600 * {_u('uid', 3)} AS mean_duration, "
         f"{_u('uid', 4)} < 0.3 AS buys "
-        f"FROM generate_series(1, {users}) AS uid",
+        f"FROM generate_series(1, {int(users)}) AS uid",
         "INSERT INTO visits (uid, browser, country, duration) SELECT u.uid, "
         f"({_text_array(BROWSERS)})[width_bucket({_u(visit_key, 5)}, "
         f"{_zipf_lower_bounds(len(BROWSERS), 1.0)})], u.country, "

@@ -31,7 +31,7 @@ from dp_core.errors import DPError, FeatureNotSupported, InternalError, InvalidP
 from dp_core.mechanisms import NoiseKind
 from dp_core.plan import DPQueryPlan, make_plan
 from dp_core.release import output_type, release
-from dp_core.rewrite import TypeRef, pushdown_sql, result_sql
+from dp_core.rewrite import TypeRef, argument_probe_sql, pushdown_sql, result_sql
 from dp_core.settings import Caps, validate
 from server import protocol as p
 from server.ledger import (
@@ -145,9 +145,14 @@ class DPService:
         query = analyze(stmt, self.policy, plain_form=st.dp_clause is None)
         epsilon, delta, max_groups, noise = self._settings(session, st)
         plan = make_plan(query, epsilon, delta, max_groups, noise)
-        sql = pushdown_sql(query, plan)
         async with self.pool.acquire() as conn:
             try:
+                probe = argument_probe_sql(query)
+                arg_types: dict[int, str] = {}
+                if probe is not None:
+                    attrs = (await conn.prepare(probe)).get_attributes()
+                    arg_types = {int(a.name[1:]): a.type.name for a in attrs}
+                sql = pushdown_sql(query, plan, arg_types)
                 prepared = await conn.prepare(sql)
             except asyncpg.PostgresError as e:
                 # planning reads no rows: its errors (unknown column, type mismatch) are safe to show

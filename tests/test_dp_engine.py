@@ -35,7 +35,7 @@ def build(sql: str, epsilon: float = 1.0, delta: float = 1e-6, max_groups: int =
     plan = make_plan(query, float(options.get("epsilon", epsilon)), float(options.get("delta", delta)),
                      int(options.get("max_groups_contributed", max_groups)),
                      NoiseKind(options.get("noise", noise)))
-    return query, plan, pushdown_sql(query, plan)
+    return query, plan, pushdown_sql(query, plan, order_seed=1234)
 
 
 # ---------------------------------------------------------------------------- golden pushdowns
@@ -217,3 +217,21 @@ def test_result_sql_round_trips_awkward_values() -> None:
     (stmt,) = parse_sql(sql)
     assert "'it''s'" in sql and "NULL" in sql
     assert stmt.stmt.fromClause[0].alias.aliasname == "dp_result"
+
+
+def test_native_aggregates_when_the_argument_type_cannot_overflow() -> None:
+    query, plan, _ = build("SELECT WITH ANONYMIZATION ANON_SUM(duration, 0, 10) AS s, "
+                           "ANON_AVG(duration, 0, 10) AS a FROM visits")
+    ints = pushdown_sql(query, plan, {0: "int4", 1: "int8"}, order_seed=1)
+    assert "sum(duration) AS dp_p0" in ints and "avg(duration) AS dp_p1" in ints
+    floats = pushdown_sql(query, plan, {0: "float8", 1: "float4"}, order_seed=1)
+    assert floats.count("LEAST(GREATEST(CAST(duration AS float8), CAST(-1e+290 AS float8)), "
+                        "CAST(1e+290 AS float8))") == 2, floats
+    other = pushdown_sql(query, plan, {0: "text"}, order_seed=1)
+    assert "sum(CAST(duration AS numeric))" in other
+
+
+def test_each_query_keys_its_group_choice_afresh() -> None:
+    query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits GROUP BY browser")
+    a, b = pushdown_sql(query, plan), pushdown_sql(query, plan)
+    assert "hashtextextended" in a and a != b
