@@ -139,10 +139,11 @@ async def run(scale: float, runs: int) -> list[str]:
 
 def _median_relative_error(raw: list[asyncpg.Record], dp: list[asyncpg.Record]) -> str:
     """Median over released groups and aggregates of |dp − true| / |true|."""
-    truth = {tuple(r)[0] if len(r) > 1 else None: tuple(r)[1:] if len(r) > 1 else tuple(r) for r in raw}
+    truth = {(next(iter(r)) if len(r) > 1 else None): (tuple(r)[1:] if len(r) > 1 else tuple(r))
+             for r in raw}
     errs = []
     for row in dp:
-        key = tuple(row)[0] if len(row) > 1 else None
+        key = next(iter(row)) if len(row) > 1 else None
         vals = tuple(row)[1:] if len(row) > 1 else tuple(row)
         if key not in truth:
             continue

@@ -39,7 +39,7 @@ def _num(x: float) -> str:
     """A numeric literal for one of our own (finite) constants."""
     if x != x or x in (float("inf"), float("-inf")):
         raise InternalError()
-    text = repr(float(x))
+    text = repr(float(x))  # our own constants only: never user text
     return f"({text})::numeric" if text.startswith("-") else f"{text}::numeric"
 
 
@@ -111,9 +111,11 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
         return f"WITH dp_per_user AS ({per_user}) SELECT {', '.join(finals)} FROM dp_per_user"
     key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
     key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
-    # which groups a user keeps: a keyed hash of the group with a fresh secret key per query
-    # (as random as random() to the analyst, but parallel-safe and cheap to sort)
-    group_text = "concat_ws(',', " + ", ".join(f"dp_k{i}::text" for i in range(len(keys))) + ")"
+    # which groups a user keeps: a keyed hash of (user, group) with a fresh secret key per
+    # query: independent across users as random() is, but parallel-safe and cheap to sort.
+    # (A hash of the group alone would make every user prefer the same groups.)
+    group_text = ("concat_ws(',', dp_uid::text, "
+                  + ", ".join(f"dp_k{i}::text" for i in range(len(keys))) + ")")
     return (
         f"WITH dp_per_user AS ({per_user}), "
         "dp_bounded AS (SELECT *, row_number() OVER (PARTITION BY dp_uid ORDER BY "

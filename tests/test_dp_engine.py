@@ -235,3 +235,10 @@ def test_each_query_keys_its_group_choice_afresh() -> None:
     query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits GROUP BY browser")
     a, b = pushdown_sql(query, plan), pushdown_sql(query, plan)
     assert "hashtextextended" in a and a != b
+
+
+def test_group_choice_depends_on_the_user() -> None:
+    """With C_u = 1 each user keeps one of its groups; the choice must be independent per user."""
+    query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits GROUP BY browser")
+    sql = pushdown_sql(query, plan, order_seed=7)
+    assert "hashtextextended(concat_ws(',', CAST(dp_uid AS text), CAST(dp_k0 AS text)), 7)" in sql
