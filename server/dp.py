@@ -138,32 +138,38 @@ class DPService:
                 int(values["max_groups_contributed"]), NoiseKind(values["noise"]))
 
     async def prepare(self, session: Session, st: Statement, bind: p.Bind | None,
-                      param_types: Sequence[int] = ()) -> Prepared:
-        """Analyse and plan `st` and prepare its pushdown; raises DPError on refusal."""
+                      param_types: Sequence[int] = (), conn: Any = None) -> Prepared:
+        """Analyse and plan `st` and prepare its pushdown; raises DPError on refusal.
+
+        With `conn` (a pushdown connection the caller holds) the prepared statement
+        stays usable for running the pushdown without planning it again.
+        """
+        if conn is None:
+            async with self.pool.acquire() as own:
+                return await self.prepare(session, st, bind, param_types, own)
         params = await self._bind_params(bind, param_types) if bind is not None else None
         stmt = parse_select(st.stripped_sql, params)
         query = analyze(stmt, self.policy, plain_form=st.dp_clause is None)
         epsilon, delta, max_groups, noise = self._settings(session, st)
         plan = make_plan(query, epsilon, delta, max_groups, noise)
-        async with self.pool.acquire() as conn:
-            try:
-                probe = argument_probe_sql(query)
-                arg_types: dict[int, str] = {}
-                if probe is not None:
-                    attrs = (await conn.prepare(probe)).get_attributes()
-                    arg_types = {int(a.name[1:]): a.type.name for a in attrs}
-                sql = pushdown_sql(query, plan, arg_types)
-                prepared = await conn.prepare(sql)
-            except asyncpg.PostgresError as e:
-                # planning reads no rows: its errors (unknown column, type mismatch) are safe to show
-                err = DPError(str(e).replace("dp_per_user", "the query"))
-                err.sqlstate = e.sqlstate or "XX000"
-                raise err from None
-            attrs = {a.name: a.type for a in prepared.get_attributes()}
-            key_types = [(attrs[f"dp_k{i}"].schema, attrs[f"dp_k{i}"].name)
-                         for i in range(len(query.keys))]
-            key_oids = [attrs[f"dp_k{i}"].oid for i in range(len(query.keys))]
-            param_oids = [t.oid for t in prepared.get_parameters()]
+        try:
+            probe = argument_probe_sql(query)
+            arg_types: dict[int, str] = {}
+            if probe is not None:
+                probe_attrs = (await conn.prepare(probe)).get_attributes()
+                arg_types = {int(a.name[1:]): a.type.name for a in probe_attrs}
+            sql = pushdown_sql(query, plan, arg_types)
+            prepared = await conn.prepare(sql)
+        except asyncpg.PostgresError as e:
+            # planning reads no rows: its errors (unknown column, type mismatch) are safe to show
+            err = DPError(str(e).replace("dp_per_user", "the query"))
+            err.sqlstate = e.sqlstate or "XX000"
+            raise err from None
+        attrs = {a.name: a.type for a in prepared.get_attributes()}
+        key_types = [(attrs[f"dp_k{i}"].schema, attrs[f"dp_k{i}"].name)
+                     for i in range(len(query.keys))]
+        key_oids = [attrs[f"dp_k{i}"].oid for i in range(len(query.keys))]
+        param_oids = [t.oid for t in prepared.get_parameters()]
         return Prepared(query, plan, sql, prepared, key_types, key_oids, param_oids)
 
     async def _type_name(self, oid: int) -> TypeRef:
@@ -215,7 +221,12 @@ class DPService:
     async def answer(self, session: Session, st: Statement, bind: p.Bind | None,
                      param_types: Sequence[int]) -> tuple[str, list[p.NoticeResponse]]:
         """Run a DP query or EXPLAIN; returns the result query to relay and notices to send."""
-        prepared = await self.prepare(session, st, bind, param_types)
+        async with self.pool.acquire() as conn:
+            return await self._answer(session, st, bind, param_types, conn)
+
+    async def _answer(self, session: Session, st: Statement, bind: p.Bind | None,
+                      param_types: Sequence[int], conn: Any) -> tuple[str, list[p.NoticeResponse]]:
+        prepared = await self.prepare(session, st, bind, param_types, conn)
         plan = prepared.plan
         if st.kind is StatementKind.DP_EXPLAIN:
             lines = explain_lines(prepared)
@@ -225,13 +236,12 @@ class DPService:
                       for q in plan.all_quantities}
         if plan.tau is not None:
             mechanisms["threshold"] = {"tau": plan.tau}
-        await self._check_affordable(session, plan)
-        await self.ledger.charge(session.user, plan.cost.epsilon, plan.cost.delta, st.sql, mechanisms)
+        await self._check_affordable(session, plan, conn)
+        await self.ledger.charge(session.user, plan.cost.epsilon, plan.cost.delta, st.sql, mechanisms,
+                                 conn)
         try:
-            async with self.pool.acquire() as conn:
-                timeout = self.config.backend.statement_timeout
-                rows = await conn.fetch(prepared.sql, timeout=timeout)
-        except (asyncpg.PostgresError, OSError, TimeoutError) as e:
+            rows = await prepared.statement.fetch(timeout=self.config.backend.statement_timeout)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as e:
             log.warning("session %s: charged DP query failed: %s", session.process_id,
                         type(e).__name__)
             raise QueryFailed() from None
@@ -240,12 +250,12 @@ class DPService:
         sources = [t.val for t in parse_select(st.stripped_sql).targetList]
         sql = result_sql(prepared.names, prepared.types(), released.rows, sources=sources,
                          having=q.having, order_by=q.order_by, limit=q.limit, offset=q.offset)
-        budget = await self.ledger.budget(session.user)
+        budget = await self.ledger.budget(session.user, conn)
         return sql, [self._notice(prepared, budget)]
 
-    async def _check_affordable(self, session: Session, plan: DPQueryPlan) -> None:
+    async def _check_affordable(self, session: Session, plan: DPQueryPlan, conn: Any) -> None:
         """A query costing more than is left gets 53400; then the per-query caps (22023)."""
-        budget = await self.ledger.budget(session.user)
+        budget = await self.ledger.budget(session.user, conn)
         check_affordable(budget, to_numeric(plan.cost.epsilon), to_numeric(plan.cost.delta))
         caps = session.server.caps
         if float(plan.epsilon) > caps.max_epsilon:

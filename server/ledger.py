@@ -138,8 +138,8 @@ class Ledger:
                         "VALUES ($1, 'limits', 'limits set from the configuration', $2)",
                         name, json.dumps({"epsilon_total": str(eps), "delta_total": str(dlt)}))
 
-    async def budget(self, analyst: str) -> Budget:
-        row = await self.pool.fetchrow(
+    async def budget(self, analyst: str, conn: Any = None) -> Budget:
+        row = await (conn or self.pool).fetchrow(
             f"SELECT analyst, epsilon_total, epsilon_spent, delta_total, delta_spent "
             f"FROM {self.s}.analysts WHERE analyst = $1", analyst)
         if row is None:
@@ -147,11 +147,18 @@ class Ledger:
         return Budget(row[0], row[1], row[2], row[3], row[4])
 
     async def charge(self, analyst: str, epsilon: Fraction, delta: Fraction, sql: str,
-                     mechanisms: Mapping[str, Any]) -> int:
-        """Debit (ε, δ) or raise BudgetExhausted (53400, nothing charged). Returns the ledger id."""
+                     mechanisms: Mapping[str, Any], conn: Any = None) -> int:
+        """Debit (ε, δ) or raise BudgetExhausted (53400, nothing charged). Returns the ledger id.
+
+        Pass `conn` when the caller already holds a pool connection (never wait for a
+        second one while holding the first: that deadlocks a busy pool).
+        """
+        if conn is None:
+            async with self.pool.acquire() as own:
+                return await self.charge(analyst, epsilon, delta, sql, mechanisms, own)
         eps, dlt = to_numeric(epsilon), to_numeric(delta)
         s = self.s
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with conn.transaction():
             row = await conn.fetchrow(
                 f"SELECT epsilon_total, epsilon_spent, delta_total, delta_spent "
                 f"FROM {s}.analysts WHERE analyst = $1 FOR UPDATE", analyst)
