@@ -71,9 +71,10 @@ class BackendConfig(_Strict):
     restricted_dsn: str | None = None
     pushdown_pool_size: int = Field(default=10, ge=1, le=1000)
     statement_timeout: float = Field(default=300.0, gt=0)
-    pushdown_work_mem: str = Field(
-        default="128MB", pattern=r"^[0-9]+(kB|MB|GB)$",
-        description="work_mem of pushdown sessions: per-user aggregation hashes many groups")
+    pushdown_work_mem: str | None = Field(
+        default=None, pattern=r"^[0-9]+(kB|MB|GB)$",
+        description="work_mem of pushdown sessions (default: the server's); more memory avoids "
+                    "spilling per-user aggregates to disk but can turn parallel plans serial")
     ledger_schema: str = "dpproxy"
 
     @field_validator("ledger_schema")

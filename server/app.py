@@ -61,7 +61,7 @@ class ProxyServer:
         self.pool = await asyncpg.create_pool(
             self.pushdown.uri(), min_size=1, max_size=b.pushdown_pool_size,
             server_settings={"application_name": "dp-proxy pushdown",
-                             "work_mem": b.pushdown_work_mem},
+                             **({"work_mem": b.pushdown_work_mem} if b.pushdown_work_mem else {})},
         )
         ledger = Ledger(self.pool, b.ledger_schema)
         await ledger.migrate(self.config)
