@@ -1,4 +1,4 @@
-"""The `dp-proxy` command: demo, serve, check-config, hash-password, init-backend."""
+"""The `dp-proxy` command: demo, serve, budget, check-config, hash-password, init-backend."""
 
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     hp = sub.add_parser("hash-password", help="print a SCRAM-SHA-256 verifier for a password")
     hp.add_argument("--stdin", action="store_true", help="read the password from standard input")
 
+    bud = sub.add_parser("budget", help="show or reset an analyst's privacy budget")
+    bud.add_argument("action", choices=["show", "reset"])
+    bud.add_argument("analyst")
+    bud.add_argument("--config", type=Path, required=True)
+
     ib = sub.add_parser("init-backend",
                         help="create the pushdown and restricted roles in an existing Postgres")
     ib.add_argument("--config", type=Path, required=True)
@@ -63,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "check-config": _cmd_check_config,
         "hash-password": _cmd_hash_password,
         "init-backend": _cmd_init_backend,
+        "budget": _cmd_budget,
     }[args.command]
     return handler(args)
 
@@ -158,6 +164,53 @@ async def _init_backend(config: Config, admin_dsn: str, database: str, roles: ob
     print(f"roles {roles.pushdown} and {roles.restricted} are ready in database {database}.")
     if unset:
         print(f"Set the password of {', '.join(unset)} (\\password in psql) if the backend asks for one.")
+    return 0
+
+
+def _cmd_budget(args: argparse.Namespace) -> int:
+    from server.dsn import DSNError, parse_dsn
+
+    config = _load(args.config)
+    if config is None:
+        return EXIT_CONFIG
+    if config.backend.embedded:
+        print("this config uses the embedded backend, whose ledger lives only while "
+              "`dp-proxy demo` runs: use SELECT * FROM dp_budget() there", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.analyst not in config.analysts:
+        print(f"no analyst {args.analyst!r} in {args.config}", file=sys.stderr)
+        return 1
+    assert config.backend.pushdown_dsn
+    try:
+        dsn = parse_dsn(config.backend.pushdown_dsn)
+    except DSNError as e:
+        print(f"backend.pushdown_dsn: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    return asyncio.run(_budget(config, dsn.uri(), args.action, args.analyst))
+
+
+async def _budget(config: Config, dsn: str, action: str, analyst: str) -> int:
+    import asyncpg
+
+    from dp_core.errors import DPError
+    from server.ledger import BUDGET_COLUMNS, Ledger
+
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    try:
+        ledger = Ledger(pool, config.backend.ledger_schema)
+        await ledger.migrate(config)
+        try:
+            budget = (await ledger.reset(analyst, "dp-proxy budget reset") if action == "reset"
+                      else await ledger.budget(analyst))
+        except DPError as e:
+            print(f"dp-proxy: {e.message}", file=sys.stderr)
+            return 1
+    finally:
+        await pool.close()
+    if action == "reset":
+        print(f"budget of {analyst} reset (an event is appended to the ledger)")
+    for name, value in zip(BUDGET_COLUMNS, budget.row(), strict=True):
+        print(f"{name:18s} {value}")
     return 0
 
 

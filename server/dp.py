@@ -220,9 +220,22 @@ class DPService:
 
     async def answer(self, session: Session, st: Statement, bind: p.Bind | None,
                      param_types: Sequence[int]) -> tuple[str, list[p.NoticeResponse]]:
-        """Run a DP query or EXPLAIN; returns the result query to relay and notices to send."""
+        """Run a DP query or EXPLAIN; returns the result query to relay and notices to send.
+
+        Every attempt that does not end in an answer is appended to the ledger with
+        its outcome (the audit trail); answers are there as charges.
+        """
         async with self.pool.acquire() as conn:
-            return await self._answer(session, st, bind, param_types, conn)
+            try:
+                return await self._answer(session, st, bind, param_types, conn)
+            except DPError as e:
+                if st.kind is not StatementKind.DP_EXPLAIN:
+                    try:
+                        await self.ledger.record(session.user, f"{e.sqlstate}: {e.message}", st.sql,
+                                                 conn)
+                    except (asyncpg.PostgresError, OSError):
+                        log.warning("session %s: could not audit a refused query", session.process_id)
+                raise
 
     async def _answer(self, session: Session, st: Statement, bind: p.Bind | None,
                       param_types: Sequence[int], conn: Any) -> tuple[str, list[p.NoticeResponse]]:

@@ -177,9 +177,9 @@ class Ledger:
                 analyst, eps, dlt, fingerprint(sql), sql, json.dumps(mechanisms))
         return ledger_id
 
-    async def record(self, analyst: str, outcome: str, sql: str) -> None:
+    async def record(self, analyst: str, outcome: str, sql: str, conn: Any = None) -> None:
         """Append an uncharged event (a refused or failed query) for the audit trail."""
-        await self.pool.execute(
+        await (conn or self.pool).execute(
             f"INSERT INTO {self.s}.ledger (analyst, kind, outcome, fingerprint, query) "
             "VALUES ($1, 'refused', $2, $3, $4)", analyst, outcome[:500], fingerprint(sql), sql)
 

@@ -307,3 +307,17 @@ def test_restricted_and_pushdown_roles_see_different_worlds(backend: Backend) ->
 
 
 del Path, TEST_DATABASE
+
+
+def test_refused_and_failed_attempts_are_audited(proxy: Proxy, reset: None) -> None:
+    with psycopg.connect(proxy.dsn("bob"), autocommit=True) as bob:
+        with pytest.raises(psycopg.errors.FeatureNotSupported):
+            bob.execute("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE random() > 0")
+        with pytest.raises(psycopg.Error):
+            bob.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=5) ANON_COUNT(*) FROM visits")
+    with psycopg.connect(proxy.dsn("admin"), autocommit=True) as admin:
+        rows = admin.execute("SELECT kind, epsilon, outcome, query FROM dp_ledger('bob') "
+                             "ORDER BY id DESC LIMIT 2").fetchall()
+    assert [r[0] for r in rows] == ["refused", "refused"]
+    assert rows[0][2].startswith("53400: privacy budget exhausted") and float(rows[0][1]) == 0
+    assert rows[1][2].startswith("0A000:") and "random()" in rows[1][3]

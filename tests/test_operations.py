@@ -135,3 +135,21 @@ def test_compose_names_real_commands_and_files() -> None:
 def test_shipped_configs_pass_check_config(path: str) -> None:
     out = _cli("check-config", path)
     assert out.returncode == 0, out.stderr
+
+
+def test_budget_cli_show_and_reset(backend: Backend, tmp_path: Path) -> None:
+    base = parse_dsn(backend.admin_dsn)
+    password = backend.pushdown.password
+    cfg = _config_for(backend, tmp_path, f"dp_pushdown:{password}", f"dp_restricted:{password}")
+    out = _cli("budget", "show", "bob", "--config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    assert "epsilon_total" in out.stdout and "analyst            bob" in out.stdout
+    out = _cli("budget", "reset", "bob", "--config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    assert "budget of bob reset" in out.stdout
+    assert "epsilon_spent      0" in out.stdout
+    out = _cli("budget", "show", "nobody", "--config", str(cfg))
+    assert out.returncode == 1 and "no analyst 'nobody'" in out.stderr
+    out = _cli("budget", "show", "bob", "--config", "config/demo.toml")
+    assert out.returncode == 2 and "embedded" in out.stderr
+    del base
