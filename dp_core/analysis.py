@@ -107,6 +107,8 @@ class AnalyzedQuery:
     offset: ast.Node | None
     plain_form: bool
     """True for `SELECT k, COUNT(*) ...` without WITH ANONYMIZATION."""
+    ctes: tuple[Any, ...] = ()
+    """The query's (validated) WITH list, kept ahead of the pushdown's own."""
 
 
 # ---------------------------------------------------------------------------- functions
@@ -322,9 +324,12 @@ class Totalizer:
 class _FromAnalysis:
     """Walks FROM: finds protected tables, checks joins between them equate their uids."""
 
-    def __init__(self, policy: Mapping[str, TablePolicy], totalize: Totalizer) -> None:
+    def __init__(self, policy: Mapping[str, TablePolicy], totalize: Totalizer,
+                 ctes: Mapping[str, str | None] | None = None) -> None:
         self.policy = policy
         self.totalize = totalize
+        self.ctes = dict(ctes or {})
+        """Common table expressions in scope: name → uid column (None: no protected rows)."""
         self.tables: list[TableRef] = []
         self.uid_equalities: list[tuple[str, str]] = []
         self.using: list[tuple[set[str], str]] = []
@@ -355,7 +360,19 @@ class _FromAnalysis:
                 node.quals = self.totalize(node.quals, "JOIN condition")
             return node
         if isinstance(node, ast.RangeSubselect):
-            raise _refuse("subqueries in FROM are not supported yet", _sql(node))
+            if node.lateral:
+                raise _refuse("LATERAL subqueries", _sql(node))
+            if node.alias is None:
+                raise _refuse("a subquery in FROM needs an alias", _sql(node))
+            sub_uid = _owned_subquery(node.subquery, self.policy, self.totalize, self.ctes)
+            alias = str(node.alias.aliasname)
+            if sub_uid is not None:
+                if node.alias.colnames:
+                    raise _refuse("column aliases on a subquery that reads protected tables", alias)
+                if any(t.alias == alias for t in self.tables):
+                    raise _refuse("the same alias twice", alias)
+                self.tables.append(TableRef(alias, alias, sub_uid))
+            return node
         if isinstance(node, ast.RangeFunction):
             raise _refuse("functions in FROM", _sql(node))
         raise _refuse(f"FROM item {type(node).__name__}", _sql(node))
@@ -365,6 +382,14 @@ class _FromAnalysis:
         schema = str(rv.schemaname) if rv.schemaname else None
         if (schema in _SYSTEM_SCHEMAS) or name.startswith("pg_"):
             raise _refuse("system catalogs", name)
+        if schema is None and name in self.ctes:
+            cte_uid = self.ctes[name]
+            if cte_uid is not None:
+                alias = str(rv.alias.aliasname) if rv.alias else name
+                if any(t.alias == alias for t in self.tables):
+                    raise _refuse("the same alias twice", alias)
+                self.tables.append(TableRef(name, alias, cte_uid))
+            return rv
         pol = self.policy.get(name)
         if pol is not None and schema in (None, pol.schema):
             alias = str(rv.alias.aliasname) if rv.alias else name
@@ -468,8 +493,21 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     """Check `stmt` against the DP rules and split it into keys, aggregates and the rest."""
     if stmt.op is not None and stmt.op != 0 and stmt.larg is not None:
         raise _refuse("set operations (UNION, INTERSECT, EXCEPT)")
+    ctes: dict[str, str | None] = {}
+    cte_nodes: tuple[Any, ...] = ()
     if stmt.withClause is not None:
-        raise _refuse("WITH (common table expressions) is not supported yet")
+        if stmt.withClause.recursive:
+            raise _refuse("recursive WITH")
+        for cte in stmt.withClause.ctes:
+            name = str(cte.ctename)
+            if name.startswith("dp_"):
+                raise _refuse("names starting with dp_ are reserved", name)
+            if cte.aliascolnames:
+                raise _refuse("column aliases on a WITH query", name)
+            if not isinstance(cte.ctequery, ast.SelectStmt):
+                raise _refuse("data-modifying WITH", name)
+            ctes[name] = _owned_subquery(cte.ctequery, policy, Totalizer(frozenset(policy)), ctes)
+        cte_nodes = tuple(stmt.withClause.ctes)
     if stmt.distinctClause:
         raise _refuse("SELECT DISTINCT (distinct over users' rows)")
     if stmt.windowClause:
@@ -479,7 +517,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     if not stmt.fromClause:
         raise _refuse("a DP query must read a protected table")
     totalize = Totalizer(frozenset(policy))
-    fa = _FromAnalysis(policy, totalize)
+    fa = _FromAnalysis(policy, totalize, ctes)
     from_clause = tuple(fa.item(item) for item in stmt.fromClause)
     if not fa.tables:
         raise _refuse("a DP query must read a protected table")
@@ -520,8 +558,121 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         from_clause=from_clause, where=where, uid=uid, tables=tuple(fa.tables), keys=tuple(keys),
         aggregates=tuple(aggregates), outputs=tuple(outputs), having=stmt.havingClause,
         order_by=tuple(stmt.sortClause or ()), limit=stmt.limitCount, offset=stmt.limitOffset,
-        plain_form=plain_form,
+        plain_form=plain_form, ctes=cte_nodes,
     )
+
+
+_PER_USER_AGGREGATES = frozenset({"count", "sum", "avg", "min", "max"})
+
+
+def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Totalizer,
+                    ctes: Mapping[str, str | None]) -> str | None:
+    """Check an inner query (subquery in FROM or WITH) against the ownership rules.
+
+    Returns the name of its uid output column, or None when it reads no protected
+    rows. Projection and selection are free; aggregation must group by the uid
+    (per-user rows); DISTINCT, LIMIT/OFFSET, window functions and set operations
+    are refused. The uid is appended to the select list when it is missing and
+    that is unambiguous. Expressions are made total in place.
+    """
+    if not isinstance(sel, ast.SelectStmt):
+        raise _refuse("this kind of subquery", _sql(sel))
+    if sel.op and sel.larg is not None:
+        if _reads_protected(sel, policy, ctes):
+            raise _refuse("set operations (UNION, INTERSECT, EXCEPT) over protected tables", _sql(sel))
+        return None
+    if not _reads_protected(sel, policy, ctes):
+        return None
+    if sel.withClause is not None:
+        raise _refuse("WITH inside a subquery", _sql(sel))
+    if sel.distinctClause:
+        raise _refuse("DISTINCT in a subquery over protected tables", _sql(sel))
+    if sel.limitCount is not None or sel.limitOffset is not None:
+        raise _refuse("LIMIT or OFFSET in a subquery over protected tables", _sql(sel))
+    if sel.windowClause or any(isinstance(n, ast.FuncCall) and n.over is not None for n in _walk(sel)):
+        raise _refuse("window functions in a subquery over protected tables", _sql(sel))
+    if sel.havingClause is not None:
+        raise _refuse("HAVING in a subquery over protected tables", _sql(sel))
+    if sel.valuesLists or not sel.fromClause:
+        raise _refuse("this kind of subquery", _sql(sel))
+    fa = _FromAnalysis(policy, totalize, ctes)
+    sel.fromClause = tuple(fa.item(item) for item in sel.fromClause)
+    fa.check_connected(sel.whereClause)
+    if sel.whereClause is not None:
+        sel.whereClause = totalize(sel.whereClause, "WHERE")
+    uid_refs = {(t.alias, t.uid_column) for t in fa.tables}
+    uid_names = {t.uid_column for t in fa.tables}
+
+    def is_uid(node: Any) -> bool:
+        if not isinstance(node, ast.ColumnRef):
+            return False
+        parts = tuple(str(f.sval) for f in node.fields if isinstance(f, ast.String))
+        return (len(parts) == 2 and parts in uid_refs) or (len(parts) == 1 and parts[0] in uid_names)
+
+    grouped = bool(sel.groupClause)
+    if grouped:
+        keys = _group_expressions(sel)
+        if not any(is_uid(k) for k in keys):
+            raise _refuse("aggregation in a subquery must group by the uid (per-user rows)",
+                          _sql(sel))
+        sel.groupClause = tuple(totalize(g, "GROUP BY") if not is_uid(g) else g
+                                for g in sel.groupClause)
+    targets = []
+    uid_out: str | None = None
+    for target in sel.targetList:
+        val = target.val
+        if isinstance(val, ast.ColumnRef) and isinstance(val.fields[-1], ast.A_Star):
+            targets.append(target)
+            if uid_out is None:
+                uid_out = fa.tables[0].uid_column
+            continue
+        if is_uid(val) and uid_out is None:
+            uid_out = str(target.name) if target.name else str(val.fields[-1].sval)
+            targets.append(target)
+            continue
+        target.val = _per_user_expression(val, grouped, totalize)
+        targets.append(target)
+    if uid_out is None:  # propagate the uid: unambiguous, it is the first table's
+        first = fa.tables[0]
+        uid_out = "dp_uid_auto" if any(t.name == first.uid_column for t in targets) else first.uid_column
+        targets.append(ast.ResTarget(name=uid_out, val=ast.ColumnRef(fields=(
+            ast.String(sval=first.alias), ast.String(sval=first.uid_column)))))
+    sel.targetList = tuple(targets)
+    return uid_out
+
+
+def _per_user_expression(val: Any, grouped: bool, totalize: Totalizer) -> Any:
+    """A select-list item of an inner query: total, with per-user aggregates made total too."""
+    if isinstance(val, ast.FuncCall) and _funcname(val) in _PER_USER_AGGREGATES:
+        if not grouped:
+            raise _refuse("aggregates in a subquery need GROUP BY uid", _sql(val))
+        if val.over is not None or val.agg_filter is not None or val.agg_order:
+            raise _refuse("FILTER, ORDER BY or OVER in a per-user aggregate", _sql(val))
+        name = _funcname(val)
+        args = tuple(totalize(a, "aggregate argument") for a in (val.args or ()))
+        if name in ("sum", "avg"):
+            args = tuple(_numeric(a) for a in args)  # exact: no overflow for any user's rows
+        val.args = args or None
+        return val
+    for node in _walk(val):
+        if isinstance(node, ast.FuncCall) and _funcname(node) in _PER_USER_AGGREGATES:
+            raise _refuse("expressions over per-user aggregates (select the aggregate itself)",
+                          _sql(val))
+    _no_aggregates_inside(val)
+    return totalize(val, "subquery select list")
+
+
+def _reads_protected(sel: Any, policy: Mapping[str, TablePolicy], ctes: Mapping[str, str | None]) -> bool:
+    for node in _walk(sel):
+        if isinstance(node, ast.RangeVar):
+            name = str(node.relname)
+            schema = str(node.schemaname) if node.schemaname else None
+            pol = policy.get(name)
+            if pol is not None and schema in (None, pol.schema):
+                return True
+            if schema is None and ctes.get(name) is not None:
+                return True
+    return False
 
 
 def _group_expressions(stmt: ast.SelectStmt) -> list[Any]:

@@ -183,6 +183,8 @@ def pushdown_sql(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, s
         if agg.arg is not None:
             nodes[f"{_PH}a{i}"] = agg.arg
     _Splice(nodes, query.from_clause)(stmt)
+    if query.ctes:
+        stmt.withClause.ctes = tuple(copy.deepcopy(query.ctes)) + tuple(stmt.withClause.ctes)
     return str(RawStream()(stmt))
 
 

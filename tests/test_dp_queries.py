@@ -321,3 +321,22 @@ def test_refused_and_failed_attempts_are_audited(proxy: Proxy, reset: None) -> N
     assert [r[0] for r in rows] == ["refused", "refused"]
     assert rows[0][2].startswith("53400: privacy budget exhausted") and float(rows[0][1]) == 0
     assert rows[1][2].startswith("0A000:") and "random()" in rows[1][3]
+
+
+def test_subqueries_and_ctes_end_to_end(proxy: Proxy, reset: None) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        hist = conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.2) s.n_visits, ANON_COUNT(*) AS users "
+                            "FROM (SELECT uid, count(*) AS n_visits FROM visits GROUP BY uid) s "
+                            "GROUP BY s.n_visits ORDER BY 1 LIMIT 3").fetchall()
+        assert [r[0] for r in hist] == [2, 3, 4]  # every user has at least 2 visits; most a handful
+        (avg,), = conn.execute("WITH spend AS (SELECT uid, sum(amount) AS total FROM purchases GROUP BY uid) "
+                               "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.2) ANON_AVG(total, 0, 1000) "
+                               "FROM spend").fetchall()
+        assert 0 <= avg <= 1000
+        rows = conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.2) c.region, ANON_COUNT(*) FROM "
+                            "(SELECT * FROM visits WHERE duration > 60) v JOIN countries c "
+                            "ON c.code = v.country GROUP BY 1").fetchall()
+        assert rows
+        with pytest.raises(psycopg.errors.FeatureNotSupported, match="must group by the uid"):
+            conn.execute("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM (SELECT browser, count(*) "
+                         "FROM visits GROUP BY browser) s")
