@@ -159,6 +159,8 @@ def argument_probe_sql(query: AnalyzedQuery) -> str | None:
     stmt = parse_sql(f"SELECT {', '.join(cols)} FROM {_PH}from WHERE FALSE")[0].stmt
     nodes = {f"{_PH}a{i}": a.arg for i, a in enumerate(query.aggregates) if a.arg is not None}
     _Splice(nodes, query.from_clause)(stmt)
+    if query.ctes:
+        stmt.withClause = ast.WithClause(ctes=tuple(copy.deepcopy(query.ctes)))
     return str(RawStream()(stmt))
 
 

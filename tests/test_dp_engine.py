@@ -244,6 +244,15 @@ def test_native_aggregates_when_the_argument_type_cannot_overflow() -> None:
     assert "sum(CAST(duration AS numeric))" in other
 
 
+def test_argument_probe_keeps_the_with_list() -> None:
+    from dp_core.rewrite import argument_probe_sql
+
+    query, _, _ = build("WITH s AS (SELECT uid, sum(amount) AS t FROM purchases GROUP BY uid) "
+                        "SELECT WITH ANONYMIZATION ANON_SUM(t, 0, 10) FROM s")
+    probe = argument_probe_sql(query)
+    assert probe is not None and probe.startswith("WITH s AS (") and "FROM s WHERE FALSE" in probe
+
+
 def test_each_query_keys_its_group_choice_afresh() -> None:
     query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits GROUP BY browser")
     a, b = pushdown_sql(query, plan), pushdown_sql(query, plan)
