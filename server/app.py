@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dp_proxy.server")
 
+PUSHDOWN_APPLICATION_NAME = "dp-proxy pushdown"
+
 
 class ProxyServer:
     """One listening proxy in front of one backend database."""
@@ -60,8 +62,7 @@ class ProxyServer:
         b = self.config.backend
         self.pool = await asyncpg.create_pool(
             self.pushdown.uri(), min_size=1, max_size=b.pushdown_pool_size,
-            server_settings={"application_name": "dp-proxy pushdown",
-                             **({"work_mem": b.pushdown_work_mem} if b.pushdown_work_mem else {})},
+            server_settings=await self._pushdown_settings(),
         )
         ledger = Ledger(self.pool, b.ledger_schema)
         await ledger.migrate(self.config)
@@ -74,6 +75,25 @@ class ProxyServer:
         sock = self._server.sockets[0]
         self.port = int(sock.getsockname()[1])
         log.info("listening on %s:%s", self.config.listen.host, self.port)
+
+    async def _pushdown_settings(self) -> dict[str, str]:
+        """Session defaults of pushdown connections (startup parameters survive the pool's
+        RESET ALL). The limits are enforced by Postgres, so they hold if this proxy dies."""
+        import asyncpg
+
+        b = self.config.backend
+        settings = {"application_name": PUSHDOWN_APPLICATION_NAME,
+                    "statement_timeout": str(int(b.statement_timeout * 1000))}
+        if b.pushdown_work_mem:
+            settings["work_mem"] = b.pushdown_work_mem
+        probe = await asyncpg.connect(self.pushdown.uri())
+        try:
+            if probe.get_server_version().major >= 14:
+                # abort a running pushdown within a second once its client (this proxy) is gone
+                settings["client_connection_check_interval"] = "1000"
+        finally:
+            await probe.close()
+        return settings
 
     def _new_connection(self) -> asyncio.Protocol:
         if len(self.sessions) >= self.config.listen.max_connections:

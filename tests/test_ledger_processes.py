@@ -95,6 +95,22 @@ async def _ledger_totals(backend: Backend, analyst: str) -> tuple[Decimal, Decim
         await conn.close()
 
 
+async def _orphans_gone(backend: Backend, seconds: float) -> bool:
+    """Postgres aborts a pushdown whose proxy died (client_connection_check_interval)."""
+    conn = await asyncpg.connect(backend.admin_dsn)
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            n = await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                                    "'dp-proxy pushdown' AND state = 'active' AND query LIKE '%dp_per_user%'")
+            if n == 0:
+                return True
+            await asyncio.sleep(0.2)
+        return False
+    finally:
+        await conn.close()
+
+
 def test_two_proxies_never_overspend(two_proxies: tuple[ProxyProcess, ProxyProcess], backend: Backend) -> None:
     """Alice has ε = 10; 50 queries of ε = 0.4 (twice the limit) race through two proxies.
 
@@ -152,6 +168,7 @@ def test_proxy_killed_during_a_pushdown_keeps_the_charge(backend: Backend, tmp_p
     assert outcome == ["lost"], "the client saw the connection die"
     spent, charged = asyncio.run(_ledger_totals(backend, "bob"))
     assert spent == charged == Decimal("0.3"), "the charge stands and the totals agree with the ledger"
+    assert asyncio.run(_orphans_gone(backend, 15)), "the dead proxy's pushdown still runs"
     restarted = ProxyProcess(backend, tmp_path)
     try:
         with psycopg.connect(restarted.dsn("bob"), autocommit=True) as c:
