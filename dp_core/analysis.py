@@ -589,8 +589,8 @@ def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Total
         raise _refuse("DISTINCT in a subquery over protected tables", _sql(sel))
     if sel.limitCount is not None or sel.limitOffset is not None:
         raise _refuse("LIMIT or OFFSET in a subquery over protected tables", _sql(sel))
-    if sel.windowClause or any(isinstance(n, ast.FuncCall) and n.over is not None for n in _walk(sel)):
-        raise _refuse("window functions in a subquery over protected tables", _sql(sel))
+    if sel.windowClause:
+        raise _refuse("named windows (WINDOW w AS ...) in a subquery", _sql(sel))
     if sel.havingClause is not None:
         raise _refuse("HAVING in a subquery over protected tables", _sql(sel))
     if sel.valuesLists or not sel.fromClause:
@@ -630,7 +630,13 @@ def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Total
             uid_out = str(target.name) if target.name else str(val.fields[-1].sval)
             targets.append(target)
             continue
-        target.val = _per_user_expression(val, grouped, totalize)
+        if isinstance(val, ast.FuncCall) and val.over is not None:
+            target.val = _per_user_window(val, is_uid, totalize)
+        else:
+            for node in _walk(val):
+                if isinstance(node, ast.FuncCall) and node.over is not None:
+                    raise _refuse("window functions inside expressions", _sql(val))
+            target.val = _per_user_expression(val, grouped, totalize)
         targets.append(target)
     if uid_out is None:  # propagate the uid: unambiguous, it is the first table's
         first = fa.tables[0]
@@ -639,6 +645,34 @@ def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Total
             ast.String(sval=first.alias), ast.String(sval=first.uid_column)))))
     sel.targetList = tuple(targets)
     return uid_out
+
+
+_WINDOW_FUNCTIONS = frozenset({"row_number", "rank", "dense_rank", "count", "sum", "avg", "min", "max"})
+
+
+def _per_user_window(fc: Any, is_uid: Any, totalize: Totalizer) -> Any:
+    """A window function over one user's rows: partitioned by the uid, total."""
+    over = fc.over
+    if over.refname or not any(is_uid(p) for p in (over.partitionClause or ())):
+        raise _refuse("window functions must be partitioned by the uid", _sql(fc))
+    name = _funcname(fc)
+    if name not in _WINDOW_FUNCTIONS:
+        raise _refuse(f"window function {name}() (allowed: {', '.join(sorted(_WINDOW_FUNCTIONS))})",
+                      _sql(fc))
+    if fc.agg_filter is not None or fc.agg_distinct:
+        raise _refuse("FILTER or DISTINCT in a window function", _sql(fc))
+    args = tuple(totalize(a, "window function argument") for a in (fc.args or ()))
+    if name in ("sum", "avg"):
+        args = tuple(_numeric(a) for a in args)
+    fc.args = args or None
+    over.partitionClause = tuple(p if is_uid(p) else totalize(p, "PARTITION BY")
+                                 for p in over.partitionClause)
+    if over.orderClause:
+        for sort in over.orderClause:
+            sort.node = totalize(sort.node, "window ORDER BY")
+    if over.startOffset is not None or over.endOffset is not None:
+        raise _refuse("window frames with offsets", _sql(fc))
+    return fc
 
 
 def _per_user_expression(val: Any, grouped: bool, totalize: Totalizer) -> Any:
