@@ -78,12 +78,11 @@ class ProxyServer:
 
     async def _pushdown_settings(self) -> dict[str, str]:
         """Session defaults of pushdown connections (startup parameters survive the pool's
-        RESET ALL). The limits are enforced by Postgres, so they hold if this proxy dies."""
+        RESET ALL). Enforced by Postgres, so they hold even if this proxy dies."""
         import asyncpg
 
         b = self.config.backend
-        settings = {"application_name": PUSHDOWN_APPLICATION_NAME,
-                    "statement_timeout": str(int(b.statement_timeout * 1000))}
+        settings = {"application_name": PUSHDOWN_APPLICATION_NAME}
         if b.pushdown_work_mem:
             settings["work_mem"] = b.pushdown_work_mem
         probe = await asyncpg.connect(self.pushdown.uri())

@@ -62,6 +62,16 @@ class QueryFailed(DPError):
                          hint="nothing about the data is revealed by this error")
 
 
+class LedgerUnavailable(DPError):
+    """The charge could not be recorded, so the query did not run."""
+
+    sqlstate = "58000"
+
+    def __init__(self) -> None:
+        super().__init__("the privacy budget ledger is unavailable: the query was not run",
+                         hint="try again; if it persists, tell the proxy's operator")
+
+
 @dataclass
 class Prepared:
     """A DP query analysed, planned and prepared on the backend (not yet charged or run)."""
@@ -249,11 +259,19 @@ class DPService:
                       for q in plan.all_quantities}
         if plan.tau is not None:
             mechanisms["threshold"] = {"tau": plan.tau}
-        await self._check_affordable(session, plan, conn)
-        await self.ledger.charge(session.user, plan.cost.epsilon, plan.cost.delta, st.sql, mechanisms,
-                                 conn)
         try:
-            rows = await prepared.statement.fetch(timeout=self.config.backend.statement_timeout)
+            await self._check_affordable(session, plan, conn)
+            await self.ledger.charge(session.user, plan.cost.epsilon, plan.cost.delta, st.sql,
+                                     mechanisms, conn)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
+            log.error("session %s: ledger unavailable: %s", session.process_id, e)
+            raise LedgerUnavailable() from None
+        timeout = self.config.backend.statement_timeout
+        try:
+            async with conn.transaction(readonly=True):
+                # enforced by Postgres for this statement only (the ledger's have none)
+                await conn.execute(f"SET LOCAL statement_timeout = {int(timeout * 1000)}")
+                rows = await prepared.statement.fetch(timeout=timeout + 5)
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as e:
             log.warning("session %s: charged DP query failed: %s", session.process_id,
                         type(e).__name__)
