@@ -24,7 +24,8 @@ from pglast import ast
 from pglast.stream import RawStream
 from pglast.visitors import Visitor
 
-from config import Config
+from config import Accountant, Config
+from dp_core.accounting import AnswerCost
 from dp_core.analysis import AnalyzedQuery, ColumnPolicy, TablePolicy, analyze, parse_select
 from dp_core.classify import Statement, StatementKind
 from dp_core.errors import DPError, FeatureNotSupported, InternalError, InvalidParameterValue
@@ -259,10 +260,11 @@ class DPService:
                       for q in plan.all_quantities}
         if plan.tau is not None:
             mechanisms["threshold"] = {"tau": plan.tau}
+        accountant = self.config.analysts[session.user].accountant
         try:
-            await self._check_affordable(session, plan, conn)
-            await self.ledger.charge(session.user, plan.cost.epsilon, plan.cost.delta, st.sql,
-                                     mechanisms, conn)
+            await self._check_affordable(session, plan, conn, accountant)
+            await self.ledger.charge(session.user, AnswerCost.of(plan), st.sql, mechanisms, conn,
+                                     accountant)
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
             log.error("session %s: ledger unavailable: %s", session.process_id, e)
             raise LedgerUnavailable() from None
@@ -284,10 +286,15 @@ class DPService:
         budget = await self.ledger.budget(session.user, conn)
         return sql, [self._notice(prepared, budget)]
 
-    async def _check_affordable(self, session: Session, plan: DPQueryPlan, conn: Any) -> None:
-        """A query costing more than is left gets 53400; then the per-query caps (22023)."""
-        budget = await self.ledger.budget(session.user, conn)
-        check_affordable(budget, to_numeric(plan.cost.epsilon), to_numeric(plan.cost.delta))
+    async def _check_affordable(self, session: Session, plan: DPQueryPlan, conn: Any,
+                                accountant: Accountant) -> None:
+        """A query costing more than is left gets 53400; then the per-query caps (22023).
+
+        (With the RDP accountant an answer may cost less than its nominal ε: the charge decides.)
+        """
+        if accountant is Accountant.BASIC:
+            budget = await self.ledger.budget(session.user, conn)
+            check_affordable(budget, to_numeric(plan.cost.epsilon), to_numeric(plan.cost.delta))
         caps = session.server.caps
         if float(plan.epsilon) > caps.max_epsilon:
             raise InvalidParameterValue(

@@ -20,7 +20,8 @@ from typing import Any
 
 import asyncpg
 
-from config import Config
+from config import Accountant, Config
+from dp_core.accounting import AnswerCost, rdp_total
 from dp_core.errors import BudgetExhausted, InsufficientPrivilege, UndefinedObject
 from server.backend_setup import quote_ident
 
@@ -146,18 +147,22 @@ class Ledger:
             raise UndefinedObject(f'analyst "{analyst}" has no budget')
         return Budget(row[0], row[1], row[2], row[3], row[4])
 
-    async def charge(self, analyst: str, epsilon: Fraction, delta: Fraction, sql: str,
-                     mechanisms: Mapping[str, Any], conn: Any = None) -> int:
-        """Debit (ε, δ) or raise BudgetExhausted (53400, nothing charged). Returns the ledger id.
+    async def charge(self, analyst: str, cost: AnswerCost, sql: str,
+                     mechanisms: Mapping[str, Any], conn: Any = None,
+                     accountant: Accountant = Accountant.BASIC) -> int:
+        """Debit the answer or raise BudgetExhausted (53400, nothing charged). Returns the ledger id.
 
-        Pass `conn` when the caller already holds a pool connection (never wait for a
-        second one while holding the first: that deadlocks a busy pool).
+        Basic composition adds the cost exactly; the RDP accountant recomputes the
+        analyst's totals from the history since the last reset. Pass `conn` when
+        the caller already holds a pool connection (never wait for a second one
+        while holding the first: that deadlocks a busy pool).
         """
         if conn is None:
             async with self.pool.acquire() as own:
-                return await self.charge(analyst, epsilon, delta, sql, mechanisms, own)
-        eps, dlt = to_numeric(epsilon), to_numeric(delta)
+                return await self.charge(analyst, cost, sql, mechanisms, own, accountant)
+        eps, dlt = to_numeric(cost.epsilon), to_numeric(cost.delta)
         s = self.s
+        mechanisms = {**mechanisms, "cost": cost.to_json(), "accountant": accountant.value}
         async with conn.transaction():
             row = await conn.fetchrow(
                 f"SELECT epsilon_total, epsilon_spent, delta_total, delta_spent "
@@ -165,17 +170,41 @@ class Ledger:
             if row is None:
                 raise UndefinedObject(f'analyst "{analyst}" has no budget')
             e_total, e_spent, d_total, d_spent = row
-            check_affordable(Budget(analyst, e_total, e_spent, d_total, d_spent), eps, dlt)
-            await conn.execute(
-                f"UPDATE {s}.analysts SET epsilon_spent = epsilon_spent + $2, "
-                f"delta_spent = delta_spent + $3, updated_at = now() WHERE analyst = $1",
-                analyst, eps, dlt)
+            budget = Budget(analyst, e_total, e_spent, d_total, d_spent)
+            if accountant is Accountant.RDP:
+                history = await self._history(conn, analyst)
+                new_eps, new_dlt = rdp_total([*history, cost])
+                spent_eps = decimal.Decimal(repr(new_eps))
+                spent_dlt = decimal.Decimal(repr(new_dlt))
+                check_affordable(budget, max(spent_eps - e_spent, decimal.Decimal(0)),
+                                 max(spent_dlt - d_spent, decimal.Decimal(0)))
+                await conn.execute(
+                    f"UPDATE {s}.analysts SET epsilon_spent = $2, delta_spent = $3, "
+                    f"updated_at = now() WHERE analyst = $1", analyst, spent_eps, spent_dlt)
+            else:
+                check_affordable(budget, eps, dlt)
+                await conn.execute(
+                    f"UPDATE {s}.analysts SET epsilon_spent = epsilon_spent + $2, "
+                    f"delta_spent = delta_spent + $3, updated_at = now() WHERE analyst = $1",
+                    analyst, eps, dlt)
             ledger_id: int = await conn.fetchval(
                 f"INSERT INTO {s}.ledger (analyst, kind, epsilon, delta, outcome, fingerprint, "
                 f"query, mechanisms) VALUES ($1, 'charge', $2, $3, 'charged', $4, $5, $6) "
                 "RETURNING id",
                 analyst, eps, dlt, fingerprint(sql), sql, json.dumps(mechanisms))
         return ledger_id
+
+    async def _history(self, conn: Any, analyst: str) -> list[AnswerCost]:
+        """The costs of the analyst's answers since the last reset."""
+        rows = await conn.fetch(
+            f"SELECT mechanisms FROM {self.s}.ledger WHERE analyst = $1 AND kind = 'charge' AND id > "
+            f"coalesce((SELECT max(id) FROM {self.s}.ledger WHERE analyst = $1 AND kind = 'reset'), 0) "
+            "ORDER BY id", analyst)
+        out = []
+        for (mech,) in rows:
+            data = json.loads(mech) if isinstance(mech, str) else mech
+            out.append(AnswerCost.from_json(data["cost"]))
+        return out
 
     async def record(self, analyst: str, outcome: str, sql: str, conn: Any = None) -> None:
         """Append an uncharged event (a refused or failed query) for the audit trail."""

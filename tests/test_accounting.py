@@ -1,0 +1,77 @@
+"""Accountants: basic composition is exact; RDP is tighter for Gaussian answers, never looser."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import psycopg
+import pytest
+
+from config import Accountant, Config
+from dp_core.accounting import AnswerCost, basic_total, rdp_total
+from dp_core.mechanisms import NoiseKind, gaussian_sigma
+
+from .conftest import Backend, LoopThread, start_proxy
+from .test_dp_engine import build
+
+
+def test_basic_composition_is_exact() -> None:
+    costs = [AnswerCost(Fraction(1, 10), Fraction(1, 10**6))] * 10
+    assert basic_total(costs) == (Fraction(1), Fraction(1, 10**5))
+
+
+def test_seed_004_example() -> None:
+    """N = 100,000, δ = 1/(N√N), ε = 3 gives σ ≈ 2.04 by seed 004's formula (12) for a budget of
+    t = 2,000 queries, each answered with N(0, t·σ²). The RDP accountant confirms ε ≤ 3."""
+    n, t = 100_000, 2000
+    delta = 1 / (n * math.sqrt(n))
+    sigma = (math.sqrt(math.log(1 / delta)) + math.sqrt(math.log(1 / delta) + 3)) / (math.sqrt(2) * 3)
+    assert sigma == pytest.approx(2.04, abs=0.005)
+    per_answer = AnswerCost(Fraction(3, t), Fraction(delta) / t, (math.sqrt(t) * sigma,),
+                            Fraction(3, t), Fraction(delta) / t)
+    eps, dlt = rdp_total([per_answer] * t)
+    assert eps <= 3.0 and eps == pytest.approx(2.70, abs=0.02)
+    assert dlt == pytest.approx(delta)
+
+
+def test_rdp_is_never_looser_than_basic() -> None:
+    for count in (1, 3, 30):
+        _, plan, _ = build("SELECT WITH ANONYMIZATION OPTIONS(noise='gaussian', epsilon=0.5, delta=1e-6) "
+                           "ANON_SUM(duration, 0, 10) FROM visits")
+        cost = AnswerCost.of(plan)
+        q = plan.quantities[0]
+        assert cost.gaussian_multipliers == (pytest.approx(q.noise.scale / 10),)
+        assert q.noise.scale == pytest.approx(gaussian_sigma(0.5, 1e-6, 10.0))
+        eps, dlt = rdp_total([cost] * count)
+        b_eps, b_dlt = basic_total([cost] * count)
+        assert eps <= float(b_eps) + 1e-12 and dlt == pytest.approx(float(b_dlt))
+        if count == 30:
+            assert eps < 0.5 * float(b_eps), "many Gaussian answers compose much better under RDP"
+
+
+def test_laplace_answers_compose_basically_under_rdp() -> None:
+    _, plan, _ = build("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.5) browser, ANON_COUNT(*) FROM visits "
+                       "GROUP BY browser", noise=NoiseKind.LAPLACE)
+    cost = AnswerCost.of(plan)
+    assert cost.gaussian_multipliers == ()
+    assert rdp_total([cost] * 4) == (pytest.approx(2.0), pytest.approx(4e-6))
+
+
+def test_rdp_analyst_end_to_end(loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
+    bob = demo_config.analysts["bob"].model_copy(update={"accountant": Accountant.RDP,
+                                                          "epsilon_budget": 3.0, "delta_budget": 1e-4})
+    cfg = demo_config.model_copy(update={"analysts": {**demo_config.analysts, "bob": bob}})
+    px = start_proxy(loop_thread, cfg, backend)
+    try:
+        with psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
+            admin.execute("SELECT dp_reset_budget('bob')")
+        with psycopg.connect(px.dsn("bob"), autocommit=True) as conn:
+            q = ("SELECT WITH ANONYMIZATION OPTIONS(noise='gaussian', epsilon=0.5, delta=1e-6) "
+                 "ANON_SUM(duration, 0, 10) FROM visits")
+            for _ in range(10):  # nominally 5.0 > the budget of 3: RDP composition fits
+                conn.execute(q).fetchall()
+            (spent,), = conn.execute("SELECT epsilon_spent FROM dp_budget()").fetchall()
+            assert 0.5 < float(spent) < 3.0
+    finally:
+        loop_thread.run(px.server.stop())
