@@ -101,6 +101,8 @@ class AnalystConfig(_Strict):
     epsilon_budget: PositiveFloat = 1.0
     delta_budget: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = 1e-6
     accountant: Accountant = Accountant.BASIC
+    refresh_days: int | None = Field(
+        default=None, ge=1, description="renew the budget this many days after the last reset")
 
     @field_validator("scram_verifier")
     @classmethod

@@ -64,7 +64,8 @@ class ProxyServer:
             self.pushdown.uri(), min_size=1, max_size=b.pushdown_pool_size,
             server_settings=await self._pushdown_settings(),
         )
-        ledger = Ledger(self.pool, b.ledger_schema)
+        ledger = Ledger(self.pool, b.ledger_schema,
+                        {name: a.refresh_days for name, a in self.config.analysts.items()})
         await ledger.migrate(self.config)
         self.dp = DPService(self.config, self.pool, ledger)
         loop = asyncio.get_running_loop()

@@ -81,9 +81,31 @@ def fingerprint(sql: str) -> str:
 class Ledger:
     """Ledger operations over the pushdown role's pool."""
 
-    def __init__(self, pool: asyncpg.Pool, schema: str) -> None:
+    def __init__(self, pool: asyncpg.Pool, schema: str,
+                 refresh_days: Mapping[str, int | None] | None = None) -> None:
         self.pool = pool
         self.s = quote_ident(schema)
+        self.refresh_days = dict(refresh_days or {})
+        """Analysts whose budget renews itself, and after how many days."""
+
+    async def _refresh_if_due(self, conn: Any, analyst: str) -> None:
+        """Inside a transaction holding the analyst's row lock: renew the budget if its period
+        has passed since the last reset (or since the analyst was added)."""
+        days = self.refresh_days.get(analyst)
+        if not days:
+            return
+        s = self.s
+        due = await conn.fetchval(
+            f"SELECT coalesce((SELECT max(at) FROM {s}.ledger WHERE analyst = $1 AND kind = 'reset'), "
+            f"(SELECT created_at FROM {s}.analysts WHERE analyst = $1)) "
+            "<= now() - make_interval(days => $2)", analyst, days)
+        if due:
+            await conn.execute(f"UPDATE {s}.analysts SET epsilon_spent = 0, delta_spent = 0, "
+                               "updated_at = now() WHERE analyst = $1", analyst)
+            await conn.execute(
+                f"INSERT INTO {s}.ledger (analyst, kind, outcome, by_admin) "
+                f"VALUES ($1, 'reset', 'budget renewed: refresh period of {int(days)} days', "
+                "'refresh period')", analyst)
 
     async def migrate(self, config: Config) -> None:
         """Create or upgrade the schema (idempotent) and load the analysts' limits from the config."""
@@ -100,6 +122,7 @@ class Ledger:
                         delta_total numeric NOT NULL CHECK (delta_total >= 0),
                         epsilon_spent numeric NOT NULL DEFAULT 0,
                         delta_spent numeric NOT NULL DEFAULT 0,
+                        created_at timestamptz NOT NULL DEFAULT now(),
                         updated_at timestamptz NOT NULL DEFAULT now())""")
                 await conn.execute(f"""
                     CREATE TABLE {s}.ledger (
@@ -140,7 +163,15 @@ class Ledger:
                         name, json.dumps({"epsilon_total": str(eps), "delta_total": str(dlt)}))
 
     async def budget(self, analyst: str, conn: Any = None) -> Budget:
-        row = await (conn or self.pool).fetchrow(
+        if conn is None:
+            async with self.pool.acquire() as own:
+                return await self.budget(analyst, own)
+        if self.refresh_days.get(analyst):
+            async with conn.transaction():
+                await conn.execute(f"SELECT 1 FROM {self.s}.analysts WHERE analyst = $1 FOR UPDATE",
+                                   analyst)
+                await self._refresh_if_due(conn, analyst)
+        row = await conn.fetchrow(
             f"SELECT analyst, epsilon_total, epsilon_spent, delta_total, delta_spent "
             f"FROM {self.s}.analysts WHERE analyst = $1", analyst)
         if row is None:
@@ -169,6 +200,11 @@ class Ledger:
                 f"FROM {s}.analysts WHERE analyst = $1 FOR UPDATE", analyst)
             if row is None:
                 raise UndefinedObject(f'analyst "{analyst}" has no budget')
+            if self.refresh_days.get(analyst):
+                await self._refresh_if_due(conn, analyst)
+                row = await conn.fetchrow(
+                    f"SELECT epsilon_total, epsilon_spent, delta_total, delta_spent "
+                    f"FROM {s}.analysts WHERE analyst = $1", analyst)
             e_total, e_spent, d_total, d_spent = row
             budget = Budget(analyst, e_total, e_spent, d_total, d_spent)
             if accountant is Accountant.RDP:

@@ -75,3 +75,41 @@ def test_rdp_analyst_end_to_end(loop_thread: LoopThread, demo_config: Config, ba
             assert 0.5 < float(spent) < 3.0
     finally:
         loop_thread.run(px.server.stop())
+
+
+def test_refresh_period_renews_the_budget(loop_thread: LoopThread, demo_config: Config,
+                                          backend: Backend) -> None:
+    import asyncio
+
+    import asyncpg
+
+    carol = demo_config.analysts["alice"].model_copy(update={"refresh_days": 30, "epsilon_budget": 1.0})
+    cfg = demo_config.model_copy(update={"analysts": {**demo_config.analysts, "carol": carol}})
+    px = start_proxy(loop_thread, cfg, backend)
+
+    async def age(days: int) -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            await conn.execute("UPDATE dpproxy.analysts SET created_at = now() - make_interval(days => $1) "
+                               "WHERE analyst = 'carol'", days)
+        finally:
+            await conn.close()
+
+    try:
+        with psycopg.connect(px.dsn("carol", password="alice"), autocommit=True) as conn:
+            conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.6) ANON_COUNT(*) FROM visits").fetchall()
+            asyncio.run(age(10))
+            (spent,), = conn.execute("SELECT epsilon_spent FROM dp_budget()").fetchall()
+            assert float(spent) == 0.6, "not due yet"
+            with pytest.raises(psycopg.Error) as exc:
+                conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.6) ANON_COUNT(*) FROM visits")
+            assert exc.value.sqlstate == "53400"
+            asyncio.run(age(31))
+            conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.6) ANON_COUNT(*) FROM visits").fetchall()
+            (spent,), = conn.execute("SELECT epsilon_spent FROM dp_budget()").fetchall()
+            assert float(spent) == 0.6, "renewed, then charged once"
+        with psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
+            kinds = [r[0] for r in admin.execute("SELECT outcome FROM dp_ledger('carol') WHERE kind = 'reset'")]
+            assert kinds == ["budget renewed: refresh period of 30 days"]
+    finally:
+        loop_thread.run(px.server.stop())
