@@ -56,6 +56,8 @@ class RawClient:
     def login(self, user: str, password: str, database: str) -> list[p.BackendMessage]:
         self.send(p.StartupMessage({"user": user, "database": database}))
         auth = self.recv()
+        if isinstance(auth, p.ErrorResponse):  # e.g. too many connections
+            return [auth]
         assert isinstance(auth, p.Authentication) and auth.code == p.AUTH_SASL, auth
         scram = ScramClient(password)
         self.send(p.SASLInitialResponse(MECHANISM, scram.client_first()))
