@@ -75,6 +75,7 @@ _INTERNAL_COMPLETES = {
     b"3": Pending.INTERNAL_CLOSE,
 }
 _SYNCS = (Pending.SYNC, Pending.INTERNAL_SYNC)
+_NOT_ENDING_A_QUERY = frozenset(_COMPLETES) - {b"Z", b"E"}
 INTERNAL_NAME = "dp_proxy_internal"
 _TRACKED = frozenset({b"Z", b"E", b"S", *_COMPLETES})
 _LENGTH = struct.Struct("!i")
@@ -159,7 +160,9 @@ class BackendLink(asyncio.Protocol):
                 break
             if tag in _TRACKED:
                 pending = self.pending
-                if pending and tag in _COMPLETES and pending[0] in _COMPLETES[tag]:
+                if pending and pending[0] is Pending.QUERY and tag in _NOT_ENDING_A_QUERY:
+                    pass  # inside a simple query only ReadyForQuery and errors matter
+                elif pending and tag in _COMPLETES and pending[0] in _COMPLETES[tag]:
                     pending.popleft()  # the common case of _track, inline on the hot path
                     if not pending:
                         self.idle.set()
