@@ -33,7 +33,8 @@ from dataset import generate  # noqa: E402
 from passthrough import _free_port, machine  # noqa: E402
 
 from config import DEMO_CONFIG, load_config  # noqa: E402
-from server.bootstrap import apply_backend_setup  # noqa: E402
+from server.bootstrap import apply_backend_setup, demo_config_text  # noqa: E402
+from server.dsn import DSN  # noqa: E402
 from server.embedded import EmbeddedPostgres  # noqa: E402
 
 DATABASE = "bench"
@@ -91,12 +92,10 @@ async def run(scale: float, runs: int) -> list[str]:
         print(f"dataset: {n_rows} visits, {n_users} users, generated in {seconds:.1f} s", flush=True)
 
         port = _free_port()
-        cfg_text = DEMO_CONFIG.read_text().replace(
-            "[backend]\nembedded = true",
-            f'[backend]\npushdown_dsn = "postgresql://dp_pushdown@/{DATABASE}?host={pg.socket_dir}'
-            f'&port={pg.port}"\nrestricted_dsn = "postgresql://dp_restricted@/{DATABASE}'
-            f'?host={pg.socket_dir}&port={pg.port}"',
-        ).replace("port = 6432", f"port = {port}").replace("epsilon_budget = 10", "epsilon_budget = 1e9")
+        cfg_text = demo_config_text(
+            DSN(str(pg.socket_dir), pg.port, "dp_pushdown", DATABASE),
+            DSN(str(pg.socket_dir), pg.port, "dp_restricted", DATABASE), port,
+        ).replace("epsilon_budget = 10", "epsilon_budget = 1e9")
         cfg = Path(tmp) / "bench.toml"
         cfg.write_text(cfg_text)
         proc = await asyncio.create_subprocess_exec(

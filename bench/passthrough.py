@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from config import DEMO_CONFIG, load_config  # noqa: E402
-from server.bootstrap import apply_backend_setup, load_demo_data  # noqa: E402
+from server.bootstrap import apply_backend_setup, demo_config_text, load_demo_data  # noqa: E402
+from server.dsn import DSN  # noqa: E402
 from server.embedded import EmbeddedPostgres, find_bindir  # noqa: E402
 
 DATABASE = "bench"
@@ -63,12 +64,8 @@ async def _prepare(pg: EmbeddedPostgres) -> None:
 
 
 def _start_proxy(pg: EmbeddedPostgres, port: int, workdir: Path) -> subprocess.Popen[bytes]:
-    text = DEMO_CONFIG.read_text().replace(
-        "[backend]\nembedded = true",
-        f'[backend]\npushdown_dsn = "postgresql://dp_pushdown@/{DATABASE}?host={pg.socket_dir}'
-        f'&port={pg.port}"\nrestricted_dsn = "postgresql://dp_restricted@/{DATABASE}'
-        f'?host={pg.socket_dir}&port={pg.port}"',
-    ).replace("port = 6432", f"port = {port}")
+    text = demo_config_text(DSN(str(pg.socket_dir), pg.port, "dp_pushdown", DATABASE),
+                            DSN(str(pg.socket_dir), pg.port, "dp_restricted", DATABASE), port)
     cfg = workdir / "bench.toml"
     cfg.write_text(text)
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "--log-level", "WARNING", "serve",

@@ -39,6 +39,19 @@ async def find_wall_problems(
     return problems
 
 
+def demo_config_text(pushdown: DSN, restricted: DSN, port: int | None = None) -> str:
+    """config/demo.toml pointed at an existing backend (for benchmarks and tests)."""
+    from config import DEMO_CONFIG
+
+    text = DEMO_CONFIG.read_text().replace(
+        "[backend]\nembedded = true",
+        f'[backend]\npushdown_dsn = "{pushdown.uri()}"\nrestricted_dsn = "{restricted.uri()}"',
+    )
+    if "embedded = true" in text:
+        raise RuntimeError("config/demo.toml no longer has the expected [backend] section")
+    return text if port is None else text.replace("port = 6432", f"port = {port}")
+
+
 async def load_demo_data(conn: asyncpg.Connection) -> bool:
     """Create and fill the demo tables unless `visits` exists; True when it loaded them."""
     if await conn.fetchval("SELECT to_regclass('public.visits') IS NOT NULL"):

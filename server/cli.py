@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from config import DEMO_CONFIG, Config, ConfigError, load_config
+from server.dsn import DSN
 
 EXIT_CONFIG = 2
 
@@ -83,6 +84,24 @@ def _load(path: Path) -> Config | None:
         return None
 
 
+def _load_existing_backend(path: Path, embedded_message: str) -> tuple[Config, DSN, DSN] | int:
+    """The config at `path` and its (restricted, pushdown) DSNs, or an exit code after a message."""
+    from server.dsn import DSNError, parse_dsn
+
+    config = _load(path)
+    if config is None:
+        return EXIT_CONFIG
+    if config.backend.embedded:
+        print(f"this config uses the embedded backend: {embedded_message}", file=sys.stderr)
+        return EXIT_CONFIG
+    assert config.backend.pushdown_dsn and config.backend.restricted_dsn
+    try:
+        return config, parse_dsn(config.backend.restricted_dsn), parse_dsn(config.backend.pushdown_dsn)
+    except DSNError as e:
+        print(f"backend DSN: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args.path)
     if config is None:
@@ -110,21 +129,11 @@ def _cmd_hash_password(args: argparse.Namespace) -> int:
 
 def _cmd_init_backend(args: argparse.Namespace) -> int:
     from server.backend_setup import BackendRoles, as_script, setup_statements
-    from server.dsn import DSNError, parse_dsn
 
-    config = _load(args.config)
-    if config is None:
-        return EXIT_CONFIG
-    if config.backend.embedded:
-        print("this config uses the embedded backend: nothing to initialise", file=sys.stderr)
-        return EXIT_CONFIG
-    assert config.backend.pushdown_dsn and config.backend.restricted_dsn
-    try:
-        pushdown = parse_dsn(config.backend.pushdown_dsn)
-        restricted = parse_dsn(config.backend.restricted_dsn)
-    except DSNError as e:
-        print(f"backend DSN: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+    loaded = _load_existing_backend(args.config, "nothing to initialise")
+    if isinstance(loaded, int):
+        return loaded
+    config, restricted, pushdown = loaded
     roles = BackendRoles(pushdown=pushdown.user, restricted=restricted.user)
     if args.print_only:
         print(as_script(setup_statements(config, restricted.database, roles)), end="")
@@ -168,25 +177,16 @@ async def _init_backend(config: Config, admin_dsn: str, database: str, roles: ob
 
 
 def _cmd_budget(args: argparse.Namespace) -> int:
-    from server.dsn import DSNError, parse_dsn
-
-    config = _load(args.config)
-    if config is None:
-        return EXIT_CONFIG
-    if config.backend.embedded:
-        print("this config uses the embedded backend, whose ledger lives only while "
-              "`dp-proxy demo` runs: use SELECT * FROM dp_budget() there", file=sys.stderr)
-        return EXIT_CONFIG
+    loaded = _load_existing_backend(
+        args.config, "its ledger lives only while `dp-proxy demo` runs: use SELECT * FROM "
+        "dp_budget() there")
+    if isinstance(loaded, int):
+        return loaded
+    config, _, pushdown = loaded
     if args.analyst not in config.analysts:
         print(f"no analyst {args.analyst!r} in {args.config}", file=sys.stderr)
         return 1
-    assert config.backend.pushdown_dsn
-    try:
-        dsn = parse_dsn(config.backend.pushdown_dsn)
-    except DSNError as e:
-        print(f"backend.pushdown_dsn: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    return asyncio.run(_budget(config, dsn.uri(), args.action, args.analyst))
+    return asyncio.run(_budget(config, pushdown.uri(), args.action, args.analyst))
 
 
 async def _budget(config: Config, dsn: str, action: str, analyst: str) -> int:
@@ -240,7 +240,6 @@ def _run(config: Config, data_dir: Path | None, demo: bool) -> int:
 
 async def _serve(config: Config, data_dir: Path | None, demo: bool) -> int:
     from server.app import ProxyServer
-    from server.dsn import DSNError, parse_dsn
     from server.embedded import EmbeddedPostgres, EmbeddedPostgresError
 
     log = logging.getLogger("dp_proxy")
@@ -262,6 +261,8 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool) -> int:
                 return 1
             restricted, pushdown = await prepare_embedded(pg, config)
         else:
+            from server.dsn import DSNError, parse_dsn
+
             assert config.backend.restricted_dsn and config.backend.pushdown_dsn
             try:
                 restricted = parse_dsn(config.backend.restricted_dsn)

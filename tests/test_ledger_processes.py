@@ -18,6 +18,8 @@ import asyncpg
 import psycopg
 import pytest
 
+from server.bootstrap import demo_config_text
+
 from .conftest import TEST_DATABASE, Backend
 
 ROOT = Path(__file__).parent.parent
@@ -31,13 +33,8 @@ def _free_port() -> int:
 
 
 def _config(backend: Backend, tmp: Path, port: int) -> Path:
-    r, p = backend.restricted, backend.pushdown
-    text = (ROOT / "config" / "demo.toml").read_text().replace(
-        "[backend]\nembedded = true",
-        f'[backend]\npushdown_dsn = "{p.uri()}"\nrestricted_dsn = "{r.uri()}"',
-    ).replace("port = 6432", f"port = {port}")
     path = tmp / f"proxy-{port}.toml"
-    path.write_text(text)
+    path.write_text(demo_config_text(backend.pushdown, backend.restricted, port))
     return path
 
 

@@ -12,8 +12,9 @@ import asyncpg
 import pytest
 import yaml
 
+from server.bootstrap import demo_config_text
 from server.cli import _parser
-from server.dsn import parse_dsn
+from server.dsn import DSN, parse_dsn
 
 from .conftest import TEST_DATABASE, Backend
 
@@ -21,15 +22,15 @@ ROOT = Path(__file__).parent.parent
 
 
 def _config_for(backend: Backend, tmp_path: Path, pushdown: str, restricted: str) -> Path:
-    base = parse_dsn(backend.admin_dsn)
-    text = (ROOT / "config" / "demo.toml").read_text().replace(
-        "[backend]\nembedded = true",
-        f'[backend]\npushdown_dsn = "postgresql://{pushdown}@/{TEST_DATABASE}?host={base.host}'
-        f'&port={base.port}"\nrestricted_dsn = "postgresql://{restricted}@/{TEST_DATABASE}'
-        f'?host={base.host}&port={base.port}"',
-    )
+    """demo.toml against the test database, with the given role[:password] for each DSN."""
+    from dataclasses import replace
+
+    def dsn(role: str) -> DSN:
+        user, _, password = role.partition(":")
+        return replace(backend.pushdown, user=user, password=password or None)
+
     path = tmp_path / "existing.toml"
-    path.write_text(text)
+    path.write_text(demo_config_text(dsn(pushdown), dsn(restricted)))
     return path
 
 
