@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import ssl
 import struct
 from collections import deque
@@ -28,11 +27,11 @@ from dp_core.errors import (
     ConnectionFailure,
     DPError,
     FeatureNotSupported,
-    InsufficientPrivilege,
     InternalError,
     InvalidAuthorization,
     InvalidPassword,
     ProtocolViolationError,
+    QueryCanceled,
     SyntaxError_,
 )
 from dp_core.settings import DPSettings
@@ -157,6 +156,7 @@ class Session:
         self._input = asyncio.Event()
         """Set when bytes arrive during startup, which reads its frames itself."""
         self._task: asyncio.Task[None] | None = None
+        self._dp_task: asyncio.Task[Any] | None = None
         self._idle_handle: asyncio.TimerHandle | None = None
         self._tls_ok = self.config.tls.enabled
         self._startup_task = asyncio.get_running_loop().create_task(self._startup())
@@ -339,7 +339,9 @@ class Session:
         if self.busy:
             self._touch()
             return
-        self.fatal(DPError("terminating connection due to idle timeout"))
+        err = DPError("terminating connection due to idle-session timeout")
+        err.sqlstate = "57P05"
+        self.fatal(err)
 
     # ------------------------------------------------------------------ startup
 
@@ -668,7 +670,18 @@ class Session:
             await self.relay_result(await self.server.dp.local_function(self, st), bind)
             return
         if st.kind in _DP_KINDS:
-            sql, notices = await self.server.dp.answer(self, st, bind, param_types)
+            # its own task, so that a CancelRequest can stop it (and its pushdown) alone
+            self._dp_task = asyncio.get_running_loop().create_task(
+                self.server.dp.answer(self, st, bind, param_types))
+            try:
+                sql, notices = await self._dp_task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # the session itself is closing
+                raise QueryCanceled("canceling statement due to user request") from None
+            finally:
+                self._dp_task = None
             await self.relay_result(sql, bind)
             self.send(*notices)
             return
@@ -772,7 +785,9 @@ class Session:
     # ------------------------------------------------------------------ cancel
 
     def cancel(self) -> None:
-        """A CancelRequest named this session: cancel what runs now."""
+        """A CancelRequest named this session: cancel what runs now (pass-through or DP)."""
+        if self._dp_task is not None and not self._dp_task.done():
+            self._dp_task.cancel()
         if self.link is not None and self.link.key is not None and self.link.pending:
             asyncio.get_running_loop().create_task(self.server.cancel_backend(self.link.key))
 
@@ -829,8 +844,4 @@ def _const_value(node: Any) -> str | float | int | None:
     return None
 
 
-def new_secret() -> int:
-    return secrets.randbits(31)
-
-
-__all__ = ["ClientProtocol", "InsufficientPrivilege", "Session", "State"]
+__all__ = ["ClientProtocol", "Session", "State"]
