@@ -215,8 +215,11 @@ class DPService:
         if st.kind is StatementKind.DP_EXPLAIN:
             return row_description(["QUERY PLAN"], [_OIDS["text"]], formats)
         if st.kind is StatementKind.LOCAL_FUNCTION:
-            names, oids = _local_function_columns(st)
-            return row_description(names, oids, formats)
+            # the rewritten query (with a reset not performed) tells its own columns
+            sql = await self.local_function(session, st, dry_run=True)
+            async with self.pool.acquire() as conn:
+                attrs = (await conn.prepare(sql)).get_attributes()
+            return row_description([a.name for a in attrs], [a.type.oid for a in attrs], formats)
         prepared = await self.prepare(session, st, bind, param_types)
         return row_description(prepared.names, prepared.oids(), formats)
 
@@ -343,14 +346,6 @@ class DPService:
         await replacer.resolve(stmt)
         replacer(stmt)
         return str(RawStream()(stmt))
-
-
-def _local_function_columns(st: Statement) -> tuple[list[str], list[int]]:
-    if st.setting == "dp_budget" and "FROM" in st.stripped_sql.upper():
-        return BUDGET_COLUMNS, [25, 1700, 1700, 1700, 1700, 1700, 1700]
-    if st.setting == "dp_ledger" and "FROM" in st.stripped_sql.upper():
-        return LEDGER_COLUMNS, [20, 1184, 25, 1700, 1700, 25, 25, 25, 25, 25]
-    return [st.setting or "?column?"], [25]
 
 
 class _LocalFunctions(Visitor):

@@ -278,6 +278,8 @@ class Session:
                     await nxt
         except asyncio.CancelledError:
             raise
+        except p.ProtocolViolation as e:
+            self.fatal(ProtocolViolationError(str(e)))
         except DPError as e:
             self.fatal(e)
         except Exception:

@@ -356,3 +356,23 @@ def test_cancel_a_running_dp_query(proxy: Proxy, reset: None) -> None:
         assert time.monotonic() - started < 5
         assert conn.execute("SELECT 1").fetchone() == (1,)
         assert spent(conn)[0] == pytest.approx(0.2), "the charge made before the cancel stands"
+
+
+def test_local_functions_over_the_extended_protocol(proxy: Proxy, reset: None) -> None:
+    async def go() -> None:
+        conn = await asyncpg.connect(proxy.uri())
+        admin = await asyncpg.connect(proxy.uri("admin"))
+        try:
+            row = await conn.fetchrow("SELECT epsilon_spent, epsilon_remaining FROM dp_budget()")
+            assert row is not None and list(row.keys()) == ["epsilon_spent", "epsilon_remaining"]
+            full = await conn.fetchrow("SELECT * FROM dp_budget()")
+            assert full is not None and full["analyst"] == "alice" and len(full) == 7
+            n = await admin.fetchval("SELECT count(*) FROM dp_ledger('alice') WHERE kind = 'reset'")
+            assert n >= 1
+            msg = await admin.fetchval("SELECT dp_reset_budget('bob')")
+            assert msg.startswith("budget of bob reset")
+        finally:
+            await conn.close()
+            await admin.close()
+
+    asyncio.run(go())
