@@ -153,13 +153,18 @@ def test_demo_stops_postgres_on_signal(sig: signal.Signals) -> None:
 
     port = _free_port()
     proc = _start_demo(port)
-    postmasters = [q for q in _children(proc.pid)]
-    assert postmasters, "the demo runs no postgres child"
-    with psycopg.connect(f"host=127.0.0.1 port={port} user=alice password=alice dbname=demo "
-                         "sslmode=disable") as conn:
-        assert conn.execute("SELECT count(*) FROM countries").fetchone() == (len(COUNTRIES),)
-    proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=30)
+    try:
+        postmasters = [q for q in _children(proc.pid)]
+        assert postmasters, "the demo runs no postgres child"
+        with psycopg.connect(f"host=127.0.0.1 port={port} user=alice password=alice dbname=demo "
+                             "sslmode=disable") as conn:
+            assert conn.execute("SELECT count(*) FROM countries").fetchone() == (len(COUNTRIES),)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:  # a failed assertion above must not leave the demo running
+            proc.send_signal(signal.SIGINT)
+            proc.wait(30)
     assert proc.returncode == 0, out
     assert "psql \"postgresql://alice:alice@127.0.0.1:" in out
     assert "stopped" in out
