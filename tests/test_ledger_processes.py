@@ -137,6 +137,14 @@ def test_two_proxies_never_overspend(two_proxies: tuple[ProxyProcess, ProxyProce
 
 def test_proxy_killed_during_a_pushdown_keeps_the_charge(backend: Backend, tmp_path: Path) -> None:
     proxy = ProxyProcess(backend, tmp_path)
+    try:
+        _crash_during_pushdown(proxy, backend, tmp_path)
+    finally:
+        if proxy.proc.poll() is None:
+            proxy.stop(signal.SIGKILL)
+
+
+def _crash_during_pushdown(proxy: ProxyProcess, backend: Backend, tmp_path: Path) -> None:
     with psycopg.connect(proxy.dsn("admin"), autocommit=True) as admin:
         admin.execute("SELECT dp_reset_budget('bob')")
     outcome: list[str] = []
