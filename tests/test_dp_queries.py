@@ -376,3 +376,23 @@ def test_local_functions_over_the_extended_protocol(proxy: Proxy, reset: None) -
             await admin.close()
 
     asyncio.run(go())
+
+
+def test_session_settings_drive_the_plan(proxy: Proxy, reset: None) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        conn.execute("SET dp.noise = 'gaussian'")
+        conn.execute("SET dp.epsilon = 0.3")
+        conn.execute("SET dp.max_groups_contributed = 2")
+        plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN SELECT WITH ANONYMIZATION browser, ANON_SUM(duration, 0, 100) FROM visits "
+            "GROUP BY browser").fetchall())
+        assert "noise gaussian" in plan and "epsilon 0.3" in plan and "max_groups_contributed 2" in plan
+        assert "gaussian scale" in plan and "dp_rn <= 2" in plan
+        rows = conn.execute("SELECT WITH ANONYMIZATION browser, ANON_SUM(duration, 0, 100) AS s "
+                            "FROM visits GROUP BY browser").fetchall()
+        assert rows and all(isinstance(r[1], float) for r in rows)
+        assert spent(conn) == (pytest.approx(0.3), pytest.approx(1e-6))
+        # OPTIONS override the session for one query
+        conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1, noise='laplace') ANON_COUNT(*) "
+                     "FROM visits").fetchall()
+        assert spent(conn)[0] == pytest.approx(0.4)
