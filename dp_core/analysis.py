@@ -12,6 +12,7 @@ all inputs are allowed.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -70,11 +71,22 @@ class Key:
 
 @dataclass(frozen=True)
 class OutputColumn:
-    """One column of the result, in select-list order: a key or an aggregate."""
+    """One released column: a key or an aggregate (hidden when only an expression uses it)."""
 
     name: str
     key: int | None = None
     aggregate: int | None = None
+    source: Any = field(default=None, compare=False)
+    """The select-list expression it answers (to map HAVING / ORDER BY / expressions onto)."""
+
+
+@dataclass(frozen=True)
+class SelectItem:
+    """One column the client sees: a released column, or an expression over released columns."""
+
+    name: str
+    column: int | None = None
+    expr: Any = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -109,6 +121,8 @@ class AnalyzedQuery:
     """True for `SELECT k, COUNT(*) ...` without WITH ANONYMIZATION."""
     ctes: tuple[Any, ...] = ()
     """The query's (validated) WITH list, kept ahead of the pushdown's own."""
+    select: tuple[SelectItem, ...] = ()
+    """What the client sees, in select-list order."""
 
 
 # ---------------------------------------------------------------------------- functions
@@ -207,7 +221,8 @@ class Totalizer:
         self.protected_names = protected_names
 
     def __call__(self, node: Any, context: str) -> Any:
-        return self._total(node, context)
+        """A total copy of `node` (the original is left as the client wrote it)."""
+        return self._total(copy.deepcopy(node), context)
 
     def _total(self, node: Any, ctx: str) -> Any:
         if node is None or isinstance(node, (ast.A_Const, ast.ColumnRef, ast.ParamRef)):
@@ -530,6 +545,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     keys: list[Key] = []
     aggregates: list[Aggregate] = []
     outputs: list[OutputColumn] = []
+    select: list[SelectItem] = []
     for target in stmt.targetList:
         if not isinstance(target, ast.ResTarget) or target.val is None:
             raise _refuse("this select-list item")
@@ -540,14 +556,27 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         agg = _aggregate_call(val, plain_form)
         if agg is not None:
             aggregates.append(_make_aggregate(agg, name, fa, policy, totalize))
-            outputs.append(OutputColumn(name, aggregate=len(aggregates) - 1))
+            outputs.append(OutputColumn(name, aggregate=len(aggregates) - 1, source=val))
+            select.append(SelectItem(name, column=len(outputs) - 1))
             continue
-        _no_aggregates_inside(val)
+        inner = _dp_aggregates_in(val)
+        if inner:
+            # post-processing: each aggregate is released (hidden), the expression is
+            # evaluated over the released values by the result query
+            for fc in inner:
+                if any(_same(fc, o.source) for o in outputs):
+                    continue
+                hidden = f"dp_hidden{len(outputs)}"
+                aggregates.append(_make_aggregate(fc, hidden, fa, policy, totalize))
+                outputs.append(OutputColumn(hidden, aggregate=len(aggregates) - 1, source=fc))
+            select.append(SelectItem(name, expr=val))
+            continue
         if not any(_same(val, g) or _is_ref_to(g, name) for g in group_exprs):
             raise _refuse("every selected column must be a GROUP BY key or a DP aggregate",
                           _sql(val))
         keys.append(Key(totalize(val, "GROUP BY key"), name))
-        outputs.append(OutputColumn(name, key=len(keys) - 1))
+        outputs.append(OutputColumn(name, key=len(keys) - 1, source=val))
+        select.append(SelectItem(name, column=len(outputs) - 1))
     for g in group_exprs:
         if not any(_same(g, k.expr) or _is_ref_to(g, k.output_name) for k in keys):
             # a GROUP BY key that is not selected still partitions the result
@@ -558,7 +587,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         from_clause=from_clause, where=where, uid=uid, tables=tuple(fa.tables), keys=tuple(keys),
         aggregates=tuple(aggregates), outputs=tuple(outputs), having=stmt.havingClause,
         order_by=tuple(stmt.sortClause or ()), limit=stmt.limitCount, offset=stmt.limitOffset,
-        plain_form=plain_form, ctes=cte_nodes,
+        plain_form=plain_form, ctes=cte_nodes, select=tuple(select),
     )
 
 
@@ -756,6 +785,25 @@ def _aggregate_call(val: Any, plain_form: bool) -> ast.FuncCall | None:
     if name in ANON_FUNCTIONS or name in PLAIN_FUNCTIONS:  # both forms: BigQuery spells them plainly
         return val
     return None
+
+
+def _dp_aggregates_in(val: Any) -> list[Any]:
+    """DP aggregate calls inside an expression (not inside subqueries), in order."""
+    found = []
+    stack = [val]
+    while stack:
+        cur = stack.pop(0)
+        if isinstance(cur, ast.SubLink):
+            continue
+        if isinstance(cur, ast.FuncCall) and (_funcname(cur) in ANON_FUNCTIONS
+                                              or _funcname(cur) in PLAIN_FUNCTIONS):
+            found.append(cur)
+            continue
+        if isinstance(cur, ast.Node):
+            stack.extend(getattr(cur, n) for n in cur)
+        elif isinstance(cur, (tuple, list)):
+            stack.extend(cur)
+    return found
 
 
 def _no_aggregates_inside(val: Any) -> None:

@@ -245,7 +245,8 @@ class _ToResultColumns(Visitor):
 def result_sql(names: list[str], types: list[TypeRef],
                rows: Sequence[Sequence[str | int | float | None]], *,
                sources: list[Any] | None = None, having: Any = None,
-               order_by: Sequence[Any] = (), limit: Any = None, offset: Any = None) -> str:
+               order_by: Sequence[Any] = (), limit: Any = None, offset: Any = None,
+               visible: Sequence[tuple[str, int | Any]] | None = None) -> str:
     """A query that returns `rows` with the given column names and types.
 
     HAVING and ORDER BY, written over the select list (`sources`) or the output
@@ -257,12 +258,20 @@ def result_sql(names: list[str], types: list[TypeRef],
     values = [[_literal(v, t) for v, t in zip(row, types, strict=True)] for row in rows] or [
         [_literal(None, t) for t in types]]
     inner = ast.SelectStmt(valuesLists=tuple(tuple(v) for v in values))
+    mapper = _ToResultColumns(list(sources or []), names)
+    targets = []
+    for name, what in visible or [(n, i) for i, n in enumerate(names)]:
+        if isinstance(what, int):
+            targets.append(ast.ResTarget(name=name, val=_result_ref(what)))
+        else:  # an expression over released values (post-processing)
+            holder = ast.ResTarget(name=name, val=copy.deepcopy(what))
+            mapper(holder)
+            targets.append(holder)
     stmt = ast.SelectStmt(
-        targetList=tuple(ast.ResTarget(name=n, val=_result_ref(i)) for i, n in enumerate(names)),
+        targetList=tuple(targets),
         fromClause=(ast.RangeSubselect(subquery=inner,
                                        alias=ast.Alias(aliasname="dp_result", colnames=cols)),),
     )
-    mapper = _ToResultColumns(list(sources or []), names)
     where = None
     if having is not None:
         holder = ast.ResTarget(val=copy.deepcopy(having))

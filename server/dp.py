@@ -99,16 +99,6 @@ class Prepared:
                 out.append((PG, output_type(self.query.aggregates[c.aggregate])))
         return out
 
-    def oids(self) -> list[int]:
-        out = []
-        for c in self.query.outputs:
-            if c.key is not None:
-                out.append(self.key_oids[c.key])
-            else:
-                assert c.aggregate is not None
-                out.append(_OIDS[output_type(self.query.aggregates[c.aggregate])])
-        return out
-
 
 def row_description(names: Sequence[str], oids: Sequence[int],
                     formats: Sequence[int] = ()) -> p.RowDescription:
@@ -220,8 +210,11 @@ class DPService:
             async with self.pool.acquire() as conn:
                 attrs = (await conn.prepare(sql)).get_attributes()
             return row_description([a.name for a in attrs], [a.type.oid for a in attrs], formats)
-        prepared = await self.prepare(session, st, bind, param_types)
-        return row_description(prepared.names, prepared.oids(), formats)
+        async with self.pool.acquire() as conn:
+            prepared = await self.prepare(session, st, bind, param_types, conn)
+            # the result query, with no rows, tells the columns (computed ones included)
+            attrs = (await conn.prepare(self._result_sql(prepared, []))).get_attributes()
+        return row_description([a.name for a in attrs], [a.type.oid for a in attrs], formats)
 
     async def parameter_types(self, session: Session, st: Statement,
                               declared: Sequence[int]) -> tuple[int, ...]:
@@ -282,10 +275,7 @@ class DPService:
                         type(e).__name__)
             raise QueryFailed() from None
         released = release(prepared.query, plan, rows)
-        q = prepared.query
-        sources = [t.val for t in parse_select(st.stripped_sql).targetList]
-        sql = result_sql(prepared.names, prepared.types(), released.rows, sources=sources,
-                         having=q.having, order_by=q.order_by, limit=q.limit, offset=q.offset)
+        sql = self._result_sql(prepared, released.rows)
         budget = await self.ledger.budget(session.user, conn)
         return sql, [self._notice(prepared, budget)]
 
@@ -312,13 +302,22 @@ class DPService:
                 f"max_groups_contributed {plan.max_groups_contributed} is above this proxy's "
                 f"limit {caps.max_groups_contributed}")
 
+    @staticmethod
+    def _result_sql(prepared: Prepared, rows: Sequence[Sequence[Any]]) -> str:
+        q = prepared.query
+        visible = [(item.name, item.column if item.column is not None else item.expr)
+                   for item in q.select]
+        return result_sql(prepared.names, prepared.types(), rows,
+                          sources=[o.source for o in q.outputs], having=q.having,
+                          order_by=q.order_by, limit=q.limit, offset=q.offset, visible=visible)
+
     def _notice(self, prepared: Prepared, budget: Any) -> p.NoticeResponse:
         from server.session import notice_response
 
         plan = prepared.plan
         widths = []
         for col in prepared.query.outputs:
-            if col.aggregate is None:
+            if col.aggregate is None or col.name.startswith("dp_hidden"):
                 continue
             qs = [q for q in plan.all_quantities if q.aggregate == col.aggregate]
             if not qs and plan.threshold is not None:

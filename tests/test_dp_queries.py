@@ -396,3 +396,25 @@ def test_session_settings_drive_the_plan(proxy: Proxy, reset: None) -> None:
         conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1, noise='laplace') ANON_COUNT(*) "
                      "FROM visits").fetchall()
         assert spent(conn)[0] == pytest.approx(0.4)
+
+
+def test_expressions_over_dp_aggregates(proxy: Proxy, reset: None) -> None:
+    sql = ("SELECT WITH ANONYMIZATION browser, ANON_SUM(duration, 0, 100) / greatest(ANON_COUNT(*), 1) "
+           "AS per_user, ANON_COUNT(*) AS n FROM visits GROUP BY browser ORDER BY n DESC LIMIT 3")
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        cur = conn.execute(sql)
+        assert [d.name for d in cur.description] == ["browser", "per_user", "n"]
+        rows = cur.fetchall()
+        assert len(rows) == 3 and rows[0][0] == "Chrome" and 0 <= rows[0][1] <= 150
+
+    async def go() -> None:
+        conn = await asyncpg.connect(proxy.uri())
+        try:
+            stmt = await conn.prepare(sql)
+            assert [(a.name, a.type.name) for a in stmt.get_attributes()] == [
+                ("browser", "text"), ("per_user", "float8"), ("n", "int8")]
+            assert len(await stmt.fetch()) == 3
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
