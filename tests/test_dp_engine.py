@@ -120,7 +120,7 @@ def test_refusals_name_their_rule(sql: str, message: str) -> None:
 
 
 def test_expressions_over_dp_aggregates_are_post_processing() -> None:
-    query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_SUM(duration, 0, 100) / "
+    query, _, _ = build("SELECT WITH ANONYMIZATION browser, ANON_SUM(duration, 0, 100) / "
                            "greatest(ANON_COUNT(*), 1) AS per_user FROM visits GROUP BY browser")
     assert [o.name for o in query.outputs] == ["browser", "dp_hidden1", "dp_hidden2"]
     assert [(i.name, i.column) for i in query.select] == [("browser", 0), ("per_user", None)]
