@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from common import append_results, free_port, machine  # noqa: E402
 from dataset import generate  # noqa: E402
-from passthrough import _free_port, machine  # noqa: E402
 
 from config import DEMO_CONFIG, load_config  # noqa: E402
 from server.bootstrap import apply_backend_setup, demo_config_text  # noqa: E402
@@ -91,7 +91,7 @@ async def run(scale: float, runs: int) -> list[str]:
         await apply_backend_setup(conn, config, DATABASE)
         print(f"dataset: {n_rows} visits, {n_users} users, generated in {seconds:.1f} s", flush=True)
 
-        port = _free_port()
+        port = free_port()
         cfg_text = demo_config_text(
             DSN(str(pg.socket_dir), pg.port, "dp_pushdown", DATABASE),
             DSN(str(pg.socket_dir), pg.port, "dp_restricted", DATABASE), port,
@@ -160,8 +160,7 @@ def main() -> int:
     args = ap.parse_args()
     lines = asyncio.run(run(args.scale, args.runs))
     if not args.no_write:
-        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-            f.write("\n" + "\n".join(lines) + "\n")
+        append_results(lines)
     return 0
 
 

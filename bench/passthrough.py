@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import re
 import signal
 import socket
@@ -29,6 +28,9 @@ import asyncpg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import append_results, free_port, machine  # noqa: E402
 
 from config import DEMO_CONFIG, load_config  # noqa: E402
 from server.bootstrap import apply_backend_setup, demo_config_text, load_demo_data  # noqa: E402
@@ -36,12 +38,6 @@ from server.dsn import DSN  # noqa: E402
 from server.embedded import EmbeddedPostgres, find_bindir  # noqa: E402
 
 DATABASE = "bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _prepare(pg: EmbeddedPostgres) -> None:
@@ -94,16 +90,6 @@ def _pgbench(host: str, port: int, user: str, mode: str, seconds: int, clients: 
     return float(m.group(1))
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    with open("/proc/cpuinfo") as f:
-        names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-    if names:
-        cpu = names[0]
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, Python {platform.python_version()}"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=int, default=10)
@@ -115,7 +101,7 @@ def main() -> int:
     results: dict[tuple[str, str], list[float]] = {}
     with EmbeddedPostgres(tcp=True) as pg, tempfile.TemporaryDirectory() as tmp:
         asyncio.run(_prepare(pg))
-        port = _free_port()
+        port = free_port()
         proxy = _start_proxy(pg, port, Path(tmp))
         try:
             for _ in range(args.runs):
@@ -138,8 +124,7 @@ def main() -> int:
         lines.append(f"| {mode} | {d:.0f} | {x:.0f} | {x / d:.2f}× |")
         print(f"{mode}: proxied / direct = {x / d:.2f}×")
     if not args.no_write:
-        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-            f.write("\n" + "\n".join(lines) + "\n")
+        append_results(lines)
     return 0
 
 
