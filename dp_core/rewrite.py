@@ -202,7 +202,10 @@ def _type_name(t: TypeRef) -> Any:
 
 def _literal(value: str | int | float | None, t: TypeRef) -> Any:
     if value is None:
-        const = ast.A_Const(isnull=True)
+        # NULL through text: pglast prints a cast of a bare constant as a typed literal
+        # (`char 'x'`), and `char NULL` is not SQL
+        const = ast.TypeCast(arg=ast.A_Const(isnull=True), typeName=ast.TypeName(
+            names=(ast.String(sval="pg_catalog"), ast.String(sval="text"))))
     elif isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(value, int):
         const = ast.A_Const(val=ast.String(sval=str(value)))
     else:

@@ -418,3 +418,22 @@ def test_expressions_over_dp_aggregates(proxy: Proxy, reset: None) -> None:
             await conn.close()
 
     asyncio.run(go())
+
+
+def test_empty_and_null_results_for_every_key_type(proxy: Proxy, reset: None, backend: Backend) -> None:
+    """char(n), integer and text keys, no rows released, and a NULL key: all well-formed."""
+    async def go() -> None:
+        conn = await asyncpg.connect(proxy.uri())
+        try:
+            stmt = await conn.prepare("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) country, "
+                                      "ANON_COUNT(DISTINCT uid) FROM visits WHERE uid < 0 GROUP BY country")
+            assert [a.type.name for a in stmt.get_attributes()] == ["bpchar", "int8"]
+            assert await stmt.fetch() == []
+            rows = await conn.fetch("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) "
+                                    "CASE WHEN duration > 60 THEN NULL ELSE 'short' END AS kind, "
+                                    "ANON_COUNT(*) FROM visits GROUP BY 1")
+            assert {r["kind"] for r in rows} == {None, "short"}
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
