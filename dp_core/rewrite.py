@@ -201,6 +201,7 @@ def _type_name(t: TypeRef) -> Any:
 
 
 def _literal(value: str | int | float | None, t: TypeRef) -> Any:
+    const: Any
     if value is None:
         # NULL through text: pglast prints a cast of a bare constant as a typed literal
         # (`char 'x'`), and `char NULL` is not SQL
