@@ -90,16 +90,11 @@ class SelectItem:
 
 
 @dataclass(frozen=True)
-class ColumnPolicy:
-    lower: float
-    upper: float
-
-
-@dataclass(frozen=True)
 class TablePolicy:
     schema: str
     uid_column: str
-    columns: Mapping[str, ColumnPolicy] = field(default_factory=dict)
+    columns: Mapping[str, Bounds] = field(default_factory=dict)
+    """Configured contribution bounds of numeric columns."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pglast.visitors import Visitor
 
 from config import Accountant, Config
 from dp_core.accounting import AnswerCost
-from dp_core.analysis import AnalyzedQuery, ColumnPolicy, TablePolicy, analyze, parse_select
+from dp_core.analysis import AnalyzedQuery, Bounds, TablePolicy, analyze, parse_select
 from dp_core.classify import Statement, StatementKind
 from dp_core.errors import DPError, FeatureNotSupported, InternalError, InvalidParameterValue
 from dp_core.mechanisms import NoiseKind
@@ -118,7 +118,7 @@ class DPService:
         self.ledger = ledger
         self.policy = {
             name: TablePolicy(t.schema_, t.uid_column,
-                              {c: ColumnPolicy(b.lower, b.upper) for c, b in t.columns.items()})
+                              {c: Bounds(b.lower, b.upper) for c, b in t.columns.items()})
             for name, t in config.tables.items()
         }
         self._type_names: dict[int, TypeRef] = {}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from pglast import parse_sql
 
-from dp_core.analysis import AggKind, ColumnPolicy, TablePolicy, analyze, parse_select
+from dp_core.analysis import AggKind, Bounds, TablePolicy, analyze, parse_select
 from dp_core.classify import Classifier, ProtectionPolicy
 from dp_core.errors import FeatureNotSupported, SyntaxError_
 from dp_core.mechanisms import NoiseKind, granularity, threshold_tau
@@ -21,8 +21,8 @@ from dp_core.rewrite import pushdown_sql, result_sql
 
 GOLDEN = Path(__file__).parent / "golden" / "rewrite"
 POLICY = {
-    "visits": TablePolicy("public", "uid", {"duration": ColumnPolicy(0, 3600)}),
-    "purchases": TablePolicy("public", "uid", {"amount": ColumnPolicy(0, 500)}),
+    "visits": TablePolicy("public", "uid", {"duration": Bounds(0, 3600)}),
+    "purchases": TablePolicy("public", "uid", {"amount": Bounds(0, 500)}),
 }
 CLASSIFIER = Classifier(ProtectionPolicy({"visits": "public", "purchases": "public"}))
 
