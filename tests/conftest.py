@@ -9,6 +9,7 @@ clients (psql, psycopg, psycopg2) as well as asyncpg.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import threading
@@ -150,8 +151,17 @@ def start_proxy(loop_thread: LoopThread, config: Config, backend: Backend) -> Pr
     return Proxy(server, "127.0.0.1", server.port)
 
 
+@contextlib.contextmanager
+def running_proxy(loop_thread: LoopThread, config: Config, backend: Backend) -> Iterator[Proxy]:
+    """A proxy with `config` for the duration of a `with` block."""
+    px = start_proxy(loop_thread, config, backend)
+    try:
+        yield px
+    finally:
+        loop_thread.run(px.server.stop())
+
+
 @pytest.fixture
 def proxy(loop_thread: LoopThread, demo_config: Config, backend: Backend) -> Iterator[Proxy]:
-    px = start_proxy(loop_thread, demo_config, backend)
-    yield px
-    loop_thread.run(px.server.stop())
+    with running_proxy(loop_thread, demo_config, backend) as px:
+        yield px

@@ -12,7 +12,7 @@ from config import Accountant, Config
 from dp_core.accounting import AnswerCost, basic_total, rdp_total
 from dp_core.mechanisms import NoiseKind, gaussian_sigma
 
-from .conftest import Backend, LoopThread, start_proxy
+from .conftest import Backend, LoopThread, running_proxy
 from .test_dp_engine import build
 
 
@@ -62,8 +62,7 @@ def test_rdp_analyst_end_to_end(loop_thread: LoopThread, demo_config: Config, ba
     bob = demo_config.analysts["bob"].model_copy(update={"accountant": Accountant.RDP,
                                                           "epsilon_budget": 3.0, "delta_budget": 1e-4})
     cfg = demo_config.model_copy(update={"analysts": {**demo_config.analysts, "bob": bob}})
-    px = start_proxy(loop_thread, cfg, backend)
-    try:
+    with running_proxy(loop_thread, cfg, backend) as px:
         with psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
             admin.execute("SELECT dp_reset_budget('bob')")
         with psycopg.connect(px.dsn("bob"), autocommit=True) as conn:
@@ -73,8 +72,6 @@ def test_rdp_analyst_end_to_end(loop_thread: LoopThread, demo_config: Config, ba
                 conn.execute(q).fetchall()
             (spent,), = conn.execute("SELECT epsilon_spent FROM dp_budget()").fetchall()
             assert 0.5 < float(spent) < 3.0
-    finally:
-        loop_thread.run(px.server.stop())
 
 
 def test_refresh_period_renews_the_budget(loop_thread: LoopThread, demo_config: Config,
@@ -85,8 +82,6 @@ def test_refresh_period_renews_the_budget(loop_thread: LoopThread, demo_config: 
 
     carol = demo_config.analysts["alice"].model_copy(update={"refresh_days": 30, "epsilon_budget": 1.0})
     cfg = demo_config.model_copy(update={"analysts": {**demo_config.analysts, "carol": carol}})
-    px = start_proxy(loop_thread, cfg, backend)
-
     async def age(days: int) -> None:
         conn = await asyncpg.connect(backend.admin_dsn)
         try:
@@ -95,7 +90,7 @@ def test_refresh_period_renews_the_budget(loop_thread: LoopThread, demo_config: 
         finally:
             await conn.close()
 
-    try:
+    with running_proxy(loop_thread, cfg, backend) as px:
         with psycopg.connect(px.dsn("carol", password="alice"), autocommit=True) as conn:
             conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.6) ANON_COUNT(*) FROM visits").fetchall()
             asyncio.run(age(10))
@@ -111,5 +106,3 @@ def test_refresh_period_renews_the_budget(loop_thread: LoopThread, demo_config: 
         with psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
             kinds = [r[0] for r in admin.execute("SELECT outcome FROM dp_ledger('carol') WHERE kind = 'reset'")]
             assert kinds == ["budget renewed: refresh period of 30 days"]
-    finally:
-        loop_thread.run(px.server.stop())

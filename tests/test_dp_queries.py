@@ -14,7 +14,7 @@ import pytest
 
 from config import Config
 
-from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, start_proxy
+from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, running_proxy
 from .test_dp_engine import GOLDEN_CASES, build
 
 Q = "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) browser, ANON_COUNT(*) AS n FROM visits GROUP BY browser"
@@ -214,8 +214,7 @@ def test_concurrent_queries_never_overspend(proxy: Proxy, reset: None) -> None:
 def test_failed_pushdown_stays_charged_with_a_generic_error(
         loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
     slow = demo_config.backend.model_copy(update={"statement_timeout": 0.001})
-    px = start_proxy(loop_thread, demo_config.model_copy(update={"backend": slow}), backend)
-    try:
+    with running_proxy(loop_thread, demo_config.model_copy(update={"backend": slow}), backend) as px:
         with psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
             admin.execute("SELECT dp_reset_budget('alice')")
         with psycopg.connect(px.dsn(), autocommit=True) as conn:
@@ -225,8 +224,6 @@ def test_failed_pushdown_stays_charged_with_a_generic_error(
             assert "failed after its privacy cost was charged" in str(exc.value)
             assert "visits" not in str(exc.value) and "dp_per_user" not in str(exc.value)
             assert spent(conn)[0] == pytest.approx(0.5)
-    finally:
-        loop_thread.run(px.server.stop())
 
 
 # ---------------------------------------------------------------------------- refusals and side channels

@@ -17,7 +17,7 @@ import pytest
 from config import Config
 from server import protocol as p
 
-from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, start_proxy
+from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, running_proxy
 from .rawclient import RawClient, close_all, errors, tags
 
 
@@ -215,14 +215,14 @@ def test_plain_ssl_request_gets_n_when_tls_is_off(proxy: Proxy) -> None:
 # ---------------------------------------------------------------------------- limits
 
 
-def _custom(loop_thread: LoopThread, demo_config: Config, backend: Backend, **listen: object) -> Proxy:
+def _custom(loop_thread: LoopThread, demo_config: Config, backend: Backend,
+            **listen: object) -> contextlib.AbstractContextManager[Proxy]:
     cfg = demo_config.model_copy(update={"listen": demo_config.listen.model_copy(update=listen)})
-    return start_proxy(loop_thread, cfg, backend)
+    return running_proxy(loop_thread, cfg, backend)
 
 
 def test_max_connections(loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
-    px = _custom(loop_thread, demo_config, backend, max_connections=2)
-    try:
+    with _custom(loop_thread, demo_config, backend, max_connections=2) as px:
         a, b = RawClient(px.host, px.port), RawClient(px.host, px.port)
         a.login("alice", "alice", TEST_DATABASE)
         b.login("alice", "alice", TEST_DATABASE)
@@ -241,13 +241,10 @@ def test_max_connections(loop_thread: LoopThread, demo_config: Config, backend: 
         assert isinstance(msgs[-1], p.ReadyForQuery)
         b.close()
         d.close()
-    finally:
-        loop_thread.run(px.server.stop())
 
 
 def test_startup_and_idle_timeouts(loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
-    px = _custom(loop_thread, demo_config, backend, startup_timeout=0.5, idle_timeout=0.7)
-    try:
+    with _custom(loop_thread, demo_config, backend, startup_timeout=0.5, idle_timeout=0.7) as px:
         silent = RawClient(px.host, px.port)
         t0 = time.monotonic()
         assert silent.closed_by_server()
@@ -259,8 +256,6 @@ def test_startup_and_idle_timeouts(loop_thread: LoopThread, demo_config: Config,
         err = idle.recv()
         assert isinstance(err, p.ErrorResponse) and "idle" in (err.message or "")
         assert idle.closed_by_server()
-    finally:
-        loop_thread.run(px.server.stop())
 
 
 # ---------------------------------------------------------------------------- TLS
@@ -280,16 +275,15 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Pat
 
 
 def _tls_proxy(loop_thread: LoopThread, demo_config: Config, backend: Backend,
-               files: tuple[Path, Path, Path], require: bool) -> Proxy:
+               files: tuple[Path, Path, Path], require: bool) -> contextlib.AbstractContextManager[Proxy]:
     tls = demo_config.tls.model_copy(update={"cert_file": files[0], "key_file": files[1],
                                              "require": require})
-    return start_proxy(loop_thread, demo_config.model_copy(update={"tls": tls}), backend)
+    return running_proxy(loop_thread, demo_config.model_copy(update={"tls": tls}), backend)
 
 
 def test_tls_sslmode_require_and_verify_full(loop_thread: LoopThread, demo_config: Config,
                                              backend: Backend, tls_files: tuple[Path, Path, Path]) -> None:
-    px = _tls_proxy(loop_thread, demo_config, backend, tls_files, require=False)
-    try:
+    with _tls_proxy(loop_thread, demo_config, backend, tls_files, require=False) as px:
         with psycopg.connect(px.dsn(sslmode="require")) as conn:
             assert conn.pgconn.ssl_in_use
             assert conn.execute("SELECT count(*) FROM countries").fetchone() == (152,)
@@ -297,41 +291,32 @@ def test_tls_sslmode_require_and_verify_full(loop_thread: LoopThread, demo_confi
             assert conn.pgconn.ssl_in_use
         with psycopg.connect(px.dsn(sslmode="disable")) as conn:  # allowed: require is off
             assert not conn.pgconn.ssl_in_use
-    finally:
-        loop_thread.run(px.server.stop())
 
 
 def test_tls_required_refuses_plaintext(loop_thread: LoopThread, demo_config: Config,
                                         backend: Backend, tls_files: tuple[Path, Path, Path]) -> None:
-    px = _tls_proxy(loop_thread, demo_config, backend, tls_files, require=True)
-    try:
+    with _tls_proxy(loop_thread, demo_config, backend, tls_files, require=True) as px:
         with pytest.raises(psycopg.OperationalError, match="requires TLS"):
             psycopg.connect(px.dsn(sslmode="disable"))
         with psycopg.connect(px.dsn(sslmode="require")) as conn:
             assert conn.execute("SELECT 1").fetchone() == (1,)
-    finally:
-        loop_thread.run(px.server.stop())
 
 
 def test_tls_rejects_bytes_sent_after_ssl_request(loop_thread: LoopThread, demo_config: Config,
                                                   backend: Backend,
                                                   tls_files: tuple[Path, Path, Path]) -> None:
     """CVE-2021-23214: plaintext injected behind an SSLRequest must not be processed."""
-    px = _tls_proxy(loop_thread, demo_config, backend, tls_files, require=False)
-    try:
+    with _tls_proxy(loop_thread, demo_config, backend, tls_files, require=False) as px:
         s = socket.create_connection((px.host, px.port), timeout=5)
         s.sendall(p.SSLRequest().encode() + p.Query("SELECT 1").encode())
         data = s.recv(4096)
         assert data[:1] == b"E" and b"08P01" in data
         s.close()
-    finally:
-        loop_thread.run(px.server.stop())
 
 
 def test_tls_handshake_with_plain_ssl_module(loop_thread: LoopThread, demo_config: Config,
                                              backend: Backend, tls_files: tuple[Path, Path, Path]) -> None:
-    px = _tls_proxy(loop_thread, demo_config, backend, tls_files, require=True)
-    try:
+    with _tls_proxy(loop_thread, demo_config, backend, tls_files, require=True) as px:
         s = socket.create_connection((px.host, px.port), timeout=5)
         s.sendall(p.SSLRequest().encode())
         assert s.recv(1) == b"S"
@@ -339,8 +324,6 @@ def test_tls_handshake_with_plain_ssl_module(loop_thread: LoopThread, demo_confi
         tls = ctx.wrap_socket(s, server_hostname="127.0.0.1")
         assert tls.version() in ("TLSv1.2", "TLSv1.3")
         tls.close()
-    finally:
-        loop_thread.run(px.server.stop())
 
 
 # ---------------------------------------------------------------------------- backend failures
