@@ -10,13 +10,14 @@ composition's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from dp_core.mechanisms import NoiseKind
-from dp_core.plan import DPQueryPlan
+from dp_core.mechanisms import NoiseKind, gaussian_sigma
+from dp_core.plan import DPQueryPlan, NoisyQuantity
 
 
 @dataclass(frozen=True)
@@ -32,14 +33,20 @@ class AnswerCost:
 
     @classmethod
     def of(cls, plan: DPQueryPlan) -> AnswerCost:
-        gauss = [q for q in plan.all_quantities if q.noise.kind is NoiseKind.GAUSSIAN]
-        import math
+        def kind(q: NoisyQuantity) -> NoiseKind:
+            return q.noise.kind if q.noise is not None else plan.noise_kind
 
+        def multiplier(q: NoisyQuantity) -> float:
+            if q.noise is None or q.sensitivity is None:
+                # not calibrated yet (APPROX_BOUNDS pending): σ is proportional to the
+                # sensitivity, so the multiplier is that of sensitivity 1
+                return gaussian_sigma(float(q.epsilon), float(q.delta), 1.0)
+            return q.noise.scale / (math.sqrt(plan.max_groups_contributed) * q.sensitivity)
+
+        gauss = [q for q in plan.all_quantities if kind(q) is NoiseKind.GAUSSIAN]
         return cls(
             epsilon=plan.cost.epsilon, delta=plan.cost.delta,
-            gaussian_multipliers=tuple(
-                q.noise.scale / (math.sqrt(plan.max_groups_contributed) * q.sensitivity)
-                for q in gauss),
+            gaussian_multipliers=tuple(multiplier(q) for q in gauss),
             gaussian_epsilon=sum((q.epsilon for q in gauss), Fraction(0)),
             gaussian_delta=sum((q.delta for q in gauss), Fraction(0)),
         )

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -24,7 +24,7 @@ from pglast.enums import A_Expr_Kind, BoolExprType, JoinType
 from pglast.parser import ParseError
 from pglast.visitors import Visitor
 
-from dp_core.errors import FeatureNotSupported, SyntaxError_
+from dp_core.errors import FeatureNotSupported, InternalError, SyntaxError_
 
 
 class AggKind(Enum):
@@ -36,6 +36,8 @@ class AggKind(Enum):
     AVG = "avg"
     VAR = "var"
     STDDEV = "stddev"
+    QUANTILE = "quantile"
+    """ANON_NTILE and its forms: a DP quantile of the users' own quantiles (dp_core.quantiles)."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,17 @@ class Aggregate:
     kind: AggKind
     arg: ast.Node | None
     """The (totalised) argument; None for COUNT(*) and COUNT(DISTINCT uid)."""
-    bounds: Bounds
-    """Per-user contribution bounds: [0, U] for counts."""
+    bounds: Bounds | None
+    """Per-user contribution bounds: [0, U] for counts; None when APPROX_BOUNDS finds them."""
     output_name: str
+    quantile: float | None = None
+    """The quantile (0…1) of a QUANTILE aggregate."""
+
+    @property
+    def known_bounds(self) -> Bounds:
+        if self.bounds is None:
+            raise InternalError("bounds used before APPROX_BOUNDS found them (this is a bug)")
+        return self.bounds
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,12 @@ class AnalyzedQuery:
     select: tuple[SelectItem, ...] = ()
     """What the client sees, in select-list order."""
 
+    def with_bounds(self, found: Mapping[int, Bounds]) -> AnalyzedQuery:
+        """The query with bounds (from APPROX_BOUNDS) filled in for the given aggregates."""
+        aggregates = tuple(replace(a, bounds=found[i]) if i in found else a
+                           for i, a in enumerate(self.aggregates))
+        return replace(self, aggregates=aggregates)
+
 
 # ---------------------------------------------------------------------------- functions
 
@@ -131,8 +147,12 @@ PLAIN_FUNCTIONS = {
     "variance": AggKind.VAR, "var_samp": AggKind.VAR, "var_pop": AggKind.VAR,
     "stddev": AggKind.STDDEV, "stddev_samp": AggKind.STDDEV, "stddev_pop": AggKind.STDDEV,
 }
-LATER_FUNCTIONS = frozenset({"anon_ntile", "anon_median", "anon_min", "anon_max", "approx_bounds",
-                             "percentile_cont", "percentile_disc", "min", "max", "median"})
+QUANTILE_FUNCTIONS = frozenset({"anon_ntile", "anon_median", "anon_min", "anon_max",
+                                "percentile_cont", "min", "max"})
+"""DP quantiles: ANON_NTILE(x, p[, L, U]), ANON_MEDIAN/MIN/MAX(x[, L, U]), PERCENTILE_CONT in
+the plain form (p) WITHIN GROUP (ORDER BY x) and the BigQuery form (x, p[, L, U]), MIN/MAX."""
+_QUANTILE_OF = {"anon_median": 0.5, "anon_min": 0.0, "anon_max": 1.0, "min": 0.0, "max": 1.0}
+LATER_FUNCTIONS = frozenset({"approx_bounds", "percentile_disc", "median", "mode"})
 
 # Immutable functions that cannot raise for any argument values of the types they accept.
 TOTAL_FUNCTIONS = frozenset({
@@ -303,7 +323,7 @@ class Totalizer:
         name = _funcname(fc)
         if fc.over is not None:
             raise _refuse("window functions", _sql(fc))
-        if name in ANON_FUNCTIONS or name in PLAIN_FUNCTIONS or name in LATER_FUNCTIONS:
+        if _is_dp_aggregate(name) or name in LATER_FUNCTIONS:
             raise _refuse("aggregates inside expressions or in WHERE", _sql(fc))
         if len(fc.funcname) > 1 and str(fc.funcname[0].sval) != "pg_catalog":
             raise _refuse("only built-in functions", _sql(fc))
@@ -770,14 +790,22 @@ def _default_name(val: Any) -> str:
     return "?column?"
 
 
+def _is_dp_aggregate(name: str) -> bool:
+    return name in ANON_FUNCTIONS or name in PLAIN_FUNCTIONS or name in QUANTILE_FUNCTIONS
+
+
 def _aggregate_call(val: Any, plain_form: bool) -> ast.FuncCall | None:
     if not isinstance(val, ast.FuncCall):
         return None
     name = _funcname(val)
+    if name == "approx_bounds":
+        raise FeatureNotSupported(
+            "APPROX_BOUNDS is not called directly: it runs by itself for every aggregate whose "
+            "bounds are neither written nor configured")
     if name in LATER_FUNCTIONS:
-        raise FeatureNotSupported(f"{name.upper()} is not available yet (quantiles and automatic "
-                                  "bounds are coming)")
-    if name in ANON_FUNCTIONS or name in PLAIN_FUNCTIONS:  # both forms: BigQuery spells them plainly
+        raise FeatureNotSupported(f"{name.upper()} has no DP form here",
+                                  hint="use PERCENTILE_CONT, ANON_MEDIAN or ANON_NTILE")
+    if _is_dp_aggregate(name):  # both forms: BigQuery spells them plainly
         return val
     return None
 
@@ -790,8 +818,7 @@ def _dp_aggregates_in(val: Any) -> list[Any]:
         cur = stack.pop(0)
         if isinstance(cur, ast.SubLink):
             continue
-        if isinstance(cur, ast.FuncCall) and (_funcname(cur) in ANON_FUNCTIONS
-                                              or _funcname(cur) in PLAIN_FUNCTIONS):
+        if isinstance(cur, ast.FuncCall) and _is_dp_aggregate(_funcname(cur)):
             found.append(cur)
             continue
         if isinstance(cur, ast.Node):
@@ -803,11 +830,9 @@ def _dp_aggregates_in(val: Any) -> list[Any]:
 
 def _no_aggregates_inside(val: Any) -> None:
     for node in _walk(val):
-        if isinstance(node, ast.FuncCall):
-            name = _funcname(node)
-            if name in ANON_FUNCTIONS or name in PLAIN_FUNCTIONS:
-                raise _refuse("expressions over DP aggregates are not supported yet "
-                              "(select the aggregate itself)", _sql(val))
+        if isinstance(node, ast.FuncCall) and _is_dp_aggregate(_funcname(node)):
+            raise _refuse("expressions over DP aggregates are not supported yet "
+                          "(select the aggregate itself)", _sql(val))
 
 
 def _walk(node: Any) -> Iterator[Any]:
@@ -824,9 +849,11 @@ def _walk(node: Any) -> Iterator[Any]:
 def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
                     policy: Mapping[str, TablePolicy], totalize: Totalizer) -> Aggregate:
     fname = _funcname(fc)
-    kind = ANON_FUNCTIONS.get(fname) or PLAIN_FUNCTIONS[fname]
     if fc.over is not None:
         raise _refuse("window functions", _sql(fc))
+    if fname in QUANTILE_FUNCTIONS:
+        return _make_quantile(fc, name, fa, policy, totalize)
+    kind = ANON_FUNCTIONS.get(fname) or PLAIN_FUNCTIONS[fname]
     if fc.agg_filter is not None or fc.agg_order or fc.agg_within_group:
         raise _refuse("FILTER, ORDER BY or WITHIN GROUP in a DP aggregate", _sql(fc))
     args = list(fc.args or ())
@@ -852,23 +879,62 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
                          name)
     if fc.agg_distinct:
         raise _refuse(f"{fname.upper()}(DISTINCT ...)", _sql(fc))
-    if len(args) == 3:
-        lower, upper = _bound_literal(args[1], fc), _bound_literal(args[2], fc)
-    elif len(args) == 1:
-        configured = _configured_bounds(args[0], fa, policy)
-        if configured is None:
-            raise FeatureNotSupported(
-                f"{fname.upper()}({_sql(args[0])}) needs contribution bounds",
-                hint=f"write them, e.g. ANON_{kind.name}({_sql(args[0])}, 0, 100), or configure "
-                     "columns.<name> = {{ lower = ..., upper = ... }} for the table",
-            )
-        lower, upper = configured
-    else:
+    if len(args) not in (1, 3):
         raise _refuse(f"{fname.upper()} takes (x) or (x, lower, upper)", _sql(fc))
+    bounds = _bounds(args[0], args[1:], fc, fa, policy)
+    return Aggregate(kind, totalize(args[0], "aggregate argument"), bounds, name)
+
+
+def _bounds(arg: Any, written: Sequence[Any], fc: ast.FuncCall, fa: _FromAnalysis,
+            policy: Mapping[str, TablePolicy]) -> Bounds | None:
+    """Written bounds, else the column's configured ones, else None (APPROX_BOUNDS finds them)."""
+    if written:
+        lower, upper = _bound_literal(written[0], fc), _bound_literal(written[1], fc)
+    else:
+        configured = _configured_bounds(arg, fa, policy)
+        if configured is None:
+            return None
+        lower, upper = configured
     if not lower < upper:
         raise FeatureNotSupported(f"lower bound {lower:g} is not below upper bound {upper:g}",
                                   hint=_sql(fc))
-    return Aggregate(kind, totalize(args[0], "aggregate argument"), Bounds(lower, upper), name)
+    return Bounds(lower, upper)
+
+
+def _make_quantile(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
+                   policy: Mapping[str, TablePolicy], totalize: Totalizer) -> Aggregate:
+    fname = _funcname(fc)
+    args = list(fc.args or ())
+    if fc.agg_distinct or fc.agg_star or fc.agg_filter is not None:
+        raise _refuse(f"DISTINCT, * or FILTER in {fname.upper()}", _sql(fc))
+    if fname == "percentile_cont" and fc.agg_within_group:
+        # PERCENTILE_CONT(p) WITHIN GROUP (ORDER BY x [DESC])
+        if len(args) != 1 or not fc.agg_order or len(fc.agg_order) != 1:
+            raise _refuse("PERCENTILE_CONT(p) WITHIN GROUP (ORDER BY x) with one p and one x",
+                          _sql(fc))
+        p = _quantile_literal(args[0], fc)
+        sort = fc.agg_order[0]
+        if sort.sortby_dir == 2:  # SORTBY_DESC
+            p = 1.0 - p
+        x, written = sort.node, []
+    else:
+        if fc.agg_order or fc.agg_within_group:
+            raise _refuse(f"ORDER BY or WITHIN GROUP in {fname.upper()}", _sql(fc))
+        takes_p = fname in ("anon_ntile", "percentile_cont")
+        if not args or len(args) not in ((2, 4) if takes_p else (1, 3)):
+            shape = "(x, p) or (x, p, lower, upper)" if takes_p else "(x) or (x, lower, upper)"
+            raise _refuse(f"{fname.upper()} takes {shape}", _sql(fc))
+        p = _quantile_literal(args[1], fc) if takes_p else _QUANTILE_OF[fname]
+        x, written = args[0], args[2:] if takes_p else args[1:]
+    bounds = _bounds(x, written, fc, fa, policy)
+    return Aggregate(AggKind.QUANTILE, totalize(x, "aggregate argument"), bounds, name, p)
+
+
+def _quantile_literal(node: Any, fc: ast.FuncCall) -> float:
+    value = const_number(node)
+    if value is None or not 0.0 <= value <= 1.0:
+        raise _refuse("the quantile must be a number literal between 0 and 1", _sql(fc))
+    return value
 
 
 def _bound_literal(node: Any, fc: ast.FuncCall) -> float:

@@ -7,12 +7,13 @@ the quantities' shares (exact fractions) is asserted equal to it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery
+from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery, Bounds
 from dp_core.errors import InternalError
 from dp_core.mechanisms import NoiseKind, NoiseSpec, threshold_tau
+from dp_core.quantiles import DEPTH
 
 
 class Component:
@@ -24,6 +25,12 @@ class Component:
     N = "n"  # users with a value (AVG/VAR denominators)
     CENTERED_SUM = "csum"  # sum of (clamped value − midpoint)
     CENTERED_SQUARES = "csq"  # sum of (clamped value − midpoint)²
+    TREE = "tree"  # user counts of every node of the quantile tree (dp_core.quantiles)
+    BOUNDS = "bounds"  # APPROX_BOUNDS: user counts per log-scale bin, over all groups
+
+
+APPROX_BOUNDS_SHARE = Fraction(1, 4)
+"""The share of a query's ε that APPROX_BOUNDS spends, when some aggregate needs it."""
 
 
 @dataclass(frozen=True)
@@ -32,11 +39,19 @@ class NoisyQuantity:
     """The pushdown column that holds the true value."""
     component: str
     aggregate: int | None
-    sensitivity: float
-    """Largest change one user makes to this quantity in one group."""
+    sensitivity: float | None
+    """Largest change one user makes to this quantity in one group (L1; L2 for Gaussian
+    trees); None until APPROX_BOUNDS has found the aggregate's bounds."""
     epsilon: Fraction
     delta: Fraction
-    noise: NoiseSpec
+    noise: NoiseSpec | None
+    """None until APPROX_BOUNDS has found the bounds the noise depends on."""
+
+    @property
+    def spec(self) -> NoiseSpec:
+        if self.noise is None:
+            raise InternalError("noise used before its bounds were found (this is a bug)")
+        return self.noise
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,21 @@ class DPQueryPlan:
     shared_users: bool
     """COUNT(*) / COUNT(DISTINCT uid) read the (noisy) user count, at no extra cost."""
     cost: PrivacyCost
+    approx_bounds: tuple[NoisyQuantity, ...] = ()
+    """One APPROX_BOUNDS histogram per aggregate without written or configured bounds."""
+
+    @property
+    def pending(self) -> bool:
+        """Some noise waits for the bounds APPROX_BOUNDS finds (see `make_plan`'s `auto`)."""
+        return any(q.noise is None for q in self.quantities)
+
+    @property
+    def auto_bounds(self) -> frozenset[int]:
+        return frozenset(q.aggregate for q in self.approx_bounds if q.aggregate is not None)
+
+    @property
+    def trees(self) -> tuple[NoisyQuantity, ...]:
+        return tuple(q for q in self.quantities if q.component == Component.TREE)
 
     def quantity(self, name: str) -> NoisyQuantity:
         for q in self.all_quantities:
@@ -68,10 +98,18 @@ class DPQueryPlan:
 
     @property
     def all_quantities(self) -> tuple[NoisyQuantity, ...]:
-        return ((self.threshold,) if self.threshold else ()) + self.quantities
+        return ((self.threshold,) if self.threshold else ()) + self.approx_bounds + self.quantities
 
 
-def _components(agg: Aggregate) -> list[tuple[str, float]]:
+def _components(agg: Aggregate, noise: NoiseKind) -> list[tuple[str, float | None]]:
+    """The noisy quantities of one aggregate and their sensitivities (None: bounds not yet known)."""
+    if agg.kind is AggKind.QUANTILE:
+        # one user changes one node per level of the tree
+        depth = float(DEPTH)
+        return [(Component.TREE, depth if noise is NoiseKind.LAPLACE else math.sqrt(depth))]
+    if agg.bounds is None:
+        return [(c, 1.0 if c == Component.N else None) for c, _ in _components(
+            replace(agg, bounds=Bounds(0.0, 1.0)), noise)]
     lo, hi = agg.bounds.lower, agg.bounds.upper
     half = (hi - lo) / 2
     if agg.kind is AggKind.COUNT:
@@ -89,28 +127,37 @@ def _components(agg: Aggregate) -> list[tuple[str, float]]:
 def reads_user_count(agg: Aggregate) -> bool:
     """Aggregates equal to the user count of the group: one row per user, counted once."""
     return agg.kind is AggKind.COUNT_USERS or (
-        agg.kind is AggKind.COUNT and agg.arg is None and agg.bounds.upper == 1
+        agg.kind is AggKind.COUNT and agg.arg is None and agg.known_bounds.upper == 1
     )
 
 
 def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: int,
-              noise: NoiseKind) -> DPQueryPlan:
-    """Split (ε, δ) over the query's noisy quantities and calibrate each one's noise."""
+              noise: NoiseKind, auto: frozenset[int] = frozenset()) -> DPQueryPlan:
+    """Split (ε, δ) over the query's noisy quantities and calibrate each one's noise.
+
+    Aggregates without bounds get an APPROX_BOUNDS histogram (together APPROX_BOUNDS_SHARE
+    of ε) and noise that is calibrated only once the bounds are known: plan again with
+    the found bounds filled in and `auto` naming those aggregates, for the same split.
+    """
     grouped = bool(query.keys)
     # the decimal the analyst wrote (1e-6), not the binary expansion of the float
     eps, dlt = Fraction(repr(float(epsilon))), Fraction(repr(float(delta)))
+    auto = auto | {i for i, a in enumerate(query.aggregates) if a.bounds is None}
+    if any(query.aggregates[i].kind in (AggKind.COUNT, AggKind.COUNT_USERS) for i in auto):
+        raise InternalError()
     shared = any(reads_user_count(a) for a in query.aggregates)
-    specs: list[tuple[str, str, int | None, float]] = []
+    specs: list[tuple[str, str, int | None, float | None]] = []
     if grouped or shared:
         specs.append(("dp_users", Component.USERS, None, 1.0))
     for i, agg in enumerate(query.aggregates):
         if reads_user_count(agg):
             continue
-        for component, sensitivity in _components(agg):
+        for component, sensitivity in _components(agg, noise):
             specs.append((f"dp_a{i}_{component}", component, i, sensitivity))
-    if any(s <= 0 for *_, s in specs):
+    if any(s is not None and s <= 0 for *_, s in specs):
         raise InternalError()
-    share = eps / len(specs)
+    bounds_eps = eps * APPROX_BOUNDS_SHARE if auto else Fraction(0)
+    share = (eps - bounds_eps) / len(specs)
     gaussian = noise is NoiseKind.GAUSSIAN
     n_gauss = sum(1 for name, *_ in specs if name != "dp_users" or not grouped) if gaussian else 0
     delta_threshold = (dlt / 2 if gaussian else dlt) if grouped else Fraction(0)
@@ -125,12 +172,19 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
             tau = threshold_tau(max_groups, float(share), float(delta_threshold))
             continue
         kind = NoiseKind.GAUSSIAN if gaussian else NoiseKind.LAPLACE
-        spec = NoiseSpec.calibrate(kind, float(share), float(delta_each), max_groups, sensitivity)
+        noise_spec = None if sensitivity is None else NoiseSpec.calibrate(
+            kind, float(share), float(delta_each), max_groups, sensitivity)
         quantities.append(NoisyQuantity(name, component, agg_index, sensitivity, share,
-                                        delta_each if gaussian else Fraction(0), spec))
+                                        delta_each if gaussian else Fraction(0), noise_spec))
+    histograms = tuple(
+        NoisyQuantity(f"dp_a{i}_{Component.BOUNDS}", Component.BOUNDS, i, 1.0,
+                      bounds_eps / len(auto), Fraction(0),
+                      NoiseSpec.calibrate(NoiseKind.LAPLACE, float(bounds_eps / len(auto)), 0,
+                                          max_groups, 1.0))
+        for i in sorted(auto))
     cost = PrivacyCost(eps, delta_threshold + delta_each * n_gauss)
     plan = DPQueryPlan(eps, dlt, max_groups, noise, grouped, tau, threshold, tuple(quantities),
-                       shared, cost)
+                       shared, cost, histograms)
     spent_eps = sum((q.epsilon for q in plan.all_quantities), Fraction(0))
     spent_delta = sum((q.delta for q in plan.all_quantities), Fraction(0))
     if spent_eps != cost.epsilon or spent_delta != cost.delta or cost.delta > dlt:

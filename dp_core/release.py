@@ -5,13 +5,14 @@ Noise is added to every quantity of every group (vectorised, in
 count reaches τ; a global aggregate always yields exactly one row. AVG is the
 midpoint plus a noisy centred sum over a noisy count, clamped to [L, U] (Li et
 al.); VAR uses the noisy centred sum of squares as well, clamped to
-[0, ((U−L)/2)²]; STDDEV is √VAR.
+[0, ((U−L)/2)²]; STDDEV is √VAR. Quantiles come from walking each group's tree
+with noisy counts (`dp_core.quantiles`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +20,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery
+from dp_core.errors import InternalError
 from dp_core.mechanisms import secure_rng
 from dp_core.plan import Component, DPQueryPlan, reads_user_count
+from dp_core.quantiles import walk
 
 INT8 = "int8"
 FLOAT8 = "float8"
@@ -40,28 +43,78 @@ class Released:
     """Groups the pushdown returned (before thresholding); not to be shown to analysts."""
 
 
+GroupKey = tuple[str | None, ...]
+"""A group's key texts (the pushdown's dp_t columns), () for a global aggregate."""
+
+
+def group_key(row: Mapping[str, Any], keys: int) -> GroupKey:
+    return tuple(row[f"dp_t{i}"] for i in range(keys))
+
+
+def quantile_value(query: AnalyzedQuery, plan: DPQueryPlan, aggregate: int,
+                   codes: Sequence[int], counts: Sequence[int], rng: np.random.Generator) -> float:
+    """The DP quantile of one group from its tree's non-empty nodes (a row of the tree statement)."""
+    agg = query.aggregates[aggregate]
+    tree = plan.quantity(f"dp_a{aggregate}_{Component.TREE}")
+    assert agg.quantile is not None
+    b = agg.known_bounds
+    return float(walk(np.asarray(codes, dtype=np.int64), np.asarray(counts, dtype=np.int64),
+                      agg.quantile, b.lower, b.upper, tree.spec, rng)[0])
+
+
+def tree_values(query: AnalyzedQuery, plan: DPQueryPlan, tree_rows: Iterable[Mapping[str, Any]],
+                rng: np.random.Generator | None = None) -> dict[tuple[GroupKey, int], float]:
+    """DP quantiles of every (group, quantile aggregate) the tree statement returned rows for.
+
+    Rows can be streamed: each holds one whole tree, and only the answer is kept.
+    """
+    rng = rng or secure_rng()
+    return {(group_key(r, len(query.keys)), int(r["dp_agg"])):
+            quantile_value(query, plan, int(r["dp_agg"]), r["dp_codes"], r["dp_counts"], rng)
+            for r in tree_rows}
+
+
 def _column(rows: Sequence[Mapping[str, Any]], name: str) -> NDArray[np.float64]:
     return np.array([float(r[name]) if r[name] is not None else 0.0 for r in rows], dtype=np.float64)
 
 
 def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, Any]],
-            rng: np.random.Generator | None = None) -> Released:
-    """Add noise to the pushdown's rows and keep what may be released."""
+            rng: np.random.Generator | None = None,
+            quantiles: Mapping[tuple[GroupKey, int], float] | None = None) -> Released:
+    """Add noise to the pushdown's rows and keep what may be released.
+
+    `quantiles` are the groups' DP quantiles from `tree_values`; a group without a
+    tree row (no user with a value) gets the answer of an empty tree.
+    """
     rng = rng or secure_rng()
+    if plan.pending:
+        raise InternalError("release before APPROX_BOUNDS found the bounds (this is a bug)")
+    per_group = [q for q in plan.all_quantities if q.component not in (Component.TREE,
+                                                                      Component.BOUNDS)]
     if not query.keys and not rows:
-        rows = [{q.name: 0 for q in plan.all_quantities}]  # an aggregate over no rows
+        rows = [{q.name: 0 for q in per_group}]  # an aggregate over no rows
     noisy: dict[str, NDArray[np.float64]] = {
-        q.name: q.noise.add(_column(rows, q.name), rng) if rows else np.zeros(0)
-        for q in plan.all_quantities
+        q.name: q.spec.add(_column(rows, q.name), rng) if rows else np.zeros(0)
+        for q in per_group
     }
     keep = np.ones(len(rows), dtype=bool)
     if plan.threshold is not None and plan.tau is not None:
         keep = noisy[plan.threshold.name] >= plan.tau
     values: list[list[Any]] = []
+    kept = [int(x) for x in np.flatnonzero(keep)]
     for i, agg in enumerate(query.aggregates):
+        if agg.kind is AggKind.QUANTILE:
+            found = quantiles or {}
+            column: list[Any] = [None] * len(rows)
+            for r in kept:
+                value = found.get((group_key(rows[r], len(query.keys)), i))
+                column[r] = value if value is not None else quantile_value(
+                    query, plan, i, [], [], rng)
+            values.append(column)
+            continue
         values.append(list(_aggregate_values(i, agg, plan, noisy, len(rows))))
     out = []
-    for r in (int(x) for x in np.flatnonzero(keep)):
+    for r in kept:
         row: list[str | int | float | None] = []
         for col in query.outputs:
             if col.key is not None:
@@ -81,7 +134,7 @@ def _aggregate_values(i: int, agg: Aggregate, plan: DPQueryPlan,
         return [max(0, round(v)) for v in noisy[f"dp_a{i}_{Component.COUNT}"]]
     if agg.kind is AggKind.SUM:
         return [float(v) for v in noisy[f"dp_a{i}_{Component.SUM}"]]
-    lo, hi = agg.bounds.lower, agg.bounds.upper
+    lo, hi = agg.known_bounds.lower, agg.known_bounds.upper
     mid, half = (lo + hi) / 2, (hi - lo) / 2
     count = np.maximum(noisy[f"dp_a{i}_{Component.N}"], 1.0)
     mean_c = noisy[f"dp_a{i}_{Component.CENTERED_SUM}"] / count

@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pglast import ast, parse_sql
 from pglast.stream import RawStream
 from pglast.visitors import Visitor
 
-from dp_core.analysis import AggKind, AnalyzedQuery
+from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery, Bounds
 from dp_core.errors import FeatureNotSupported, InternalError
-from dp_core.plan import Component, DPQueryPlan, reads_user_count
+from dp_core.plan import Component, DPQueryPlan, make_plan, reads_user_count
+from dp_core.quantiles import EDGES, LEAVES, LEVEL_DIVISORS, LEVEL_OFFSETS
 
 _PH = "dp_ph_"
 
@@ -48,11 +50,21 @@ def _clamp(col: str, lower: float, upper: float) -> str:
             f"LEAST(GREATEST({col}, {_num(lower)}), {_num(upper)}) END")
 
 
+def _f8(x: float) -> str:
+    """A float8 literal for one of our own (finite) constants."""
+    if x != x or x in (float("inf"), float("-inf")):
+        raise InternalError()
+    return f"({float(x)!r})::float8"
+
+
 _EXACT_INTEGERS = frozenset({"int2", "int4", "int8"})
 """sum/avg of these accumulate exactly in int8/numeric: no overflow, no NaN."""
 _FLOATS = frozenset({"float4", "float8"})
+NUMERIC_TYPES = _EXACT_INTEGERS | _FLOATS | {"numeric"}
 FLOAT_ROW_CLAMP = 1e290
 """Float rows are clamped to ±1e290 first, so a sum of up to 10^18 of them cannot overflow."""
+QUANTILE_ROW_CLAMP = 1e300
+"""Numeric rows are clamped to ±1e300 before they become float8 for a quantile."""
 
 
 def _arg(i: int, arg_type: str | None) -> str:
@@ -66,32 +78,67 @@ def _arg(i: int, arg_type: str | None) -> str:
     return f"({_PH}a{i})::numeric"
 
 
-def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
-              order_seed: int) -> str:
+def _float_arg(i: int, arg_type: str | None) -> str:
+    """The per-row argument of a quantile as a finite float8 (NaN becomes the upper clamp)."""
+    if arg_type in _EXACT_INTEGERS:
+        return f"({_PH}a{i})::float8"
+    if arg_type in _FLOATS:
+        return _arg(i, arg_type)
+    return (f"(LEAST(GREATEST(({_PH}a{i})::numeric, {_num(-QUANTILE_ROW_CLAMP)}), "
+            f"{_num(QUANTILE_ROW_CLAMP)}))::float8")
+
+
+def _partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
+    """Aggregate i's per-user partial (one value per user and group), named dp_p{i}."""
+    if agg.kind is AggKind.COUNT:
+        return f"count({_PH}a{i}) AS dp_p{i}" if agg.arg is not None else f"count(*) AS dp_p{i}"
+    if agg.arg is not None and arg_type is not None and arg_type not in NUMERIC_TYPES:
+        raise FeatureNotSupported(
+            f"{agg.output_name}: the argument of {agg.kind.value} must be a number, not {arg_type}",
+            hint="cast it in the query, e.g. x::numeric, where every value converts")
+    if agg.kind is AggKind.SUM:
+        return f"sum({_arg(i, arg_type)}) AS dp_p{i}"
+    if agg.kind is AggKind.QUANTILE:
+        assert agg.quantile is not None
+        return (f"percentile_cont({float(agg.quantile)!r}::float8) WITHIN GROUP "
+                f"(ORDER BY {_float_arg(i, arg_type)}) AS dp_p{i}")
+    return f"avg({_arg(i, arg_type)}) AS dp_p{i}"
+
+
+def _kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
+               order_seed: int) -> tuple[str, str, str]:
+    """(WITH-list entries, relation, condition): the per-user rows each user keeps (≤ C_u groups)."""
     keys = [f"{_PH}k{i} AS dp_k{i}" for i in range(len(query.keys))]
-    partials = []
-    for i, agg in enumerate(query.aggregates):
-        if reads_user_count(agg):
-            continue  # the plan reads the user count for it
-        if agg.kind is AggKind.COUNT:
-            partials.append(f"count({_PH}a{i}) AS dp_p{i}" if agg.arg is not None
-                            else f"count(*) AS dp_p{i}")
-        elif agg.kind is AggKind.SUM:
-            partials.append(f"sum({_arg(i, arg_types.get(i))}) AS dp_p{i}")
-        else:
-            partials.append(f"avg({_arg(i, arg_types.get(i))}) AS dp_p{i}")
     group_by = ", ".join(str(n) for n in range(1, len(keys) + 2))
     per_user = (f"SELECT {', '.join([*keys, f'{_PH}uid AS dp_uid', *partials])} "
                 f"FROM {_PH}from WHERE {_PH}where GROUP BY {group_by}")
+    if not query.keys:
+        return f"dp_per_user AS ({per_user})", "dp_per_user", "TRUE"
+    # which groups a user keeps: a keyed hash of (user, group) with a fresh secret key per
+    # query: independent across users as random() is, but parallel-safe and cheap to sort.
+    # (A hash of the group alone would make every user prefer the same groups.) The same key
+    # in every statement of one answer makes them all see the same kept rows.
+    group_text = ("concat_ws(',', dp_uid::text, "
+                  + ", ".join(f"dp_k{i}::text" for i in range(len(keys))) + ")")
+    bounded = ("SELECT *, row_number() OVER (PARTITION BY dp_uid ORDER BY "
+               f"hashtextextended({group_text}, {int(order_seed)})) AS dp_rn FROM dp_per_user")
+    return (f"dp_per_user AS ({per_user}), dp_bounded AS ({bounded})", "dp_bounded",
+            f"dp_rn <= {int(plan.max_groups_contributed)}")
+
+
+def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
+              order_seed: int) -> str | None:
+    partials = [_partial(i, agg, arg_types.get(i)) for i, agg in enumerate(query.aggregates)
+                if not reads_user_count(agg) and agg.kind is not AggKind.QUANTILE]
     finals = []
     if plan.threshold is not None or plan.shared_users:
         finals.append("count(*) AS dp_users")
     for q in plan.quantities:
-        if q.component == Component.USERS:
-            continue  # dp_users, above
+        if q.component in (Component.USERS, Component.TREE):
+            continue  # dp_users, above; trees have their own statement
         assert q.aggregate is not None
         agg = query.aggregates[q.aggregate]
-        lo, hi = agg.bounds.lower, agg.bounds.upper
+        lo, hi = agg.known_bounds.lower, agg.known_bounds.upper
         mid = (lo + hi) / 2
         p = f"dp_p{q.aggregate}"
         if q.component == Component.COUNT:
@@ -107,22 +154,61 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
             finals.append(f"sum({c} * {c}) AS {q.name}")
         else:
             raise InternalError()
+    if not finals:
+        return None  # a global query of quantiles only: the tree statement answers it
+    with_list, relation, kept = _kept_rows(query, plan, partials, order_seed)
     if not query.keys:
-        return f"WITH dp_per_user AS ({per_user}) SELECT {', '.join(finals)} FROM dp_per_user"
+        return f"WITH {with_list} SELECT {', '.join(finals)} FROM {relation}"
     key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
     key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
-    # which groups a user keeps: a keyed hash of (user, group) with a fresh secret key per
-    # query: independent across users as random() is, but parallel-safe and cheap to sort.
-    # (A hash of the group alone would make every user prefer the same groups.)
-    group_text = ("concat_ws(',', dp_uid::text, "
-                  + ", ".join(f"dp_k{i}::text" for i in range(len(keys))) + ")")
-    return (
-        f"WITH dp_per_user AS ({per_user}), "
-        "dp_bounded AS (SELECT *, row_number() OVER (PARTITION BY dp_uid ORDER BY "
-        f"hashtextextended({group_text}, {int(order_seed)})) AS dp_rn FROM dp_per_user) "
-        f"SELECT {', '.join([*key_cols, *key_text, *finals])} FROM dp_bounded "
-        f"WHERE dp_rn <= {int(plan.max_groups_contributed)} GROUP BY {', '.join(key_cols)}"
-    )
+    return (f"WITH {with_list} SELECT {', '.join([*key_cols, *key_text, *finals])} "
+            f"FROM {relation} WHERE {kept} GROUP BY {', '.join(key_cols)}")
+
+
+def _tree_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
+                   order_seed: int) -> str | None:
+    """One row per group and quantile: the codes and user counts of the tree's non-empty nodes."""
+    indexes = [i for i, a in enumerate(query.aggregates) if a.kind is AggKind.QUANTILE]
+    if not indexes:
+        return None
+    partials = [_partial(i, query.aggregates[i], arg_types.get(i)) for i in indexes]
+    with_list, relation, kept = _kept_rows(query, plan, partials, order_seed)
+    key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
+    leaves = []
+    for i in indexes:
+        b = query.aggregates[i].known_bounds
+        lo, hi = _f8(b.lower), _f8(b.upper)
+        leaf = (f"LEAST(GREATEST(floor((LEAST(GREATEST(dp_p{i}, {lo}), {hi}) - {lo}) / ({hi} - {lo}) "
+                f"* {_f8(LEAVES)}), 0), {LEAVES - 1})::int4")
+        leaves.append(f"SELECT {', '.join([*key_cols, f'{i} AS dp_agg', f'{leaf} AS dp_leaf'])} "
+                      f"FROM {relation} WHERE {kept} AND dp_p{i} IS NOT NULL")
+    levels = ", ".join(f"({off}, {div})" for off, div in zip(LEVEL_OFFSETS, LEVEL_DIVISORS,
+                                                             strict=True))
+    nodes = (f"SELECT {', '.join([*key_cols, 'dp_agg'])}, lv.off + dp_leaf / lv.div AS dp_code, "
+             f"count(*) AS dp_n FROM ({' UNION ALL '.join(leaves)}) AS dp_leaves "
+             f"CROSS JOIN (VALUES {levels}) AS lv(off, div) "
+             f"GROUP BY {', '.join(str(n) for n in range(1, len(key_cols) + 3))}")
+    key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
+    return (f"WITH {with_list}, dp_nodes AS ({nodes}) "
+            f"SELECT {', '.join([*key_text, 'dp_agg'])}, array_agg(dp_code ORDER BY dp_code) AS "
+            "dp_codes, array_agg(dp_n ORDER BY dp_code) AS dp_counts FROM dp_nodes "
+            f"GROUP BY {', '.join([*key_cols, 'dp_agg'])}")
+
+
+def _bounds_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
+                     order_seed: int) -> str | None:
+    """APPROX_BOUNDS: per aggregate without bounds, the users per log-scale bin (all groups)."""
+    indexes = sorted(plan.auto_bounds)
+    if not indexes:
+        return None
+    partials = [_partial(i, query.aggregates[i], arg_types.get(i)) for i in indexes]
+    with_list, relation, kept = _kept_rows(query, plan, partials, order_seed)
+    edges = ", ".join(str(e) for e in EDGES)
+    bins = [f"SELECT {i} AS dp_agg, width_bucket((dp_p{i})::numeric, "
+            f"(ARRAY[{edges}])::numeric[]) AS dp_bin FROM {relation} "
+            f"WHERE {kept} AND dp_p{i} IS NOT NULL" for i in indexes]
+    return (f"WITH {with_list} SELECT dp_agg, dp_bin, count(*) AS dp_n "
+            f"FROM ({' UNION ALL '.join(bins)}) AS dp_bins GROUP BY 1, 2")
 
 
 class _Splice(Visitor):
@@ -164,19 +250,8 @@ def argument_probe_sql(query: AnalyzedQuery) -> str | None:
     return str(RawStream()(stmt))
 
 
-def pushdown_sql(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None = None,
-                 order_seed: int | None = None) -> str:
-    """The SQL that the pushdown role runs: one row per group with the true quantities.
-
-    `arg_types` maps aggregate indexes to their argument's type name (from
-    `argument_probe_sql`); unknown types are summed in numeric. `order_seed`
-    keys the hash that picks which groups a user keeps; a fresh secret one is
-    drawn when none is given.
-    """
-    import secrets
-
-    seed = secrets.randbits(62) if order_seed is None else order_seed
-    stmt = parse_sql(_template(query, plan, arg_types or {}, seed))[0].stmt
+def _build(template: str, query: AnalyzedQuery) -> str:
+    stmt = parse_sql(template)[0].stmt
     nodes: dict[str, Any] = {f"{_PH}uid": query.uid,
                              f"{_PH}where": query.where or ast.A_Const(val=ast.Boolean(boolval=True))}
     for i, key in enumerate(query.keys):
@@ -188,6 +263,56 @@ def pushdown_sql(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, s
     if query.ctes:
         stmt.withClause.ctes = tuple(copy.deepcopy(query.ctes)) + tuple(stmt.withClause.ctes)
     return str(RawStream()(stmt))
+
+
+@dataclass(frozen=True)
+class Pushdown:
+    """The statements one DP answer runs as the pushdown role (in one snapshot)."""
+
+    main: str | None
+    """One row per group: true user counts and sums (None for a global query of quantiles only)."""
+    trees: str | None
+    """One row per group and quantile: the quantile tree's non-empty nodes."""
+    bounds: str | None
+    """APPROX_BOUNDS: users per log-scale bin and aggregate (run first, when present)."""
+    order_seed: int
+
+
+def pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None = None,
+             order_seed: int | None = None) -> Pushdown:
+    """The pushdown statements for `plan`.
+
+    `arg_types` maps aggregate indexes to their argument's type name (from
+    `argument_probe_sql`); unknown types are summed in numeric. `order_seed`
+    keys the hash that picks which groups a user keeps; a fresh secret one is
+    drawn when none is given. Before APPROX_BOUNDS has run, aggregates without
+    bounds get placeholder bounds [0, 1] in `main` and `trees` (prepared only,
+    for their types; run them from `pushdown` with the found bounds).
+    """
+    import secrets
+
+    seed = secrets.randbits(62) if order_seed is None else order_seed
+    types = arg_types or {}
+    bounds_sql = _bounds_template(query, plan, types, seed)
+    if plan.pending or any(a.bounds is None for a in query.aggregates):
+        placeholder = {i: Bounds(0.0, 1.0) for i, a in enumerate(query.aggregates)
+                       if a.bounds is None}
+        query = query.with_bounds(placeholder)
+        plan = make_plan(query, float(plan.epsilon), float(plan.delta), plan.max_groups_contributed,
+                         plan.noise_kind, plan.auto_bounds)
+    main = _template(query, plan, types, seed)
+    trees = _tree_template(query, plan, types, seed)
+    return Pushdown(_build(main, query) if main else None, _build(trees, query) if trees else None,
+                    _build(bounds_sql, query) if bounds_sql else None, seed)
+
+
+def pushdown_sql(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None = None,
+                 order_seed: int | None = None) -> str:
+    """The main pushdown statement alone (queries without quantiles and APPROX_BOUNDS)."""
+    pd = pushdown(query, plan, arg_types, order_seed)
+    if pd.main is None or pd.trees is not None or pd.bounds is not None:
+        raise InternalError()
+    return pd.main
 
 
 # ---------------------------------------------------------------------------- the result

@@ -26,13 +26,14 @@ from pglast.visitors import Visitor
 
 from config import Accountant, Config
 from dp_core.accounting import AnswerCost
-from dp_core.analysis import AnalyzedQuery, Bounds, TablePolicy, analyze, parse_select
+from dp_core.analysis import AggKind, AnalyzedQuery, Bounds, TablePolicy, analyze, parse_select
 from dp_core.classify import Statement, StatementKind
 from dp_core.errors import DPError, FeatureNotSupported, InternalError, InvalidParameterValue
-from dp_core.mechanisms import NoiseKind
-from dp_core.plan import DPQueryPlan, make_plan
-from dp_core.release import output_type, release
-from dp_core.rewrite import TypeRef, argument_probe_sql, pushdown_sql, result_sql
+from dp_core.mechanisms import NoiseKind, secure_rng
+from dp_core.plan import Component, DPQueryPlan, make_plan
+from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, choose_bounds
+from dp_core.release import GroupKey, group_key, output_type, quantile_value, release
+from dp_core.rewrite import Pushdown, TypeRef, argument_probe_sql, pushdown, result_sql
 from dp_core.settings import Caps, validate
 from server import protocol as p
 from server.ledger import (
@@ -73,17 +74,44 @@ class LedgerUnavailable(DPError):
                          hint="try again; if it persists, tell the proxy's operator")
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What the pushdown returned, with the plan its bounds were found for."""
+
+    query: AnalyzedQuery
+    plan: DPQueryPlan
+    rows: Sequence[Any]
+    quantiles: dict[tuple[GroupKey, int], float]
+    bounds: dict[int, FoundBounds]
+
+
+def _visible_name(query: AnalyzedQuery, aggregate: int) -> str:
+    name = query.aggregates[aggregate].output_name
+    return "an expression's aggregate" if name.startswith("dp_hidden") else name
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2g}%"
+
+
 @dataclass
 class Prepared:
     """A DP query analysed, planned and prepared on the backend (not yet charged or run)."""
 
     query: AnalyzedQuery
     plan: DPQueryPlan
-    sql: str
-    statement: Any  # asyncpg PreparedStatement
+    pushdown: Pushdown
+    statements: dict[str, Any]
+    """asyncpg PreparedStatements of the pushdown's statements: "main", "trees", "bounds"."""
+    arg_types: dict[int, str]
     key_types: list[TypeRef]
     key_oids: list[int]
     param_oids: list[int]
+
+    @property
+    def sql(self) -> list[str]:
+        pd = self.pushdown
+        return [s for s in (pd.bounds, pd.main, pd.trees) if s]
 
     @property
     def names(self) -> list[str]:
@@ -159,19 +187,26 @@ class DPService:
             if probe is not None:
                 probe_attrs = (await conn.prepare(probe)).get_attributes()
                 arg_types = {int(a.name[1:]): a.type.name for a in probe_attrs}
-            sql = pushdown_sql(query, plan, arg_types)
-            prepared = await conn.prepare(sql)
+            pd = pushdown(query, plan, arg_types)
+            statements = {name: await conn.prepare(sql) for name, sql in
+                          (("main", pd.main), ("trees", pd.trees), ("bounds", pd.bounds)) if sql}
         except asyncpg.PostgresError as e:
             # planning reads no rows: its errors (unknown column, type mismatch) are safe to show
             err = DPError(str(e).replace("dp_per_user", "the query"))
             err.sqlstate = e.sqlstate or "XX000"
             raise err from None
-        attrs = {a.name: a.type for a in prepared.get_attributes()}
-        key_types = [(attrs[f"dp_k{i}"].schema, attrs[f"dp_k{i}"].name)
-                     for i in range(len(query.keys))]
-        key_oids = [attrs[f"dp_k{i}"].oid for i in range(len(query.keys))]
-        param_oids = [t.oid for t in prepared.get_parameters()]
-        return Prepared(query, plan, sql, prepared, key_types, key_oids, param_oids)
+        key_types: list[TypeRef] = []
+        key_oids: list[int] = []
+        if query.keys:  # grouped: the main statement has the keys (it counts the users)
+            attrs = {a.name: a.type for a in statements["main"].get_attributes()}
+            key_types = [(attrs[f"dp_k{i}"].schema, attrs[f"dp_k{i}"].name)
+                         for i in range(len(query.keys))]
+            key_oids = [attrs[f"dp_k{i}"].oid for i in range(len(query.keys))]
+        param_oids: list[int] = []
+        for stmt in statements.values():
+            found = [t.oid for t in stmt.get_parameters()]
+            param_oids = found if len(found) > len(param_oids) else param_oids
+        return Prepared(query, plan, pd, statements, arg_types, key_types, key_oids, param_oids)
 
     async def _type_name(self, oid: int) -> TypeRef:
         if oid not in self._type_names:
@@ -251,7 +286,8 @@ class DPService:
         if st.kind is StatementKind.DP_EXPLAIN:
             lines = explain_lines(prepared)
             return result_sql(["QUERY PLAN"], [(PG, "text")], [(ln,) for ln in lines]), []
-        mechanisms = {q.name: {"kind": q.noise.kind.value, "scale": q.noise.scale,
+        mechanisms = {q.name: {"kind": q.noise.kind.value if q.noise else plan.noise_kind.value,
+                               "scale": q.noise.scale if q.noise else None,
                                "epsilon": str(q.epsilon), "delta": str(q.delta)}
                       for q in plan.all_quantities}
         if plan.tau is not None:
@@ -264,20 +300,54 @@ class DPService:
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
             log.error("session %s: ledger unavailable: %s", session.process_id, e)
             raise LedgerUnavailable() from None
-        timeout = self.config.backend.statement_timeout
         try:
-            async with conn.transaction(readonly=True):
-                # enforced by Postgres for this statement only (the ledger's have none)
-                await conn.execute(f"SET LOCAL statement_timeout = {int(timeout * 1000)}")
-                rows = await prepared.statement.fetch(timeout=timeout + 5)
+            run = await self._run(prepared, conn)
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as e:
             log.warning("session %s: charged DP query failed: %s", session.process_id,
                         type(e).__name__)
             raise QueryFailed() from None
-        released = release(prepared.query, plan, rows)
+        released = release(run.query, run.plan, run.rows, quantiles=run.quantiles)
         sql = self._result_sql(prepared, released.rows)
         budget = await self.ledger.budget(session.user, conn)
-        return sql, [self._notice(prepared, budget)]
+        return sql, [self._notice(prepared, run, budget)]
+
+    async def _run(self, prepared: Prepared, conn: Any) -> _Run:
+        """Run the pushdown (after the charge): APPROX_BOUNDS first, then main and trees.
+
+        All statements see one snapshot and keep the same rows per user (one order seed).
+        """
+        timeout = self.config.backend.statement_timeout
+        query, plan, statements = prepared.query, prepared.plan, dict(prepared.statements)
+        found: dict[int, FoundBounds] = {}
+        rng = secure_rng()
+        async with conn.transaction(readonly=True, isolation="repeatable_read"):
+            # enforced by Postgres for each statement (the ledger's have none)
+            await conn.execute(f"SET LOCAL statement_timeout = {int(timeout * 1000)}")
+            if "bounds" in statements:
+                bins: dict[int, dict[int, int]] = {i: {} for i in plan.auto_bounds}
+                for r in await statements["bounds"].fetch(timeout=timeout + 5):
+                    bins[int(r["dp_agg"])][int(r["dp_bin"])] = int(r["dp_n"])
+                for q in plan.approx_bounds:
+                    assert q.aggregate is not None
+                    found[q.aggregate] = choose_bounds(
+                        bins[q.aggregate], q.spec, rng, query.aggregates[q.aggregate].output_name)
+                query = query.with_bounds({i: Bounds(f.lower, f.upper) for i, f in found.items()})
+                plan = make_plan(query, float(plan.epsilon), float(plan.delta),
+                                 plan.max_groups_contributed, plan.noise_kind, plan.auto_bounds)
+                if plan.cost != prepared.plan.cost:
+                    raise InternalError("the plan's cost changed with its bounds (this is a bug)")
+                pd = pushdown(query, plan, prepared.arg_types, prepared.pushdown.order_seed)
+                statements = {name: await conn.prepare(sql) for name, sql in
+                              (("main", pd.main), ("trees", pd.trees)) if sql}
+            rows = (await statements["main"].fetch(timeout=timeout + 5)
+                    if "main" in statements else [])
+            quantiles: dict[tuple[GroupKey, int], float] = {}
+            if "trees" in statements:
+                # streamed: each row is one group's whole tree; only its answer is kept
+                async for r in statements["trees"].cursor(prefetch=64, timeout=timeout + 5):
+                    quantiles[(group_key(r, len(query.keys)), int(r["dp_agg"]))] = quantile_value(
+                        query, plan, int(r["dp_agg"]), r["dp_codes"], r["dp_counts"], rng)
+        return _Run(query, plan, rows, quantiles, found)
 
     async def _check_affordable(self, session: Session, plan: DPQueryPlan, conn: Any,
                                 accountant: Accountant) -> None:
@@ -311,26 +381,35 @@ class DPService:
                           sources=[o.source for o in q.outputs], having=q.having,
                           order_by=q.order_by, limit=q.limit, offset=q.offset, visible=visible)
 
-    def _notice(self, prepared: Prepared, budget: Any) -> p.NoticeResponse:
+    def _notice(self, prepared: Prepared, run: _Run, budget: Any) -> p.NoticeResponse:
         from server.session import notice_response
 
-        plan = prepared.plan
+        plan = run.plan
         widths = []
         for col in prepared.query.outputs:
             if col.aggregate is None or col.name.startswith("dp_hidden"):
                 continue
-            qs = [q for q in plan.all_quantities if q.aggregate == col.aggregate]
+            if prepared.query.aggregates[col.aggregate].kind is AggKind.QUANTILE:
+                continue  # its noise is on counts of the tree, not on the value
+            qs = [q for q in plan.quantities if q.aggregate == col.aggregate]
             if not qs and plan.threshold is not None:
                 qs = [plan.threshold]
             elif not qs:
                 qs = [q for q in plan.quantities if q.name == "dp_users"]
             if qs:
-                widths.append(f"{col.name} ±{_g(qs[-1].noise.half_width_95)}")
+                widths.append(f"{col.name} ±{_g(qs[-1].spec.half_width_95)}")
         message = (f"DP answer: spent epsilon {_g(float(plan.cost.epsilon))}, delta "
                    f"{_g(float(plan.cost.delta))}; budget left epsilon "
                    f"{_g(float(budget.epsilon_remaining))}, delta {_g(float(budget.delta_remaining))}")
-        detail = "95% noise half-width: " + ", ".join(widths) if widths else None
-        return notice_response(message, detail)
+        details = ["95% noise half-width: " + ", ".join(widths)] if widths else []
+        for q in plan.approx_bounds:
+            assert q.aggregate is not None
+            f = run.bounds[q.aggregate]
+            details.append(
+                f"APPROX_BOUNDS chose [{_g(f.lower)}, {_g(f.upper)}] for "
+                f"{_visible_name(prepared.query, q.aggregate)} (epsilon {_g(float(q.epsilon))}); "
+                f"about {_pct(f.clamped_fraction)} of its per-user values were clamped")
+        return notice_response(message, "; ".join(details) if details else None)
 
     # ------------------------------------------------------------------ dp_budget() and friends
 
@@ -449,16 +528,29 @@ def explain_lines(prepared: Prepared) -> list[str]:
     if plan.threshold is not None and plan.tau is not None:
         t = plan.threshold
         lines.append(f"Partition selection: noisy user count >= tau {_g(plan.tau)} "
-                     f"(laplace scale {_g(t.noise.scale)}, epsilon {_g(float(t.epsilon))}, "
+                     f"(laplace scale {_g(t.spec.scale)}, epsilon {_g(float(t.epsilon))}, "
                      f"delta {_g(float(t.delta))})")
+    for q in plan.approx_bounds:
+        assert q.aggregate is not None
+        lines.append(f"APPROX_BOUNDS for {_visible_name(prepared.query, q.aggregate)}: log-scale "
+                     f"histogram of per-user values, laplace scale {_g(q.spec.scale)}, epsilon "
+                     f"{_g(float(q.epsilon))}; bounds = outermost bins with noisy count > "
+                     f"{_g(bounds_threshold(q.spec.scale))}")
     for q in plan.quantities:
         owner = (prepared.query.aggregates[q.aggregate].output_name
                  if q.aggregate is not None else "user count")
-        lines.append(f"  {owner}: {q.component}, sensitivity {_g(q.sensitivity)}, epsilon "
-                     f"{_g(float(q.epsilon))}, delta {_g(float(q.delta))}, {q.noise.kind.value} "
-                     f"scale {_g(q.noise.scale)}, 95% half-width {_g(q.noise.half_width_95)}")
+        if q.noise is None:
+            noise = f"{plan.noise_kind.value} noise scaled to the bounds APPROX_BOUNDS finds"
+        else:
+            noise = (f"{q.noise.kind.value} scale {_g(q.noise.scale)}, 95% half-width "
+                     f"{_g(q.noise.half_width_95)}")
+        if q.component == Component.TREE:
+            noise = f"{noise} on each node's user count ({DEPTH} levels of {BRANCHING} children)"
+        sensitivity = "?" if q.sensitivity is None else _g(q.sensitivity)
+        lines.append(f"  {owner}: {q.component}, sensitivity {sensitivity}, epsilon "
+                     f"{_g(float(q.epsilon))}, delta {_g(float(q.delta))}, {noise}")
     lines.append("Pushdown SQL (run as the pushdown role):")
-    lines.append("  " + prepared.sql)
+    lines.extend("  " + sql for sql in prepared.sql)
     return lines
 
 

@@ -17,7 +17,7 @@ from dp_core.errors import FeatureNotSupported, SyntaxError_
 from dp_core.mechanisms import NoiseKind, granularity, threshold_tau
 from dp_core.plan import make_plan
 from dp_core.release import release
-from dp_core.rewrite import pushdown_sql, result_sql
+from dp_core.rewrite import pushdown, pushdown_sql, result_sql
 
 GOLDEN = Path(__file__).parent / "golden" / "rewrite"
 POLICY = {
@@ -35,7 +35,8 @@ def build(sql: str, epsilon: float = 1.0, delta: float = 1e-6, max_groups: int =
     plan = make_plan(query, float(options.get("epsilon", epsilon)), float(options.get("delta", delta)),
                      int(options.get("max_groups_contributed", max_groups)),
                      NoiseKind(options.get("noise", noise)))
-    return query, plan, pushdown_sql(query, plan, order_seed=1234)
+    pd = pushdown(query, plan, order_seed=1234)
+    return query, plan, ";\n".join(s for s in (pd.bounds, pd.main, pd.trees) if s)
 
 
 # ---------------------------------------------------------------------------- golden pushdowns
@@ -101,11 +102,15 @@ REFUSALS = [
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM pg_catalog.pg_class", "system catalogs"),
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits, generate_series(1, 10)", "functions in FROM"),
     ("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits GROUP BY ROLLUP (browser)", "ROLLUP"),
-    ("SELECT WITH ANONYMIZATION ANON_SUM(browser_len) FROM visits", "needs contribution bounds"),
+    ("SELECT WITH ANONYMIZATION ANON_NTILE(duration, 2, 0, 10) FROM visits", "between 0 and 1"),
+    ("SELECT WITH ANONYMIZATION ANON_NTILE(duration) FROM visits", "takes (x, p) or (x, p, lower, upper)"),
+    ("SELECT WITH ANONYMIZATION ANON_MEDIAN(duration, 0) FROM visits", "takes (x) or (x, lower, upper)"),
+    ("SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY duration) FROM visits", "no DP form"),
+    ("SELECT WITH ANONYMIZATION APPROX_BOUNDS(duration) FROM visits", "not called directly"),
+    ("SELECT WITH ANONYMIZATION ANON_MEDIAN(DISTINCT duration) FROM visits", "DISTINCT"),
     ("SELECT WITH ANONYMIZATION ANON_SUM(duration, 10, 5) FROM visits", "not below upper bound"),
     ("SELECT WITH ANONYMIZATION ANON_SUM(duration, 0, 'inf'::float8) FROM visits", "finite number literals"),
     ("SELECT WITH ANONYMIZATION ANON_COUNT(DISTINCT browser) FROM visits", "COUNT(DISTINCT ...) of anything but the uid"),
-    ("SELECT WITH ANONYMIZATION ANON_MEDIAN(duration, 0, 3600) FROM visits", "not available yet"),
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE ANON_COUNT(*) > 1", "aggregates inside expressions"),
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM countries", "must read a protected table"),
 ]
@@ -256,8 +261,10 @@ def test_native_aggregates_when_the_argument_type_cannot_overflow() -> None:
     floats = pushdown_sql(query, plan, {0: "float8", 1: "float4"}, order_seed=1)
     assert floats.count("LEAST(GREATEST(CAST(duration AS float8), CAST(-1e+290 AS float8)), "
                         "CAST(1e+290 AS float8))") == 2, floats
-    other = pushdown_sql(query, plan, {0: "text"}, order_seed=1)
-    assert "sum(CAST(duration AS numeric))" in other
+    unknown = pushdown_sql(query, plan, {}, order_seed=1)
+    assert "sum(CAST(duration AS numeric))" in unknown
+    with pytest.raises(FeatureNotSupported, match="must be a number, not text"):
+        pushdown_sql(query, plan, {0: "text"}, order_seed=1)
 
 
 def test_argument_probe_keeps_the_with_list() -> None:

@@ -284,7 +284,8 @@ def test_golden_pushdowns_run_as_the_pushdown_role(backend: Backend) -> None:
             for case in GOLDEN_CASES:
                 text = "\n".join(ln for ln in case.read_text().splitlines() if not ln.startswith("--"))
                 _, _, sql = build(text.strip())
-                await conn.fetch(sql)
+                for statement in sql.split(";\n"):
+                    await conn.fetch(statement)
         finally:
             await conn.close()
 
