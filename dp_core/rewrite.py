@@ -67,14 +67,20 @@ QUANTILE_ROW_CLAMP = 1e300
 """Numeric rows are clamped to ±1e300 before they become float8 for a quantile."""
 
 
+def _clamp_row(expr: str, limit: float, cast: str) -> str:
+    """`expr` clamped to ±limit with NULL kept (LEAST/GREATEST alone ignore NULLs) and NaN
+    mapped to +limit (NaN sorts above every number)."""
+    return (f"CASE WHEN {expr} IS NULL THEN NULL ELSE LEAST(GREATEST({expr}, ({-limit!r})::{cast}), "
+            f"({limit!r})::{cast}) END")
+
+
 def _arg(i: int, arg_type: str | None) -> str:
     """The per-row argument of aggregate i, in a form whose sum cannot fail."""
     if arg_type in _EXACT_INTEGERS or arg_type == "numeric":
         return f"{_PH}a{i}"
     if arg_type in _FLOATS:
-        # NaN sorts above every number: it becomes +1e290, then the per-user clamp to U
-        return (f"LEAST(GREATEST(({_PH}a{i})::float8, ({-FLOAT_ROW_CLAMP!r})::float8), "
-                f"({FLOAT_ROW_CLAMP!r})::float8)")
+        # NaN becomes +1e290, then the per-user clamp to U
+        return _clamp_row(f"({_PH}a{i})::float8", FLOAT_ROW_CLAMP, "float8")
     return f"({_PH}a{i})::numeric"
 
 
@@ -84,8 +90,7 @@ def _float_arg(i: int, arg_type: str | None) -> str:
         return f"({_PH}a{i})::float8"
     if arg_type in _FLOATS:
         return _arg(i, arg_type)
-    return (f"(LEAST(GREATEST(({_PH}a{i})::numeric, {_num(-QUANTILE_ROW_CLAMP)}), "
-            f"{_num(QUANTILE_ROW_CLAMP)}))::float8")
+    return f"({_clamp_row(f'({_PH}a{i})::numeric', QUANTILE_ROW_CLAMP, 'numeric')})::float8"
 
 
 def _partial(i: int, agg: Aggregate, arg_type: str | None) -> str:

@@ -435,3 +435,25 @@ def test_empty_and_null_results_for_every_key_type(proxy: Proxy, reset: None, ba
             await conn.close()
 
     asyncio.run(go())
+
+
+def test_float_arguments_keep_their_nulls(backend: Backend) -> None:
+    """Regression: LEAST/GREATEST ignore NULLs, so the float row clamp must keep NULL as NULL
+    (it made a NULL row count as -1e290, i.e. as the lower bound)."""
+    from dp_core.rewrite import pushdown
+
+    query, plan, _ = build("SELECT WITH ANONYMIZATION ANON_AVG(duration, 0, 3600) FROM visits")
+    pd = pushdown(query, plan, {0: "float8"}, order_seed=1)  # summed as a float column would be
+    assert pd.main is not None and "float8" in pd.main
+
+    async def go() -> tuple[int, int]:
+        conn = await asyncpg.connect(backend.pushdown.uri())
+        try:
+            row = await conn.fetchrow(pd.main)
+            users = await conn.fetchval("SELECT count(DISTINCT uid) FROM visits WHERE duration IS NOT NULL")
+            return int(row["dp_a0_n"]), int(users)
+        finally:
+            await conn.close()
+
+    n, users = asyncio.run(go())
+    assert n == users
