@@ -1,13 +1,105 @@
-"""Helpers the benchmarks share: a free loopback port, the machine's description, RESULTS.md."""
+"""Helpers the benchmarks share: the dataset with a proxy in front, the machine, RESULTS.md."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import platform
 import socket
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+import asyncpg
+
+ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+DATABASE = "bench"
+
+
+@dataclass
+class BenchSetup:
+    admin: asyncpg.Connection
+    """Superuser, on the bench database."""
+    pushdown_dsn: str
+    port: int
+    proxy_pid: int
+    rows: int
+    users: int
+    generated_in: float
+
+    async def analyst(self) -> asyncpg.Connection:
+        return await asyncpg.connect(host="127.0.0.1", port=self.port, user="alice",
+                                     password="alice", database=DATABASE, ssl=False)
+
+
+@asynccontextmanager
+async def dataset_and_proxy(scale: float) -> AsyncIterator[BenchSetup]:
+    """An embedded Postgres with the bench dataset at `scale`, and dp-proxy as its own process."""
+    sys.path.insert(0, str(ROOT))
+    from dataset import generate
+
+    from config import DEMO_CONFIG, load_config
+    from server.bootstrap import apply_backend_setup, demo_config_text
+    from server.dsn import DSN
+    from server.embedded import EmbeddedPostgres
+
+    with EmbeddedPostgres() as pg, tempfile.TemporaryDirectory() as tmp:
+        admin = await asyncpg.connect(pg.dsn())
+        await admin.execute(f"CREATE DATABASE {DATABASE}")
+        await admin.close()
+        conn = await asyncpg.connect(pg.dsn(database=DATABASE))
+        seconds = await generate(conn, scale)
+        n_rows = await conn.fetchval("SELECT count(*) FROM visits")
+        n_users = await conn.fetchval("SELECT count(DISTINCT uid) FROM visits")
+        config = load_config(DEMO_CONFIG, environ={})
+        await apply_backend_setup(conn, config, DATABASE)
+        print(f"dataset: {n_rows} visits, {n_users} users, generated in {seconds:.1f} s", flush=True)
+        port = free_port()
+        cfg_text = demo_config_text(
+            DSN(str(pg.socket_dir), pg.port, "dp_pushdown", DATABASE),
+            DSN(str(pg.socket_dir), pg.port, "dp_restricted", DATABASE), port,
+        ).replace("epsilon_budget = 10", "epsilon_budget = 1e9")
+        cfg = Path(tmp) / "bench.toml"
+        cfg.write_text(cfg_text)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "server.cli", "--log-level", "WARNING", "serve", "--config",
+            str(cfg), cwd=str(ROOT))
+        setup = BenchSetup(conn, pg.dsn(user="dp_pushdown", database=DATABASE), port, proc.pid,
+                           int(n_rows), int(n_users), seconds)
+        try:
+            for _ in range(100):
+                try:
+                    await (await setup.analyst()).close()
+                    break
+                except OSError:
+                    await asyncio.sleep(0.2)
+            else:
+                raise SystemExit("dp-proxy did not start")
+            yield setup
+        finally:
+            proc.terminate()
+            await proc.wait()
+            await conn.close()
+
+
+def pushdown_statements(explain_rows: list[asyncpg.Record]) -> list[str]:
+    """The pushdown statements listed at the end of a DP EXPLAIN."""
+    lines = [r[0] for r in explain_rows]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("Pushdown SQL"))
+    return [ln.strip() for ln in lines[start + 1:]]
+
+
+def peak_rss_mib(pid: int) -> float:
+    """A process's peak resident set size (VmHWM), in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM")
 
 
 def free_port() -> int:

@@ -19,25 +19,15 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import asyncpg
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import append_results, free_port, machine  # noqa: E402
-from dataset import generate  # noqa: E402
+from common import append_results, dataset_and_proxy, machine, pushdown_statements
 
-from config import DEMO_CONFIG, load_config  # noqa: E402
-from server.bootstrap import apply_backend_setup, demo_config_text  # noqa: E402
-from server.dsn import DSN  # noqa: E402
-from server.embedded import EmbeddedPostgres  # noqa: E402
-
-DATABASE = "bench"
 # name: (raw GROUP BY that is timed, DP query, the true answer the DP query estimates).
 # ANON_COUNT(*) without bounds counts users (paper §3.3), so its truth is count(DISTINCT uid);
 # ANON_SUM clamps each user's total, so heavy users make it lower than the raw sum: the
@@ -60,6 +50,14 @@ QUERIES = {
         "JOIN purchases p USING (uid) GROUP BY v.browser",
         "SELECT v.browser, sum(p.amount) FROM visits v JOIN purchases p USING (uid) GROUP BY v.browser",
     ),
+    "median by country (quantile tree)": (
+        "SELECT country, percentile_cont(0.5) WITHIN GROUP (ORDER BY duration) FROM visits GROUP BY country",
+        "SELECT WITH ANONYMIZATION country, ANON_MEDIAN(duration, 0, 3600) FROM visits GROUP BY country",
+        # the DP median is the median over users of each user's own median
+        "SELECT country, percentile_cont(0.5) WITHIN GROUP (ORDER BY m) FROM (SELECT country, uid, "
+        "percentile_cont(0.5) WITHIN GROUP (ORDER BY duration) AS m FROM visits GROUP BY 1, 2) s "
+        "GROUP BY country",
+    ),
     "global average": (
         "SELECT avg(duration) FROM visits",
         "SELECT WITH ANONYMIZATION ANON_AVG(duration, 0, 3600) FROM visits",
@@ -78,61 +76,40 @@ async def _timed(conn: asyncpg.Connection, sql: str, runs: int) -> tuple[float, 
     return statistics.median(times), rows
 
 
-async def run(scale: float, runs: int) -> list[str]:
-    with EmbeddedPostgres() as pg, tempfile.TemporaryDirectory() as tmp:
-        admin = await asyncpg.connect(pg.dsn())
-        await admin.execute(f"CREATE DATABASE {DATABASE}")
-        await admin.close()
-        conn = await asyncpg.connect(pg.dsn(database=DATABASE))
-        seconds = await generate(conn, scale)
-        n_rows = await conn.fetchval("SELECT count(*) FROM visits")
-        n_users = await conn.fetchval("SELECT count(DISTINCT uid) FROM visits")
-        config = load_config(DEMO_CONFIG, environ={})
-        await apply_backend_setup(conn, config, DATABASE)
-        print(f"dataset: {n_rows} visits, {n_users} users, generated in {seconds:.1f} s", flush=True)
+async def _timed_all(conn: asyncpg.Connection, statements: list[str], runs: int) -> float:
+    """Median time of running the statements one after the other (one DP answer's pushdown)."""
+    for sql in statements:
+        await conn.fetch(sql)  # warm the cache
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for sql in statements:
+            await conn.fetch(sql)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
-        port = free_port()
-        cfg_text = demo_config_text(
-            DSN(str(pg.socket_dir), pg.port, "dp_pushdown", DATABASE),
-            DSN(str(pg.socket_dir), pg.port, "dp_restricted", DATABASE), port,
-        ).replace("epsilon_budget = 10", "epsilon_budget = 1e9")
-        cfg = Path(tmp) / "bench.toml"
-        cfg.write_text(cfg_text)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "server.cli", "--log-level", "WARNING", "serve", "--config", str(cfg),
-            cwd=str(ROOT))
-        try:
-            for _ in range(100):
-                try:
-                    proxied = await asyncpg.connect(host="127.0.0.1", port=port, user="alice",
-                                                    password="alice", database=DATABASE, ssl=False)
-                    break
-                except OSError:
-                    await asyncio.sleep(0.2)
-            else:
-                raise SystemExit("dp-proxy did not start")
-            pushdown = await asyncpg.connect(pg.dsn(user="dp_pushdown", database=DATABASE))
-            lines = [f"### DP query cost, scale {scale:g}: {n_rows} rows, {n_users} users "
-                     f"(median of {runs})", "", f"Machine: {machine()}", "",
-                     "| query | raw ms | pushdown ms | proxied ms | proxied/raw | proxied/pushdown |"
-                     " median rel. error |", "|---|---|---|---|---|---|---|"]
-            for name, (raw_sql, dp_sql, truth_sql) in QUERIES.items():
-                raw_t, _ = await _timed(conn, raw_sql, runs)
-                raw_rows = await conn.fetch(truth_sql)
-                plan_rows = await proxied.fetch("EXPLAIN " + dp_sql)
-                push_sql = plan_rows[-1][0].strip()
-                push_t, _ = await _timed(pushdown, push_sql, runs)
-                dp_t, dp_rows = await _timed(proxied, dp_sql, runs)
-                err = _median_relative_error(raw_rows, dp_rows)
-                lines.append(f"| {name} | {raw_t * 1e3:.0f} | {push_t * 1e3:.0f} | {dp_t * 1e3:.0f} | "
-                             f"{dp_t / raw_t:.2f}× | {dp_t / push_t:.2f}× | {err} |")
-                print(lines[-1], flush=True)
-            await proxied.close()
-            await pushdown.close()
-        finally:
-            proc.terminate()
-            await proc.wait()
-            await conn.close()
+
+async def run(scale: float, runs: int) -> list[str]:
+    async with dataset_and_proxy(scale) as env:
+        conn = env.admin
+        proxied = await env.analyst()
+        pushdown = await asyncpg.connect(env.pushdown_dsn)
+        lines = [f"### DP query cost, scale {scale:g}: {env.rows} rows, {env.users} users "
+                 f"(median of {runs})", "", f"Machine: {machine()}", "",
+                 "| query | raw ms | pushdown ms | proxied ms | proxied/raw | proxied/pushdown |"
+                 " median rel. error |", "|---|---|---|---|---|---|---|"]
+        for name, (raw_sql, dp_sql, truth_sql) in QUERIES.items():
+            raw_t, _ = await _timed(conn, raw_sql, runs)
+            raw_rows = await conn.fetch(truth_sql)
+            push_t = await _timed_all(pushdown, pushdown_statements(
+                await proxied.fetch("EXPLAIN " + dp_sql)), runs)
+            dp_t, dp_rows = await _timed(proxied, dp_sql, runs)
+            err = _median_relative_error(raw_rows, dp_rows)
+            lines.append(f"| {name} | {raw_t * 1e3:.0f} | {push_t * 1e3:.0f} | {dp_t * 1e3:.0f} | "
+                         f"{dp_t / raw_t:.2f}× | {dp_t / push_t:.2f}× | {err} |")
+            print(lines[-1], flush=True)
+        await proxied.close()
+        await pushdown.close()
     return lines
 
 

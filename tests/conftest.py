@@ -29,6 +29,16 @@ from server.demo_data import demo_data_sql, demo_schema_sql
 from server.dsn import DSN, parse_dsn
 from server.embedded import EmbeddedPostgres
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true",
+                     help="the stochastic DP tester's deeper mode (more databases, samples, depth)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--long"):
+        os.environ["DPPROXY_STOCHASTIC_LONG"] = "1"  # read by test_stochastic at import
+
+
 TEST_DATABASE = "dpproxy_test"
 PASSWORDS = {"alice": "alice", "bob": "bob", "admin": "admin"}
 

@@ -2,7 +2,8 @@
 
 The tolerance: at most 1% of checked bins may fail (confidence bounds at z = 4 make
 false failures of a correct mechanism rare; the broken AVG fails far more bins).
-`DPPROXY_STOCHASTIC_LONG=1` runs a deeper search (more databases, samples, depth).
+`pytest tests/test_stochastic.py --long` (or `DPPROXY_STOCHASTIC_LONG=1`) runs a deeper search
+(more databases, samples, depth).
 """
 
 from __future__ import annotations
