@@ -129,7 +129,7 @@ def demo_data_sql(users: int = DEMO_USERS, min_visits: int = VISITS_PER_USER_MIN
     country_rows = ",".join(
         "(" + ",".join("'" + f.replace("'", "''") + "'" for f in row) + ")" for row in COUNTRIES
     )
-    visit_key = "u.uid * 10000 + j"
+    visit_key = "u.uid::bigint * 10000 + j"  # bigint: 10^6 users overflow int4
     alpha = VISITS_PARETO_ALPHA
     return [
         f"INSERT INTO countries VALUES {country_rows}",
