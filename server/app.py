@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from config import Config
 from dp_core.classify import Classifier, ProtectionPolicy
-from dp_core.errors import TooManyConnections
+from dp_core.errors import AdminShutdown, TooManyConnections
 from dp_core.settings import Caps, DPSettings
 from server import backend
 from server import protocol as p
@@ -100,11 +100,56 @@ class ProxyServer:
             return _Refuse(TooManyConnections("sorry, too many clients already"))
         return ClientProtocol(self)
 
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Stop accepting; let running queries finish for up to `grace` seconds (the
+        configured shutdown_grace by default), closing each session once it is idle; then stop."""
+        if self._server is not None:
+            self._server.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.config.listen.shutdown_grace if grace is None else grace)
+        log.info("shutting down: %d sessions", len(self.sessions))
+        while True:
+            for session in list(self.sessions.values()):
+                if session.idle:
+                    session.fatal(_shutdown_error())
+            if not self.sessions or loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        await self.stop()
+
+    async def reload(self, new: Config) -> list[str]:
+        """Take the analysts (accounts, admin flags, budgets, accountants) from `new` without
+        dropping sessions; returns the changed sections that need a restart (kept as they were).
+
+        Budget limits go to the ledger as appended 'limits' events; sessions of analysts no
+        longer configured are closed.
+        """
+        from dp_core.errors import InvalidAuthorization
+
+        ignored = [name for name in ("listen", "tls", "auth_method", "backend", "defaults", "tables")
+                   if getattr(new, name) != getattr(self.config, name)]
+        merged = self.config.model_copy(update={"analysts": new.analysts})
+        if self.dp is not None:
+            await self.dp.ledger.migrate(merged)
+            self.dp.ledger.refresh_days = {n: a.refresh_days for n, a in merged.analysts.items()}
+            self.dp.config = merged
+        self.config = merged
+        for session in list(self.sessions.values()):
+            session.config = merged
+            if session.user and session.user not in merged.analysts:
+                session.fatal(InvalidAuthorization(
+                    f'role "{session.user}" was removed from the configuration'))
+        log.info("configuration reloaded: %d analysts", len(merged.analysts))
+        for name in ignored:
+            log.warning("configuration reload: [%s] changed; it takes effect at the next start",
+                        name)
+        return ignored
+
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
         for session in list(self.sessions.values()):
-            session.close()
+            session.fatal(_shutdown_error())
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
@@ -154,6 +199,10 @@ class ProxyServer:
 
     def default_settings(self) -> DPSettings:
         return self._default_settings
+
+def _shutdown_error() -> AdminShutdown:
+    return AdminShutdown("terminating connection due to administrator command")
+
 
 class _Refuse(asyncio.Protocol):
     """Answers a connection over the limit with one FATAL error and closes it."""

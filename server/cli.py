@@ -220,36 +220,66 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     listen = config.listen.model_copy(update={"port": args.port, "host": args.host})
     config = config.model_copy(update={"listen": listen})
-    return _run(config, data_dir=args.data_dir, demo=True)
+    return _run(config, data_dir=args.data_dir, demo=True, config_path=args.config)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     config = _load(args.config)
     if config is None:
         return EXIT_CONFIG
-    return _run(config, data_dir=None, demo=config.backend.embedded)
+    return _run(config, data_dir=None, demo=config.backend.embedded, config_path=args.config)
 
 
-def _run(config: Config, data_dir: Path | None, demo: bool) -> int:
+def _run(config: Config, data_dir: Path | None, demo: bool, config_path: Path | None = None) -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_serve(config, data_dir, demo))
-    return uvloop.run(_serve(config, data_dir, demo))
+        return asyncio.run(_serve(config, data_dir, demo, config_path))
+    return uvloop.run(_serve(config, data_dir, demo, config_path))
 
 
-async def _serve(config: Config, data_dir: Path | None, demo: bool) -> int:
+async def _serve(config: Config, data_dir: Path | None, demo: bool,
+                 config_path: Path | None = None) -> int:
+    """Serve until SIGTERM (running queries may finish within listen.shutdown_grace) or
+    SIGINT (sessions close at once); SIGHUP reloads the analysts from `config_path`."""
     from server.app import ProxyServer
     from server.embedded import EmbeddedPostgres, EmbeddedPostgresError
 
     log = logging.getLogger("dp_proxy")
     stop = asyncio.Event()
+    graceful = True
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_stop(gentle: bool) -> None:
+        nonlocal graceful
+        graceful = graceful and gentle
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_stop, True)
+    loop.add_signal_handler(signal.SIGINT, on_stop, False)
+    server: ProxyServer | None = None
+    reloading: set[asyncio.Task[None]] = set()
+
+    async def reload() -> None:
+        if server is None or config_path is None:
+            return
+        new = _load(config_path)
+        if new is None:
+            log.error("configuration reload failed: the running configuration stays")
+            return
+        try:
+            await server.reload(new)
+        except Exception:
+            log.exception("configuration reload failed: the running configuration stays")
+
+    def on_hup() -> None:
+        task = loop.create_task(reload())
+        reloading.add(task)
+        task.add_done_callback(reloading.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
 
     pg: EmbeddedPostgres | None = None
-    server: ProxyServer | None = None
     try:
         if demo:
             from server.bootstrap import prepare_embedded
@@ -284,7 +314,7 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool) -> int:
         return 0
     finally:
         if server is not None:
-            await server.stop()
+            await server.shutdown(None if graceful else 0.0)
         if pg is not None:
             await asyncio.to_thread(pg.stop)
             if demo:

@@ -310,6 +310,14 @@ class Session:
             self.send_error(err)
         self.close()
 
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight: no DP or local work, nothing queued, no reply awaited from the
+        backend (a session still starting up counts as idle: it has no query yet)."""
+        if self.state is not State.READY:
+            return True
+        return not (self.busy or self.backlog or (self.link is not None and self.link.pending))
+
     def close(self) -> None:
         if self.state is State.CLOSED:
             return

@@ -29,6 +29,7 @@ from server.demo_data import demo_data_sql, demo_schema_sql
 from server.dsn import DSN, parse_dsn
 from server.embedded import EmbeddedPostgres
 
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true",
                      help="the stochastic DP tester's deeper mode (more databases, samples, depth)")
