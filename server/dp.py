@@ -343,8 +343,9 @@ class DPService:
                     if "main" in statements else [])
             quantiles: dict[tuple[GroupKey, int], float] = {}
             if "trees" in statements:
-                # streamed: each row is one group's whole tree; only its answer is kept
-                async for r in statements["trees"].cursor(prefetch=64, timeout=timeout + 5):
+                # streamed, a few rows at a time: each row is one group's whole tree (up to
+                # 69,904 nodes), and only its answer is kept
+                async for r in statements["trees"].cursor(prefetch=4, timeout=timeout + 5):
                     quantiles[(group_key(r, len(query.keys)), int(r["dp_agg"]))] = quantile_value(
                         query, plan, int(r["dp_agg"]), r["dp_codes"], r["dp_counts"], rng)
         return _Run(query, plan, rows, quantiles, found)
