@@ -48,6 +48,13 @@ class ListenConfig(_Strict):
         description="on SIGTERM, how long running queries may finish before sessions close")
 
 
+class MetricsConfig(_Strict):
+    """The operator's HTTP endpoint: Prometheus metrics at /metrics, a health check at /healthz."""
+
+    port: int | None = Field(default=None, ge=0, le=65535, description="unset: no endpoint")
+    host: str = "127.0.0.1"
+
+
 class TLSConfig(_Strict):
     cert_file: Path | None = None
     key_file: Path | None = None
@@ -188,6 +195,7 @@ class Config(_Strict):
 
     listen: ListenConfig = Field(default_factory=ListenConfig)
     tls: TLSConfig = Field(default_factory=TLSConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     auth_method: AuthMethod = AuthMethod.SCRAM_SHA_256
     backend: BackendConfig
     analysts: dict[str, AnalystConfig]

@@ -17,6 +17,7 @@ from dp_core.settings import Caps, DPSettings
 from server import backend
 from server import protocol as p
 from server.dsn import DSN
+from server.metrics import Metrics, OpsServer
 from server.session import ClientProtocol, error_response
 
 if TYPE_CHECKING:
@@ -47,6 +48,8 @@ class ProxyServer:
         self.pool: Any = None
         self.dp: Any = None
         self.sessions: dict[int, Session] = {}
+        self.metrics = Metrics(lambda: len(self.sessions))
+        self.ops: OpsServer | None = None
         self._server: asyncio.Server | None = None
         self._ssl: ssl.SSLContext | None = None
         self.port = 0
@@ -67,7 +70,7 @@ class ProxyServer:
         ledger = Ledger(self.pool, b.ledger_schema,
                         {name: a.refresh_days for name, a in self.config.analysts.items()})
         await ledger.migrate(self.config)
-        self.dp = DPService(self.config, self.pool, ledger)
+        self.dp = DPService(self.config, self.pool, ledger, self.metrics)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             self._new_connection, self.config.listen.host, self.config.listen.port,
@@ -76,6 +79,17 @@ class ProxyServer:
         sock = self._server.sockets[0]
         self.port = int(sock.getsockname()[1])
         log.info("listening on %s:%s", self.config.listen.host, self.port)
+        m = self.config.metrics
+        if m.port is not None:
+            self.ops = OpsServer(self.metrics, self._healthy)
+            await self.ops.start(m.host, m.port)
+
+    async def _healthy(self) -> bool:
+        """Accepting clients, and the backend answers the pushdown pool."""
+        if self._server is None or self.pool is None:
+            return False
+        async with self.pool.acquire() as conn:
+            return bool(await conn.fetchval("SELECT true"))
 
     async def _pushdown_settings(self) -> dict[str, str]:
         """Session defaults of pushdown connections (startup parameters survive the pool's
@@ -148,6 +162,9 @@ class ProxyServer:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self.ops is not None:
+            await self.ops.stop()
+            self.ops = None
         for session in list(self.sessions.values()):
             session.fatal(_shutdown_error())
         if self._server is not None:

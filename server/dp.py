@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -46,6 +47,7 @@ from server.ledger import (
 )
 
 if TYPE_CHECKING:
+    from server.metrics import Metrics
     from server.session import Session
 
 log = logging.getLogger("dp_proxy.dp")
@@ -140,10 +142,12 @@ def row_description(names: Sequence[str], oids: Sequence[int],
 
 
 class DPService:
-    def __init__(self, config: Config, pool: asyncpg.Pool, ledger: Ledger) -> None:
+    def __init__(self, config: Config, pool: asyncpg.Pool, ledger: Ledger,
+                 metrics: Metrics | None = None) -> None:
         self.config = config
         self.pool = pool
         self.ledger = ledger
+        self.metrics = metrics
         self.policy = {
             name: TablePolicy(t.schema_, t.uid_column,
                               {c: Bounds(b.lower, b.upper) for c, b in t.columns.items()})
@@ -267,10 +271,19 @@ class DPService:
         Every attempt that does not end in an answer is appended to the ledger with
         its outcome (the audit trail); answers are there as charges.
         """
+        kind = "explain" if st.kind is StatementKind.DP_EXPLAIN else "query"
+        started = time.perf_counter()
         async with self.pool.acquire() as conn:
             try:
-                return await self._answer(session, st, bind, param_types, conn)
+                answer = await self._answer(session, st, bind, param_types, conn)
+                if self.metrics is not None:
+                    self.metrics.dp_statements.labels(kind, "answered").inc()
+                    if kind == "query":
+                        self.metrics.dp_seconds.observe(time.perf_counter() - started)
+                return answer
             except DPError as e:
+                if self.metrics is not None:
+                    self.metrics.dp_statements.labels(kind, "refused").inc()
                 if st.kind is not StatementKind.DP_EXPLAIN:
                     try:
                         await self.ledger.record(session.user, f"{e.sqlstate}: {e.message}", st.sql,
@@ -297,6 +310,8 @@ class DPService:
             await self._check_affordable(session, plan, conn, accountant)
             await self.ledger.charge(session.user, AnswerCost.of(plan), st.sql, mechanisms, conn,
                                      accountant)
+            if self.metrics is not None:
+                self.metrics.epsilon_spent.labels(session.user).inc(float(plan.cost.epsilon))
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
             log.error("session %s: ledger unavailable: %s", session.process_id, e)
             raise LedgerUnavailable() from None
@@ -317,6 +332,7 @@ class DPService:
         All statements see one snapshot and keep the same rows per user (one order seed).
         """
         timeout = self.config.backend.statement_timeout
+        started = time.perf_counter()
         query, plan, statements = prepared.query, prepared.plan, dict(prepared.statements)
         found: dict[int, FoundBounds] = {}
         rng = secure_rng()
@@ -348,6 +364,8 @@ class DPService:
                 async for r in statements["trees"].cursor(prefetch=4, timeout=timeout + 5):
                     quantiles[(group_key(r, len(query.keys)), int(r["dp_agg"]))] = quantile_value(
                         query, plan, int(r["dp_agg"]), r["dp_codes"], r["dp_counts"], rng)
+        if self.metrics is not None:
+            self.metrics.pushdown_seconds.observe(time.perf_counter() - started)
         return _Run(query, plan, rows, quantiles, found)
 
     async def _check_affordable(self, session: Session, plan: DPQueryPlan, conn: Any,

@@ -298,6 +298,7 @@ class Session:
         self.write(b"".join(m.encode() for m in messages))
 
     def send_error(self, err: DPError) -> None:
+        self.server.metrics.errors.labels(err.sqlstate).inc()
         self.send(error_response(err))
 
     def fatal(self, err: DPError) -> None:
