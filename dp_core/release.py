@@ -62,16 +62,20 @@ def quantile_value(query: AnalyzedQuery, plan: DPQueryPlan, aggregate: int,
                       agg.quantile, b.lower, b.upper, tree.spec, rng)[0])
 
 
+def tree_answer(query: AnalyzedQuery, plan: DPQueryPlan, row: Mapping[str, Any],
+                rng: np.random.Generator) -> tuple[tuple[GroupKey, int], float]:
+    """((group, aggregate), DP quantile) from one row of the tree statement (one whole tree):
+    rows can be streamed, keeping only the answers."""
+    aggregate = int(row["dp_agg"])
+    return ((group_key(row, len(query.keys)), aggregate),
+            quantile_value(query, plan, aggregate, row["dp_codes"], row["dp_counts"], rng))
+
+
 def tree_values(query: AnalyzedQuery, plan: DPQueryPlan, tree_rows: Iterable[Mapping[str, Any]],
                 rng: np.random.Generator | None = None) -> dict[tuple[GroupKey, int], float]:
-    """DP quantiles of every (group, quantile aggregate) the tree statement returned rows for.
-
-    Rows can be streamed: each holds one whole tree, and only the answer is kept.
-    """
+    """DP quantiles of every (group, quantile aggregate) the tree statement returned rows for."""
     rng = rng or secure_rng()
-    return {(group_key(r, len(query.keys)), int(r["dp_agg"])):
-            quantile_value(query, plan, int(r["dp_agg"]), r["dp_codes"], r["dp_counts"], rng)
-            for r in tree_rows}
+    return dict(tree_answer(query, plan, r, rng) for r in tree_rows)
 
 
 def _column(rows: Sequence[Mapping[str, Any]], name: str) -> NDArray[np.float64]:

@@ -31,7 +31,7 @@ from pglast.visitors import Visitor
 
 from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery, Bounds
 from dp_core.errors import FeatureNotSupported, InternalError
-from dp_core.plan import Component, DPQueryPlan, make_plan, reads_user_count
+from dp_core.plan import Component, DPQueryPlan, reads_user_count
 from dp_core.quantiles import EDGES, LEAVES, LEVEL_DIVISORS, LEVEL_OFFSETS
 
 _PH = "dp_ph_"
@@ -282,6 +282,11 @@ class Pushdown:
     """APPROX_BOUNDS: users per log-scale bin and aggregate (run first, when present)."""
     order_seed: int
 
+    def statements(self) -> dict[str, str]:
+        """The statements there are, by name, in the order they run."""
+        named = (("bounds", self.bounds), ("main", self.main), ("trees", self.trees))
+        return {name: sql for name, sql in named if sql}
+
 
 def pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None = None,
              order_seed: int | None = None) -> Pushdown:
@@ -299,12 +304,9 @@ def pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] 
     seed = secrets.randbits(62) if order_seed is None else order_seed
     types = arg_types or {}
     bounds_sql = _bounds_template(query, plan, types, seed)
-    if plan.pending or any(a.bounds is None for a in query.aggregates):
-        placeholder = {i: Bounds(0.0, 1.0) for i, a in enumerate(query.aggregates)
-                       if a.bounds is None}
-        query = query.with_bounds(placeholder)
-        plan = make_plan(query, float(plan.epsilon), float(plan.delta), plan.max_groups_contributed,
-                         plan.noise_kind, plan.auto_bounds)
+    # the statements' shape needs only the plan's quantity names, which bounds do not change
+    query = query.with_bounds({i: Bounds(0.0, 1.0) for i, a in enumerate(query.aggregates)
+                               if a.bounds is None})
     main = _template(query, plan, types, seed)
     trees = _tree_template(query, plan, types, seed)
     return Pushdown(_build(main, query) if main else None, _build(trees, query) if trees else None,

@@ -33,7 +33,7 @@ from dp_core.errors import DPError, FeatureNotSupported, InternalError, InvalidP
 from dp_core.mechanisms import NoiseKind, secure_rng
 from dp_core.plan import Component, DPQueryPlan, make_plan
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, choose_bounds
-from dp_core.release import GroupKey, group_key, output_type, quantile_value, release
+from dp_core.release import GroupKey, output_type, release, tree_answer
 from dp_core.rewrite import Pushdown, TypeRef, argument_probe_sql, pushdown, result_sql
 from dp_core.settings import Caps, validate
 from server import protocol as p
@@ -112,8 +112,7 @@ class Prepared:
 
     @property
     def sql(self) -> list[str]:
-        pd = self.pushdown
-        return [s for s in (pd.bounds, pd.main, pd.trees) if s]
+        return list(self.pushdown.statements().values())
 
     @property
     def names(self) -> list[str]:
@@ -143,7 +142,7 @@ def row_description(names: Sequence[str], oids: Sequence[int],
 
 class DPService:
     def __init__(self, config: Config, pool: asyncpg.Pool, ledger: Ledger,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics) -> None:
         self.config = config
         self.pool = pool
         self.ledger = ledger
@@ -192,8 +191,7 @@ class DPService:
                 probe_attrs = (await conn.prepare(probe)).get_attributes()
                 arg_types = {int(a.name[1:]): a.type.name for a in probe_attrs}
             pd = pushdown(query, plan, arg_types)
-            statements = {name: await conn.prepare(sql) for name, sql in
-                          (("main", pd.main), ("trees", pd.trees), ("bounds", pd.bounds)) if sql}
+            statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
         except asyncpg.PostgresError as e:
             # planning reads no rows: its errors (unknown column, type mismatch) are safe to show
             err = DPError(str(e).replace("dp_per_user", "the query"))
@@ -276,14 +274,12 @@ class DPService:
         async with self.pool.acquire() as conn:
             try:
                 answer = await self._answer(session, st, bind, param_types, conn)
-                if self.metrics is not None:
-                    self.metrics.dp_statements.labels(kind, "answered").inc()
-                    if kind == "query":
-                        self.metrics.dp_seconds.observe(time.perf_counter() - started)
+                self.metrics.dp_statements.labels(kind, "answered").inc()
+                if kind == "query":
+                    self.metrics.dp_seconds.observe(time.perf_counter() - started)
                 return answer
             except DPError as e:
-                if self.metrics is not None:
-                    self.metrics.dp_statements.labels(kind, "refused").inc()
+                self.metrics.dp_statements.labels(kind, "refused").inc()
                 if st.kind is not StatementKind.DP_EXPLAIN:
                     try:
                         await self.ledger.record(session.user, f"{e.sqlstate}: {e.message}", st.sql,
@@ -310,8 +306,7 @@ class DPService:
             await self._check_affordable(session, plan, conn, accountant)
             await self.ledger.charge(session.user, AnswerCost.of(plan), st.sql, mechanisms, conn,
                                      accountant)
-            if self.metrics is not None:
-                self.metrics.epsilon_spent.labels(session.user).inc(float(plan.cost.epsilon))
+            self.metrics.epsilon_spent.labels(session.user).inc(float(plan.cost.epsilon))
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
             log.error("session %s: ledger unavailable: %s", session.process_id, e)
             raise LedgerUnavailable() from None
@@ -353,8 +348,8 @@ class DPService:
                 if plan.cost != prepared.plan.cost:
                     raise InternalError("the plan's cost changed with its bounds (this is a bug)")
                 pd = pushdown(query, plan, prepared.arg_types, prepared.pushdown.order_seed)
-                statements = {name: await conn.prepare(sql) for name, sql in
-                              (("main", pd.main), ("trees", pd.trees)) if sql}
+                statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()
+                              if name != "bounds"}
             rows = (await statements["main"].fetch(timeout=timeout + 5)
                     if "main" in statements else [])
             quantiles: dict[tuple[GroupKey, int], float] = {}
@@ -362,10 +357,9 @@ class DPService:
                 # streamed, a few rows at a time: each row is one group's whole tree (up to
                 # 69,904 nodes), and only its answer is kept
                 async for r in statements["trees"].cursor(prefetch=4, timeout=timeout + 5):
-                    quantiles[(group_key(r, len(query.keys)), int(r["dp_agg"]))] = quantile_value(
-                        query, plan, int(r["dp_agg"]), r["dp_codes"], r["dp_counts"], rng)
-        if self.metrics is not None:
-            self.metrics.pushdown_seconds.observe(time.perf_counter() - started)
+                    key, value = tree_answer(query, plan, r, rng)
+                    quantiles[key] = value
+        self.metrics.pushdown_seconds.observe(time.perf_counter() - started)
         return _Run(query, plan, rows, quantiles, found)
 
     async def _check_affordable(self, session: Session, plan: DPQueryPlan, conn: Any,

@@ -36,7 +36,7 @@ def build(sql: str, epsilon: float = 1.0, delta: float = 1e-6, max_groups: int =
                      int(options.get("max_groups_contributed", max_groups)),
                      NoiseKind(options.get("noise", noise)))
     pd = pushdown(query, plan, order_seed=1234)
-    return query, plan, ";\n".join(s for s in (pd.bounds, pd.main, pd.trees) if s)
+    return query, plan, ";\n".join(pd.statements().values())
 
 
 # ---------------------------------------------------------------------------- golden pushdowns
