@@ -79,6 +79,11 @@ _NOT_ENDING_A_QUERY = frozenset(_COMPLETES) - {b"Z", b"E"}
 INTERNAL_NAME = "dp_proxy_internal"
 _TRACKED = frozenset({b"Z", b"E", b"S", *_COMPLETES})
 _LENGTH = struct.Struct("!i")
+# the same sets keyed by the tag's byte value, for the relay loop
+_TRACKED_INT = frozenset(t[0] for t in _TRACKED)
+_NOT_ENDING_A_QUERY_INT = frozenset(t[0] for t in _NOT_ENDING_A_QUERY)
+_COMPLETES_INT = {t[0]: kinds for t, kinds in _COMPLETES.items()}
+_BYTES = [bytes((i,)) for i in range(256)]
 
 
 @dataclass
@@ -146,27 +151,28 @@ class BackendLink(asyncio.Protocol):
         self._partial = b""
         n = len(buf)
         pos = keep_from = 0
+        unpack, tracked, pending = _LENGTH.unpack_from, _TRACKED_INT, self.pending
         while pos + 5 <= n:
-            length = _LENGTH.unpack_from(buf, pos + 1)[0]
+            tag = buf[pos]  # an int: cheaper than a one-byte slice on this hot path
+            length = unpack(buf, pos + 1)[0]
             if length < 4:
                 self._lose(p.ProtocolViolation("invalid message length from the backend"))
                 return
             end = pos + 1 + length
-            tag = buf[pos : pos + 1]
             if end > n:
-                if tag not in _TRACKED:
+                if tag not in tracked:
                     self._skip = end - n
                     pos = n
                 break
-            if tag in _TRACKED:
-                pending = self.pending
-                if pending and pending[0] is Pending.QUERY and tag in _NOT_ENDING_A_QUERY:
+            if tag in tracked:
+                head = pending[0] if pending else None
+                if head is Pending.QUERY and tag in _NOT_ENDING_A_QUERY_INT:
                     pass  # inside a simple query only ReadyForQuery and errors matter
-                elif pending and tag in _COMPLETES and pending[0] in _COMPLETES[tag]:
+                elif head is not None and head in _COMPLETES_INT.get(tag, ()):
                     pending.popleft()  # the common case of _track, inline on the hot path
                     if not pending:
                         self.idle.set()
-                elif not self._track(tag, buf, pos, end):
+                elif not self._track(_BYTES[tag], buf, pos, end):
                     out.append(buf[keep_from:pos])
                     keep_from = end
             pos = end

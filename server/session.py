@@ -50,10 +50,15 @@ MAX_BACKLOG = 1024
 TEXT_OID = 25
 _LENGTH = struct.Struct("!i")
 _FAST_KINDS = {
-    b"Q": backend.Pending.QUERY, b"P": backend.Pending.PARSE, b"B": backend.Pending.BIND,
-    b"D": backend.Pending.DESCRIBE, b"E": backend.Pending.EXECUTE, b"C": backend.Pending.CLOSE,
-    b"S": backend.Pending.SYNC, b"H": None,
+    ord("Q"): backend.Pending.QUERY, ord("P"): backend.Pending.PARSE,
+    ord("B"): backend.Pending.BIND, ord("D"): backend.Pending.DESCRIBE,
+    ord("E"): backend.Pending.EXECUTE, ord("C"): backend.Pending.CLOSE,
+    ord("S"): backend.Pending.SYNC, ord("H"): None,
 }
+"""Frames the fast path forwards, by tag byte, and the reply each awaits."""
+_P, _Q = ord("P"), ord("Q")
+_NAMED = frozenset(b"BDCE")
+"""Frames that name a statement or portal, which may be one the proxy answers itself."""
 _FORWARDED = (StatementKind.PASS_THROUGH, StatementKind.EMPTY)
 _DP_KINDS = (StatementKind.DP_QUERY, StatementKind.DP_EXPLAIN, StatementKind.LOCAL_FUNCTION)
 
@@ -214,33 +219,26 @@ class Session:
         n = len(data)
         pos = 0
         limit = self.frames.max_size
-        classifier = self.server.classifier
-        statements, portals = self.local_statements, self.local_portals
+        plain = self.server.classifier.is_plain_pass_through_bytes
+        local = bool(self.local_statements or self.local_portals)
         pending = link.pending
-        kinds = _FAST_KINDS
+        kinds, unpack = _FAST_KINDS, _LENGTH.unpack_from
         while pos + 5 <= n:
-            tag = data[pos : pos + 1]
-            length = _LENGTH.unpack_from(data, pos + 1)[0]
+            tag = data[pos]  # an int: cheaper than a one-byte slice
+            length = unpack(data, pos + 1)[0]
             end = pos + 1 + length
             if length < 4 or length > limit or end > n or tag not in kinds:
                 break
-            if tag == b"B":
-                if statements or portals:
-                    break  # names may be local: let the general path look
-            elif tag == b"P":
+            if tag == _P:
                 name_end = data.find(b"\0", pos + 5, end)
                 sql_end = data.find(b"\0", name_end + 1, end) if name_end >= 0 else -1
-                if sql_end < 0 or statements or not classifier.is_plain_pass_through_bytes(
-                    memoryview(data)[name_end + 1 : sql_end]
-                ):
+                if sql_end < 0 or self.local_statements or not plain(data[name_end + 1 : sql_end]):
                     break
-            elif tag == b"Q":
-                if data[end - 1] != 0 or not classifier.is_plain_pass_through_bytes(
-                    memoryview(data)[pos + 5 : end - 1]
-                ):
+            elif tag == _Q:
+                if data[end - 1] != 0 or not plain(data[pos + 5 : end - 1]):
                     break
-            elif tag in (b"D", b"C", b"E") and (statements or portals):
-                break
+            elif local and tag in _NAMED:
+                break  # names may be local: let the general path look
             kind = kinds[tag]
             if kind is not None:
                 pending.append(kind)
