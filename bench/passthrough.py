@@ -4,8 +4,9 @@
 
 Starts an embedded Postgres (TCP on loopback) with the demo tables and pgbench's
 tables, then dp-proxy as a separate process (uvloop, as `dp-proxy serve` runs),
-and alternates direct and proxied pgbench runs in simple and extended query
-mode. Prints the median TPS of each and the ratio proxied / direct, and appends
+and a bare byte relay (bench/relay.py: the ceiling of any Python proxy on this
+machine), and alternates direct, relayed and proxied pgbench runs in simple and
+extended query mode. Prints the median TPS of each and the ratios, and appends
 the figures to bench/RESULTS.md with a description of the machine.
 """
 
@@ -103,26 +104,35 @@ def main() -> int:
         asyncio.run(_prepare(pg))
         port = free_port()
         proxy = _start_proxy(pg, port, Path(tmp))
+        relay_port = free_port()
+        relay = subprocess.Popen([sys.executable, str(Path(__file__).with_name("relay.py")),
+                                  str(relay_port), str(pg.socket_dir / f".s.PGSQL.{pg.port}")])
         try:
             for _ in range(args.runs):
                 for mode in ("simple", "extended"):
                     for target, (p, user) in {"direct": (pg.port, "postgres"),
+                                              "relay": (relay_port, "postgres"),
                                               "proxy": (port, "alice")}.items():
                         tps = _pgbench("127.0.0.1", p, user, mode, args.seconds, args.clients)
                         results.setdefault((mode, target), []).append(tps)
                         print(f"{mode:8s} {target:6s} {tps:10.0f} tps", flush=True)
         finally:
+            relay.terminate()
+            relay.wait(30)
             proxy.send_signal(signal.SIGTERM)
             proxy.wait(30)
 
     lines = [f"### Pass-through: pgbench -S, {args.clients} clients, 2 threads, "
              f"{args.runs} × {args.seconds} s (median)", "", f"Machine: {machine()}", "",
-             "| mode | direct TPS | through dp-proxy TPS | ratio |", "|---|---|---|---|"]
+             "| mode | direct TPS | bare relay TPS | through dp-proxy TPS | relay / direct "
+             "| dp-proxy / direct | dp-proxy / relay |", "|---|---|---|---|---|---|---|"]
     for mode in ("simple", "extended"):
         d = statistics.median(results[(mode, "direct")])
+        r = statistics.median(results[(mode, "relay")])
         x = statistics.median(results[(mode, "proxy")])
-        lines.append(f"| {mode} | {d:.0f} | {x:.0f} | {x / d:.2f}× |")
-        print(f"{mode}: proxied / direct = {x / d:.2f}×")
+        lines.append(f"| {mode} | {d:.0f} | {r:.0f} | {x:.0f} | {r / d:.2f}× | {x / d:.2f}× "
+                     f"| {x / r:.2f}× |")
+        print(f"{mode}: proxied / direct = {x / d:.2f}× (bare relay {r / d:.2f}×)")
     if not args.no_write:
         append_results(lines)
     return 0
