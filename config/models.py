@@ -55,6 +55,27 @@ class MetricsConfig(_Strict):
     host: str = "127.0.0.1"
 
 
+class LogFormat(StrEnum):
+    TEXT = "text"
+    JSON = "json"
+
+
+class StatementLog(StrEnum):
+    ALL = "all"
+    """Every statement, successful pass-through ones too (a line per statement at any rate)."""
+    DP = "dp"
+    """What the proxy answers itself (DP queries, EXPLAIN, dp.* settings, admin functions),
+    refusals, and pass-through statements that fail."""
+    NONE = "none"
+
+
+class LogConfig(_Strict):
+    """Logs on standard error: one line per statement (never query text, values or results)."""
+
+    format: LogFormat = LogFormat.TEXT
+    statements: StatementLog = StatementLog.DP
+
+
 class TLSConfig(_Strict):
     cert_file: Path | None = None
     key_file: Path | None = None
@@ -196,6 +217,7 @@ class Config(_Strict):
     listen: ListenConfig = Field(default_factory=ListenConfig)
     tls: TLSConfig = Field(default_factory=TLSConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
     auth_method: AuthMethod = AuthMethod.SCRAM_SHA_256
     backend: BackendConfig
     analysts: dict[str, AnalystConfig]

@@ -17,6 +17,7 @@ from dp_core.settings import Caps, DPSettings
 from server import backend
 from server import protocol as p
 from server.dsn import DSN
+from server.logs import StatementLogger, set_format
 from server.metrics import Metrics, OpsServer
 from server.session import ClientProtocol, error_response
 
@@ -49,6 +50,7 @@ class ProxyServer:
         self.dp: Any = None
         self.sessions: dict[int, Session] = {}
         self.metrics = Metrics(lambda: len(self.sessions))
+        self.statement_log = StatementLogger(config.log)
         self.ops: OpsServer | None = None
         self._server: asyncio.Server | None = None
         self._ssl: ssl.SSLContext | None = None
@@ -132,7 +134,7 @@ class ProxyServer:
         await self.stop()
 
     async def reload(self, new: Config) -> list[str]:
-        """Take the analysts (accounts, admin flags, budgets, accountants) from `new` without
+        """Take the analysts (accounts, admin flags, budgets, accountants) and [log] from `new` without
         dropping sessions; returns the changed sections that need a restart (kept as they were).
 
         Budget limits go to the ledger as appended 'limits' events; sessions of analysts no
@@ -140,9 +142,13 @@ class ProxyServer:
         """
         from dp_core.errors import InvalidAuthorization
 
-        ignored = [name for name in ("listen", "tls", "auth_method", "backend", "defaults", "tables")
+        ignored = [name for name in ("listen", "tls", "metrics", "auth_method", "backend", "defaults",
+                                     "tables")
                    if getattr(new, name) != getattr(self.config, name)]
-        merged = self.config.model_copy(update={"analysts": new.analysts})
+        merged = self.config.model_copy(update={"analysts": new.analysts, "log": new.log})
+        if new.log != self.config.log:
+            set_format(new.log.format)
+            self.statement_log = StatementLogger(new.log)
         if self.dp is not None:
             await self.dp.ledger.migrate(merged)
             self.dp.ledger.refresh_days = {n: a.refresh_days for n, a in merged.analysts.items()}

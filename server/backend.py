@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import struct
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ _TRACKED_INT = frozenset(t[0] for t in _TRACKED)
 _NOT_ENDING_A_QUERY_INT = frozenset(t[0] for t in _NOT_ENDING_A_QUERY)
 _COMPLETES_INT = {t[0]: kinds for t, kinds in _COMPLETES.items()}
 _BYTES = [bytes((i,)) for i in range(256)]
+_Q, _E, _S = ord("Q"), ord("E"), ord("S")
 
 
 @dataclass
@@ -119,6 +121,15 @@ class BackendLink(asyncio.Protocol):
         self._skip = 0
         """Bytes still to relay of an untracked frame that spans reads."""
         self._corked: list[bytes] | None = None
+        self.cycles: deque[float | None] = deque()
+        """Per client Query or Sync awaiting its ReadyForQuery: when its pass-through work was
+        sent (perf_counter), or None when it carried none (a batch the proxy answered)."""
+        self.batch_started: float | None = None
+        """When the first forwarded Execute of the current extended batch was sent."""
+        self.last_sqlstate: str | None = None
+        self.on_cycle: Callable[[float, str | None], None] | None = None
+        """Called at the end of each client cycle that did pass-through work: its start, and
+        the SQLSTATE of its last error (None when it succeeded)."""
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -194,6 +205,7 @@ class BackendLink(asyncio.Protocol):
             self.transport.abort()
         self._handshake.put_nowait(BackendError("the backend closed the connection"))
         self.pending.clear()
+        self.cycles.clear()
         self.idle.set()
         if self._relaying and self.target is not None:
             self.target.lost(exc)
@@ -207,12 +219,20 @@ class BackendLink(asyncio.Protocol):
         relay = True
         if tag == b"Z":
             self.tx_status = buf[start + 5 : start + 6]
+            failed = self.errors > self.errors_at_ready
             self.errors_at_ready = self.errors
             if head in _SIMPLE or head in _SYNCS:
                 pending.popleft()
                 relay = head is not Pending.QUERY_SPLIT and head is not Pending.INTERNAL_SYNC
+                if relay and self.cycles:
+                    started = self.cycles.popleft()
+                    if started is not None and self.on_cycle is not None:
+                        self.on_cycle(started, self.last_sqlstate if failed else None)
         elif tag == b"E":
             self.errors += 1
+            code = buf.find(b"\0C", start + 4, end)  # a field boundary, then the SQLSTATE field
+            self.last_sqlstate = buf[code + 2 : code + 7].decode("ascii", "replace") \
+                if code >= 0 else "XX000"
             if head is Pending.QUERY_SPLIT:
                 self.last_split_failed = True
             if head is not None and head not in _SIMPLE:
@@ -240,10 +260,22 @@ class BackendLink(asyncio.Protocol):
         if kind is not None:
             self.pending.append(kind)
             self.idle.clear()
+            self.note_cycle(tag[0], time.perf_counter())
         if self._corked is not None:
             self._corked.append(raw)
         else:
             self.transport.write(raw)
+
+    def note_cycle(self, tag: int, now: float) -> None:
+        """Note a forwarded client Query, Execute or Sync for the statement log and metrics."""
+        if tag == _Q:
+            self.cycles.append(now)
+        elif tag == _E:
+            if self.batch_started is None:
+                self.batch_started = now
+        elif tag == _S:
+            self.cycles.append(self.batch_started)
+            self.batch_started = None
 
     def write(self, data: bytes) -> None:
         """Send raw client frames whose pending replies the caller has already noted."""

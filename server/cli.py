@@ -13,6 +13,8 @@ from pathlib import Path
 
 from config import DEMO_CONFIG, Config, ConfigError, load_config
 from server.dsn import DSN
+from server.logs import configure as configure_logs
+from server.logs import set_format
 
 EXIT_CONFIG = 2
 
@@ -59,10 +61,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logs(str(args.log_level))
     handler = {
         "demo": _cmd_demo,
         "serve": _cmd_serve,
@@ -242,6 +241,7 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
                  config_path: Path | None = None) -> int:
     """Serve until SIGTERM (running queries may finish within listen.shutdown_grace) or
     SIGINT (sessions close at once); SIGHUP reloads the analysts from `config_path`."""
+    set_format(config.log.format)
     from server.app import ProxyServer
     from server.embedded import EmbeddedPostgres, EmbeddedPostgresError
 

@@ -269,17 +269,14 @@ class DPService:
         Every attempt that does not end in an answer is appended to the ledger with
         its outcome (the audit trail); answers are there as charges.
         """
-        kind = "explain" if st.kind is StatementKind.DP_EXPLAIN else "query"
         started = time.perf_counter()
         async with self.pool.acquire() as conn:
             try:
                 answer = await self._answer(session, st, bind, param_types, conn)
-                self.metrics.dp_statements.labels(kind, "answered").inc()
-                if kind == "query":
+                if st.kind is StatementKind.DP_QUERY:
                     self.metrics.dp_seconds.observe(time.perf_counter() - started)
                 return answer
             except DPError as e:
-                self.metrics.dp_statements.labels(kind, "refused").inc()
                 if st.kind is not StatementKind.DP_EXPLAIN:
                     try:
                         await self.ledger.record(session.user, f"{e.sqlstate}: {e.message}", st.sql,

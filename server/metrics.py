@@ -28,9 +28,15 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.sessions = Gauge("dpproxy_sessions", "Client sessions open", registry=r)
         self.sessions.set_function(lambda: float(sessions()))
-        self.dp_statements = Counter(
-            "dpproxy_dp_statements", "DP statements (queries and EXPLAIN) by kind and outcome",
+        self.statements = Counter(
+            "dpproxy_statements",
+            "Statements by kind (pass_through, dp_query, dp_explain, local, refused) and outcome "
+            "(ok, error); a pass-through Query or extended-protocol batch counts once",
             ["kind", "outcome"], registry=r)
+        self._statement_children: dict[tuple[str, bool], Any] = {}
+        self.pass_through_ok = 0
+        """Successful pass-through cycles not yet added to `statements`: a plain integer on the
+        hot path, added to the counter when the metrics are read."""
         self.errors = Counter("dpproxy_errors", "Errors sent to clients, by SQLSTATE", ["sqlstate"],
                               registry=r)
         self.epsilon_spent = Counter("dpproxy_epsilon_spent", "Epsilon charged, by analyst",
@@ -42,7 +48,18 @@ class Metrics:
                                           "Time of DP pushdowns in the backend (all statements)",
                                           buckets=_LATENCY_BUCKETS, registry=r)
 
+    def statement(self, kind: str, ok: bool) -> Any:
+        """The counter child for (kind, outcome), looked up once (it is on the pass-through path)."""
+        child = self._statement_children.get((kind, ok))
+        if child is None:
+            child = self._statement_children[(kind, ok)] = self.statements.labels(
+                kind, "ok" if ok else "error")
+        return child
+
     def exposition(self) -> bytes:
+        n, self.pass_through_ok = self.pass_through_ok, 0
+        if n:
+            self.statement("pass_through", True).inc(n)
         return bytes(generate_latest(self.registry))
 
 

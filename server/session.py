@@ -15,6 +15,7 @@ import contextlib
 import logging
 import ssl
 import struct
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -57,6 +58,13 @@ _FAST_KINDS = {
 }
 """Frames the fast path forwards, by tag byte, and the reply each awaits."""
 _P, _Q = ord("P"), ord("Q")
+_LOG_KINDS = {
+    StatementKind.DP_QUERY: "dp_query", StatementKind.DP_EXPLAIN: "dp_explain",
+    StatementKind.REFUSED: "refused",
+}
+"""Statement kinds as metrics and logs name them; the proxy's other answers are "local"."""
+_CYCLE_TAGS = frozenset(b"QES")
+"""Frames that start or end a client cycle, for the statement log and metrics."""
 _NAMED = frozenset(b"BDCE")
 """Frames that name a statement or portal, which may be one the proxy answers itself."""
 _FORWARDED = (StatementKind.PASS_THROUGH, StatementKind.EMPTY)
@@ -223,6 +231,7 @@ class Session:
         local = bool(self.local_statements or self.local_portals)
         pending = link.pending
         kinds, unpack = _FAST_KINDS, _LENGTH.unpack_from
+        now = time.perf_counter()
         while pos + 5 <= n:
             tag = data[pos]  # an int: cheaper than a one-byte slice
             length = unpack(data, pos + 1)[0]
@@ -242,6 +251,8 @@ class Session:
             kind = kinds[tag]
             if kind is not None:
                 pending.append(kind)
+                if tag in _CYCLE_TAGS:
+                    link.note_cycle(tag, now)
             pos = end
         if pos:
             link.idle.clear()
@@ -298,6 +309,23 @@ class Session:
     def send_error(self, err: DPError) -> None:
         self.server.metrics.errors.labels(err.sqlstate).inc()
         self.send(error_response(err))
+
+    def statement_done(self, kind: str, started: float, sqlstate: str | None) -> None:
+        """Count one finished statement (or pass-through cycle) and log it if the config asks."""
+        if kind == "pass_through" and sqlstate is None:
+            self.server.metrics.pass_through_ok += 1
+        else:
+            self.server.metrics.statement(kind, sqlstate is None).inc()
+        slog = self.server.statement_log
+        if slog.wants(kind, sqlstate):
+            slog.write(self.process_id, self.user, kind, sqlstate, time.perf_counter() - started)
+
+    def _pass_through_done(self, started: float, sqlstate: str | None) -> None:
+        server = self.server
+        if sqlstate is None and not server.statement_log.log_all:
+            server.metrics.pass_through_ok += 1  # the common case, kept cheap
+            return
+        self.statement_done("pass_through", started, sqlstate)
 
     def fatal(self, err: DPError) -> None:
         """Send a FATAL error and close the connection."""
@@ -424,6 +452,7 @@ class Session:
             raise ConnectionFailure("could not connect to the backend database") from None
         # relayed bytes go straight to the transport: it no longer changes (TLS is set up)
         self.link.target = backend.RelayTarget(self.transport.write, self._backend_lost)
+        self.link.on_cycle = self._pass_through_done
         self.write(b"".join(self.link.startup_frames))
         self.send(p.BackendKeyData(self.process_id, self.secret_key),
                   p.ReadyForQuery(self.link.tx_status))
@@ -568,6 +597,7 @@ class Session:
         raise ProtocolViolationError(f"invalid frontend message type {tag!r}")
 
     def _fail(self, err: DPError, extended: bool) -> Awaitable[None] | None:
+        self.statement_done("refused", time.perf_counter(), err.sqlstate)
         if err.severity == "FATAL":
             self.fatal(err)
             return None
@@ -637,9 +667,12 @@ class Session:
             if st.kind is StatementKind.EMPTY:
                 continue
             if st.kind is StatementKind.PASS_THROUGH:
+                started = time.perf_counter()
                 link.send_split_query(st.sql)
                 await link.drain()
-                if self._backend_failed_batch_since_split():
+                failed = self._backend_failed_batch_since_split()
+                self.statement_done("pass_through", started, link.last_sqlstate if failed else None)
+                if failed:
                     break
                 continue
             try:
@@ -658,6 +691,24 @@ class Session:
     async def _run_local_statement(
         self, st: Statement, describe: bool, bind: p.Bind | None = None,
         param_types: tuple[int, ...] = (),
+    ) -> None:
+        """Answer one non-pass-through statement, counted and logged with its outcome."""
+        started = time.perf_counter()
+        sqlstate: str | None = "XX000"
+        try:
+            await self._answer_local(st, describe, bind, param_types)
+            sqlstate = None
+        except DPError as e:
+            sqlstate = e.sqlstate
+            raise
+        except asyncio.CancelledError:
+            sqlstate = "57014"
+            raise
+        finally:
+            self.statement_done(_LOG_KINDS.get(st.kind, "local"), started, sqlstate)
+
+    async def _answer_local(
+        self, st: Statement, describe: bool, bind: p.Bind | None, param_types: tuple[int, ...],
     ) -> None:
         """Answer one non-pass-through statement: its rows (with RowDescription if asked)."""
         if st.kind is StatementKind.REFUSED:
@@ -724,6 +775,7 @@ class Session:
             return
         if st.kind is StatementKind.REFUSED:
             assert st.refusal is not None
+            self.statement_done("refused", time.perf_counter(), st.refusal.sqlstate)
             self.send_error(st.refusal)
             self.state = State.FAILED_BATCH
             return

@@ -46,12 +46,26 @@ def test_metrics_count_answers_refusals_epsilon_and_sessions(
                 conn.execute("SELECT * FROM visits")
             with pytest.raises(psycopg.errors.FeatureNotSupported):
                 conn.execute("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE random() > 0.5")
+            conn.execute("SELECT name FROM countries").fetchall()
+            conn.execute("SELECT 1; SET dp.epsilon = 0.5").fetchall()  # split: one of each
+            with pytest.raises(psycopg.errors.UndefinedTable):
+                conn.execute("SELECT * FROM no_such_table")
+            cur = conn.cursor()
+            cur.execute("SELECT code FROM countries WHERE code = %s", ("FR",), prepare=True)
             status, text = _get(port, "/metrics")
             assert status == 200
             assert _value(text, "dpproxy_sessions") == 1
-        assert _value(text, 'dpproxy_dp_statements_total{kind="query",outcome="answered"}') == 1
-        assert _value(text, 'dpproxy_dp_statements_total{kind="explain",outcome="answered"}') == 1
-        assert _value(text, 'dpproxy_dp_statements_total{kind="query",outcome="refused"}') == 1
+        def statements(kind: str, outcome: str) -> float:
+            return _value(text, f'dpproxy_statements_total{{kind="{kind}",outcome="{outcome}"}}')
+
+        assert statements("dp_query", "ok") == 1
+        assert statements("dp_explain", "ok") == 1
+        assert statements("dp_query", "error") == 1
+        assert statements("refused", "error") == 1
+        assert statements("local", "ok") == 2  # dp_reset_budget() and SET dp.epsilon
+        # countries, the split SELECT 1, and the extended-protocol batch
+        assert statements("pass_through", "ok") == 3
+        assert statements("pass_through", "error") == 1
         assert _value(text, 'dpproxy_errors_total{sqlstate="42501"}') == 1
         assert _value(text, 'dpproxy_errors_total{sqlstate="0A000"}') == 1
         assert _value(text, 'dpproxy_epsilon_spent_total{analyst="alice"}') == pytest.approx(0.1)
