@@ -12,8 +12,11 @@ RUN pip install --no-cache-dir . \
  && mkdir -p /etc/dp-proxy && cp config/example.toml /etc/dp-proxy/config.toml
 
 USER dpproxy
-EXPOSE 6432
-HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
-  CMD ["python", "-c", "import socket; socket.create_connection(('127.0.0.1', 6432), 2).close()"]
+# metrics and /healthz on 9187 inside the container; set DPPROXY_METRICS__HOST=0.0.0.0 to scrape
+ENV DPPROXY_METRICS__PORT=9187
+EXPOSE 6432 9187
+# healthy = /healthz answers 200 = the proxy runs and its backend answers
+HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
+  CMD ["dp-proxy", "healthcheck", "--config", "/etc/dp-proxy/config.toml"]
 ENTRYPOINT ["dp-proxy"]
 CMD ["serve", "--config", "/etc/dp-proxy/config.toml"]

@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and list every problem")
     check.add_argument("path", type=Path)
 
+    hc = sub.add_parser("healthcheck", help="exit 0 when the proxy of a config is healthy "
+                        "(GET /healthz when [metrics] port is set, else a TCP connect)")
+    hc.add_argument("--config", type=Path, required=True)
+    hc.add_argument("--timeout", type=float, default=3.0)
+
     hp = sub.add_parser("hash-password", help="print a SCRAM-SHA-256 verifier for a password")
     hp.add_argument("--stdin", action="store_true", help="read the password from standard input")
 
@@ -66,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": _cmd_demo,
         "serve": _cmd_serve,
         "check-config": _cmd_check_config,
+        "healthcheck": _cmd_healthcheck,
         "hash-password": _cmd_hash_password,
         "init-backend": _cmd_init_backend,
         "budget": _cmd_budget,
@@ -99,6 +105,35 @@ def _load_existing_backend(path: Path, embedded_message: str) -> tuple[Config, D
     except DSNError as e:
         print(f"backend DSN: {e}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+def _cmd_healthcheck(args: argparse.Namespace) -> int:
+    """For container health checks: /healthz answers 200 only when the backend answers too."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    config = _load(args.config)
+    if config is None:
+        return EXIT_CONFIG
+
+    def local(host: str) -> str:
+        return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+    port = config.metrics.port
+    try:
+        if port:
+            url = f"http://{local(config.metrics.host)}:{port}/healthz"
+            with urllib.request.urlopen(url, timeout=args.timeout) as r:
+                ok = r.status == 200
+        else:
+            socket.create_connection((local(config.listen.host), config.listen.port),
+                                     args.timeout).close()
+            ok = True
+    except (OSError, urllib.error.URLError) as e:
+        print(f"dp-proxy: unhealthy: {e}", file=sys.stderr)
+        return 1
+    return 0 if ok else 1
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shlex
 import subprocess
 import sys
@@ -12,11 +13,12 @@ import asyncpg
 import pytest
 import yaml
 
+from config import Config
 from server.bootstrap import demo_config_text
 from server.cli import _parser
 from server.dsn import DSN, parse_dsn
 
-from .conftest import TEST_DATABASE, Backend
+from .conftest import TEST_DATABASE, Backend, LoopThread, running_proxy
 
 ROOT = Path(__file__).parent.parent
 
@@ -116,7 +118,11 @@ def test_dockerfile_names_real_commands() -> None:
         if ln.startswith("COPY "):
             for src in shlex.split(ln)[1:-1]:
                 assert (ROOT / src).exists(), f"Dockerfile copies missing {src}"
-    assert "USER dpproxy" in lines and any(ln.startswith("HEALTHCHECK") for ln in lines)
+    assert "USER dpproxy" in lines
+    health = next(ln for ln in text.replace("\\\n", " ").splitlines() if ln.startswith("HEALTHCHECK"))
+    check = yaml.safe_load(health.split("CMD", 1)[1])
+    assert check[0] == "dp-proxy" and _parser().parse_args(check[1:]).command == "healthcheck"
+    assert "ENV DPPROXY_METRICS__PORT=9187" in lines  # so that the check has /healthz to ask
 
 
 def test_compose_names_real_commands_and_files() -> None:
@@ -129,6 +135,9 @@ def test_compose_names_real_commands_and_files() -> None:
         config = Path(ns.config)
         assert config.parts[:2] == ("/", "app") and (ROOT / Path(*config.parts[2:])).exists()
     assert _parser().parse_args(services["init"]["command"]).demo_data
+    check = services["proxy"]["healthcheck"]["test"]
+    assert check[:2] == ["CMD", "dp-proxy"]
+    assert _parser().parse_args(check[2:]).config == Path(ns.config)
     assert services["proxy"]["depends_on"]["init"]["condition"] == "service_completed_successfully"
 
 
@@ -154,3 +163,27 @@ def test_budget_cli_show_and_reset(backend: Backend, tmp_path: Path) -> None:
     out = _cli("budget", "show", "bob", "--config", "config/demo.toml")
     assert out.returncode == 2 and "embedded" in out.stderr
     del base
+
+
+def test_healthcheck_command(loop_thread: LoopThread, demo_config: Config, backend: Backend,
+                             tmp_path: Path) -> None:
+    config = demo_config.model_copy(update={"metrics": demo_config.metrics.model_copy(
+        update={"port": 0})})
+    path = tmp_path / "health.toml"
+    path.write_text((ROOT / "config" / "demo.toml").read_text())
+
+    def check(**env: int) -> int:
+        environ = dict(os.environ, **{k: str(v) for k, v in env.items()})
+        return subprocess.run([sys.executable, "-m", "server.cli", "healthcheck", "--config",
+                               str(path), "--timeout", "2"], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT, env=environ).returncode
+
+    with running_proxy(loop_thread, config, backend) as px:
+        assert px.server.ops is not None
+        metrics_port, listen_port = px.server.ops.port, px.port
+        assert check(DPPROXY_METRICS__PORT=metrics_port) == 0
+        assert check(DPPROXY_LISTEN__PORT=listen_port) == 0  # no metrics: a TCP connect
+        loop_thread.run(px.server.pool.close())  # the backend no longer answers: 503
+        assert check(DPPROXY_METRICS__PORT=metrics_port) == 1
+    assert check(DPPROXY_METRICS__PORT=metrics_port) == 1
+    assert check(DPPROXY_LISTEN__PORT=listen_port) == 1
