@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
+import re
 import socket
 import sys
 import tempfile
@@ -37,8 +38,13 @@ class BenchSetup:
 
 
 @asynccontextmanager
-async def dataset_and_proxy(scale: float) -> AsyncIterator[BenchSetup]:
-    """An embedded Postgres with the bench dataset at `scale`, and dp-proxy as its own process."""
+async def dataset_and_proxy(scale: float, extra_config: str = "",
+                            settings: dict[str, str] | None = None) -> AsyncIterator[BenchSetup]:
+    """An embedded Postgres with the bench dataset at `scale`, and dp-proxy as its own process.
+
+    `extra_config` is appended to the proxy's TOML (more analysts, say); `settings`
+    replace `key = value` lines of it (e.g. {"pushdown_pool_size": "20"}).
+    """
     sys.path.insert(0, str(ROOT))
     from dataset import generate
 
@@ -63,6 +69,11 @@ async def dataset_and_proxy(scale: float) -> AsyncIterator[BenchSetup]:
             DSN(str(pg.socket_dir), pg.port, "dp_pushdown", DATABASE),
             DSN(str(pg.socket_dir), pg.port, "dp_restricted", DATABASE), port,
         ).replace("epsilon_budget = 10", "epsilon_budget = 1e9")
+        for key, value in (settings or {}).items():
+            cfg_text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", cfg_text)
+            if not n:
+                cfg_text = cfg_text.replace("[backend]\n", f"[backend]\n{key} = {value}\n", 1)
+        cfg_text += extra_config
         cfg = Path(tmp) / "bench.toml"
         cfg.write_text(cfg_text)
         proc = await asyncio.create_subprocess_exec(
@@ -119,6 +130,6 @@ def machine() -> str:
 
 
 def append_results(lines: list[str]) -> None:
-    """Append one run's figures to bench/RESULTS.md."""
-    with open(RESULTS, "a") as f:
+    """Append one run's figures to bench/RESULTS.md (or to $DPPROXY_BENCH_RESULTS: run_all.py)."""
+    with open(os.environ.get("DPPROXY_BENCH_RESULTS", RESULTS), "a") as f:
         f.write("\n" + "\n".join(lines) + "\n")
