@@ -92,7 +92,8 @@ async def dataset_and_proxy(scale: float, extra_config: str = "",
                 raise SystemExit("dp-proxy did not start")
             yield setup
         finally:
-            proc.terminate()
+            if proc.returncode is None:
+                proc.terminate()
             await proc.wait()
             await conn.close()
 
@@ -130,6 +131,6 @@ def machine() -> str:
 
 
 def append_results(lines: list[str]) -> None:
-    """Append one run's figures to bench/RESULTS.md (or to $DPPROXY_BENCH_RESULTS: run_all.py)."""
-    with open(os.environ.get("DPPROXY_BENCH_RESULTS", RESULTS), "a") as f:
+    """Append one run's figures to bench/RESULTS.md (or to $BENCH_RESULTS_FILE: run_all.py)."""
+    with open(os.environ.get("BENCH_RESULTS_FILE", RESULTS), "a") as f:
         f.write("\n" + "\n".join(lines) + "\n")

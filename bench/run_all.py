@@ -63,7 +63,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         body = Path(tmp) / "body.md"
         body.touch()
-        env = dict(os.environ, DPPROXY_BENCH_RESULTS=str(body))
+        env = dict(os.environ, BENCH_RESULTS_FILE=str(body))
         for script, *params in QUICK if args.quick else FULL:
             t0 = time.monotonic()
             print(f"== {script} {' '.join(params)}", flush=True)
