@@ -102,9 +102,13 @@ class Classifier:
         # U&"..." escape; DP forms and local commands need their keywords.
         words = sorted(policy.names | {"u&", "dp.", '"dp"', "dp_", "anonymization",
                                        "differential_privacy"})
-        self._needs_parse = re.compile("|".join(re.escape(w) for w in words), re.IGNORECASE)
+        # and DO / CALL, refused whatever they name, as words (not inside "double", "local")
+        opaque = r"\bdo\b|\bcall\b"
+        self._needs_parse = re.compile("|".join([*(re.escape(w) for w in words), opaque]),
+                                       re.IGNORECASE)
         # case-sensitive over lowercased text: re.IGNORECASE costs 5× more per statement
-        self._needs_parse_bytes = re.compile(b"|".join(re.escape(w.encode().lower()) for w in words))
+        self._needs_parse_bytes = re.compile(
+            b"|".join([*(re.escape(w.encode().lower()) for w in words), opaque.encode()]))
 
     def is_plain_pass_through(self, sql: str) -> bool:
         """True when `sql` certainly names no protected table and no DP feature.
@@ -184,6 +188,9 @@ class Classifier:
         local = _local_function(body)
         if local is not None:
             return make(StatementKind.LOCAL_FUNCTION, setting=local)
+        if ntype in _OPAQUE_CODE:
+            return self._refuse(make, protected, f"{_OPAQUE_CODE[ntype]} are not allowed through "
+                                "dp-proxy: the code they run is hidden from its checks")
         if not protected:
             return make(StatementKind.PASS_THROUGH)
         if ntype == "SelectStmt":
@@ -288,6 +295,8 @@ def _is_aggregate_select(select: Mapping[str, Any]) -> bool:
 
 
 _SUBQUERIES = frozenset({"SubLink", "SelectStmt"})
+_OPAQUE_CODE = {"DoStmt": "DO blocks", "CallStmt": "procedure calls (CALL)"}
+"""Statements that run code the proxy cannot see into: refused whatever they name."""
 
 
 def _explain_analyze(body: Mapping[str, Any]) -> bool:

@@ -46,6 +46,16 @@ class InvalidParameterValue(DPError):
     sqlstate = "22023"
 
 
+class InvalidBinaryRepresentation(DPError):
+    sqlstate = "22P03"
+
+
+class BindMismatch(DPError):
+    """A Bind that does not fit its statement: an error in the batch, not the end of the session."""
+
+    sqlstate = "08P01"
+
+
 class UndefinedObject(DPError):
     sqlstate = "42704"
 

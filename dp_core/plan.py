@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery, Bounds
-from dp_core.errors import InternalError
+from dp_core.errors import InternalError, InvalidParameterValue
 from dp_core.mechanisms import NoiseKind, NoiseSpec, threshold_tau
 from dp_core.quantiles import DEPTH
 
@@ -174,6 +174,13 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
         kind = NoiseKind.GAUSSIAN if gaussian else NoiseKind.LAPLACE
         noise_spec = None if sensitivity is None else NoiseSpec.calibrate(
             kind, float(share), float(delta_each), max_groups, sensitivity)
+        if noise_spec is not None and not math.isfinite(noise_spec.scale):
+            assert agg_index is not None
+            agg = query.aggregates[agg_index]
+            raise InvalidParameterValue(
+                f"{agg.output_name}: its bounds [{agg.known_bounds.lower:g}, "
+                f"{agg.known_bounds.upper:g}] make the noise scale overflow",
+                hint="give narrower bounds (they bound one user's contribution)")
         quantities.append(NoisyQuantity(name, component, agg_index, sensitivity, share,
                                         delta_each if gaussian else Fraction(0), noise_spec))
     histograms = tuple(

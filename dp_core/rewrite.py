@@ -46,8 +46,10 @@ def _num(x: float) -> str:
 
 
 def _clamp(col: str, lower: float, upper: float) -> str:
+    """A per-user partial clamped to [lower, upper], in numeric: what is computed from it
+    (centred sums, squares) cannot overflow, whatever the bounds (float8 squares could)."""
     return (f"CASE WHEN {col} IS NULL THEN NULL ELSE "
-            f"LEAST(GREATEST({col}, {_num(lower)}), {_num(upper)}) END")
+            f"LEAST(GREATEST(({col})::numeric, {_num(lower)}), {_num(upper)}) END")
 
 
 def _f8(x: float) -> str:
@@ -107,6 +109,11 @@ def _partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
         assert agg.quantile is not None
         return (f"percentile_cont({float(agg.quantile)!r}::float8) WITHIN GROUP "
                 f"(ORDER BY {_float_arg(i, arg_type)}) AS dp_p{i}")
+    if arg_type in _FLOATS:
+        # float8 avg() also accumulates the sum of squares, which overflows (an error) for
+        # values above ~1e154: sum/count has no squares, and the row clamp keeps sums finite
+        arg = _arg(i, arg_type)
+        return f"(sum({arg}) / NULLIF(count({arg}), 0)) AS dp_p{i}"
     return f"avg({_arg(i, arg_type)}) AS dp_p{i}"
 
 

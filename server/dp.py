@@ -29,7 +29,13 @@ from config import Accountant, Config
 from dp_core.accounting import AnswerCost
 from dp_core.analysis import AggKind, AnalyzedQuery, Bounds, TablePolicy, analyze, parse_select
 from dp_core.classify import Statement, StatementKind
-from dp_core.errors import DPError, FeatureNotSupported, InternalError, InvalidParameterValue
+from dp_core.errors import (
+    DPError,
+    FeatureNotSupported,
+    InternalError,
+    InvalidBinaryRepresentation,
+    InvalidParameterValue,
+)
 from dp_core.mechanisms import NoiseKind, secure_rng
 from dp_core.plan import Component, DPQueryPlan, make_plan
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, choose_bounds
@@ -587,7 +593,7 @@ def _param_text(raw: bytes, fmt: int, oid: int) -> str:
         if oid in (25, 1043, 1042, 19, 0):
             return raw.decode("utf-8")
     except (struct.error, UnicodeDecodeError):
-        raise InvalidParameterValue("malformed binary parameter") from None
+        raise InvalidBinaryRepresentation("incorrect binary data format in a bind parameter") from None
     raise FeatureNotSupported(f"binary parameters of type oid {oid} are not supported in DP "
                               "queries; send them in text format")
 

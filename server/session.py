@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 from config import AuthMethod
 from dp_core.classify import Statement, StatementKind
 from dp_core.errors import (
+    BindMismatch,
     ConnectionFailure,
     DPError,
     FeatureNotSupported,
@@ -163,6 +164,8 @@ class Session:
         self.settings: DPSettings = server.default_settings()
         self.local_statements: dict[str, LocalStatement] = {}
         self.local_portals: dict[str, LocalPortal] = {}
+        self.exhausted_portals: set[str] = set()
+        """Local portals whose DP answer has been sent (until the name is bound again)."""
         self.backlog: deque[tuple[bytes, bytes]] = deque()
         self.busy = False
         self.reading_paused = False
@@ -783,7 +786,12 @@ class Session:
         self.send(p.ParseComplete())
 
     def _local_bind(self, bind: p.Bind, local: LocalStatement) -> None:
+        needed = max(len(local.param_types), _highest_parameter(local.statement.tree))
+        if len(bind.params) != needed:
+            raise BindMismatch(f"bind message supplies {len(bind.params)} parameters, but prepared "
+                               f'statement "{bind.statement}" requires {needed}')
         self.local_portals[bind.portal] = LocalPortal(local, bind)
+        self.exhausted_portals.discard(bind.portal)
         self.send(p.BindComplete())
 
     def _local_close(self, msg: p.Close) -> None:
@@ -821,7 +829,15 @@ class Session:
         return desc
 
     async def _local_execute(self, ex: p.Execute, portal: LocalPortal) -> None:
-        await self._run_local_statement(portal.statement.statement, describe=False, bind=portal.bind,
+        st = portal.statement.statement
+        if st.kind in _DP_KINDS:
+            # a DP answer is one release, sent whole whatever the row limit; executing the
+            # portal again finds it exhausted, as Postgres does: no second answer, no charge
+            if ex.portal in self.exhausted_portals:
+                self.send(p.CommandComplete("SELECT 0"))
+                return
+            self.exhausted_portals.add(ex.portal)
+        await self._run_local_statement(st, describe=False, bind=portal.bind,
                                         param_types=portal.statement.param_types)
 
     async def relay_result(self, sql: str, bind: p.Bind | None) -> None:
@@ -851,6 +867,21 @@ class Session:
             self._dp_task.cancel()
         if self.link is not None and self.link.key is not None and self.link.pending:
             asyncio.get_running_loop().create_task(self.server.cancel_backend(self.link.key))
+
+
+def _highest_parameter(tree: Any) -> int:
+    """The highest $n in a statement's JSON parse tree (0 when there is none)."""
+    highest, stack = 0, [tree]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, dict):
+            ref = cur.get("ParamRef")
+            if isinstance(ref, dict):
+                highest = max(highest, int(ref.get("number", 0)))
+            stack.extend(v for v in cur.values() if isinstance(v, (dict, list)))
+        elif isinstance(cur, list):
+            stack.extend(cur)
+    return highest
 
 
 def _query_text(raw: bytes) -> str:

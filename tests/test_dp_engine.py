@@ -261,7 +261,9 @@ def test_native_aggregates_when_the_argument_type_cannot_overflow() -> None:
     floats = pushdown_sql(query, plan, {0: "float8", 1: "float4"}, order_seed=1)
     assert floats.count("CASE WHEN CAST(duration AS float8) IS NULL THEN NULL ELSE "
                         "LEAST(GREATEST(CAST(duration AS float8), CAST(-1e+290 AS float8)), "
-                        "CAST(1e+290 AS float8)) END") == 2, floats
+                        "CAST(1e+290 AS float8)) END") == 3, floats  # SUM, and AVG's sum and count
+    # float8 avg() squares its inputs (an overflow error above ~1e154): never used on floats
+    assert "avg(" not in floats and " / NULLIF(count(" in floats
     unknown = pushdown_sql(query, plan, {}, order_seed=1)
     assert "sum(CAST(duration AS numeric))" in unknown
     with pytest.raises(FeatureNotSupported, match="must be a number, not text"):

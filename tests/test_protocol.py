@@ -188,3 +188,59 @@ def test_startup_decode_raises_only_protocol_violation(body: bytes) -> None:
 def test_bind_round_trip(name: str, params: list[bytes | None], formats: list[int]) -> None:
     msg = p.Bind(name, name, (), tuple(params), tuple(formats))
     assert p.decode_frontend(b"B", msg.encode()[5:]) == msg
+
+
+_names = st.text(alphabet=st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)),
+                 max_size=30)
+@st.composite
+def _binds(draw: st.DrawFn) -> p.Bind:
+    params = tuple(draw(st.lists(st.one_of(st.none(), st.binary(max_size=12)), max_size=4)))
+    n_formats = draw(st.sampled_from(sorted({0, 1, len(params)})))
+    formats = tuple(draw(st.lists(st.integers(0, 1), min_size=n_formats, max_size=n_formats)))
+    results = tuple(draw(st.lists(st.integers(0, 1), max_size=3)))
+    return p.Bind(draw(_names), draw(_names), formats, params, results)
+
+
+_frontend_messages = st.one_of(
+    st.builds(p.Query, _names),
+    st.builds(p.Parse, _names, _names, st.lists(st.integers(0, 2**32 - 1), max_size=4).map(tuple)),
+    _binds(),
+    st.builds(p.Describe, st.sampled_from([b"S", b"P"]), _names),
+    st.builds(p.Close, st.sampled_from([b"S", b"P"]), _names),
+    st.builds(p.Execute, _names, st.integers(0, 2**31 - 1)),
+    st.builds(p.Sync), st.builds(p.Flush), st.builds(p.Terminate),
+    st.builds(p.CopyData, st.binary(max_size=40)), st.builds(p.CopyDone),
+    st.builds(p.CopyFail, _names),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_frontend_messages, min_size=1, max_size=6), st.integers(1, 64))
+def test_frontend_stream_round_trips_whatever_the_read_sizes(msgs: list[object], chunk: int) -> None:
+    """Messages encoded back to back and fed in arbitrary slices decode to themselves."""
+    data = b"".join(m.encode() for m in msgs)  # type: ignore[attr-defined]
+    reader = p.FrameReader()
+    out = []
+    for i in range(0, len(data), chunk):
+        reader.feed(data[i : i + chunk])
+        while (frame := reader.next_raw()) is not None:
+            tag, raw = frame
+            out.append(p.decode_frontend(tag, raw[5:]))
+    assert out == msgs
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_frontend_messages, min_size=1, max_size=4), st.data())
+def test_frontend_stream_with_a_corrupted_byte_fails_only_as_protocol_violation(
+        msgs: list[object], data: st.DataObject) -> None:
+    raw_stream = bytearray(b"".join(m.encode() for m in msgs))  # type: ignore[attr-defined]
+    i = data.draw(st.integers(0, len(raw_stream) - 1))
+    raw_stream[i] = data.draw(st.integers(0, 255))
+    reader = p.FrameReader(max_size=1 << 16)
+    try:
+        reader.feed(bytes(raw_stream))
+        while (frame := reader.next_raw()) is not None:
+            tag, raw = frame
+            p.decode_frontend(tag, raw[5:])
+    except p.ProtocolViolation:
+        pass

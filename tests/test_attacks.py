@@ -1,0 +1,279 @@
+"""The attack catalogue: hostile statements, each with the answer it must get, the proxy healthy after.
+
+Every case runs on its own psycopg connection as an analyst. `None` as the
+expected SQLSTATE means the statement must succeed without revealing rows of a
+protected table (the second wall, row-level security, returns nothing to the
+restricted role). After each case the same connection, when still open, and a
+new one must answer a pass-through query and a DP query.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+
+from config import Config
+from server import protocol as p
+
+from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, running_proxy
+from .rawclient import RawClient, errors
+
+DP = "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.01, delta=1e-9) "
+DP_COUNT = DP + "ANON_COUNT(*) FROM visits"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    sql: str | tuple[str, ...]
+    """One statement, or several run in order on the connection (the last one is judged)."""
+    sqlstate: str | None
+    no_rows: bool = False
+    """Success must return no row (what RLS shows the restricted role of a protected table)."""
+
+
+CASES = [
+    # --- raw reads in every disguise
+    Case("plain", "SELECT * FROM visits", "42501"),
+    Case("schema-qualified", "SELECT * FROM public.visits", "42501"),
+    Case("quoted", 'SELECT * FROM "visits"', "42501"),
+    Case("unicode-escaped name", 'SELECT * FROM U&"\\0076isits"', "42501"),
+    Case("upper case", "SELECT * FROM PUBLIC.VISITS", "42501"),
+    Case("alias", "SELECT v.uid, v.duration FROM visits AS v", "42501"),
+    Case("TABLE", "TABLE visits", "42501"),
+    Case("ONLY", "SELECT * FROM ONLY visits", "42501"),
+    Case("CTE", "WITH x AS (SELECT * FROM visits) SELECT * FROM x", "42501"),
+    Case("subquery in FROM", "SELECT * FROM (SELECT uid, duration FROM visits) s", "42501"),
+    Case("subquery in WHERE",
+         "SELECT name FROM countries WHERE EXISTS (SELECT 1 FROM visits WHERE uid = 1)", "42501"),
+    Case("subquery in SELECT", "SELECT (SELECT max(duration) FROM visits)", "42501"),
+    Case("LATERAL", "SELECT * FROM countries c, LATERAL (SELECT duration FROM visits v "
+         "WHERE v.country = c.code LIMIT 1) x", "42501"),
+    Case("UNION", "SELECT name FROM countries UNION ALL SELECT browser FROM visits", "42501"),
+    Case("row-returning function over it", "SELECT * FROM generate_series(1, 1) g, visits", "42501"),
+    Case("FOR UPDATE", "SELECT * FROM visits FOR UPDATE", "42501"),
+    Case("plain aggregate not in a DP form", "SELECT string_agg(browser, ',') FROM visits", "42501"),
+    Case("query text run by the server", "SELECT query_to_xml('SELECT * FROM visits', true, "
+         "false, '') AS x", None),
+    Case("DP form selecting a raw column", DP + "duration FROM visits", "0A000"),
+    # each group is one user: τ-thresholding releases none of them
+    Case("DP form grouped by uid (singling out)",
+         DP + "uid, ANON_COUNT(*) FROM visits GROUP BY uid", None, no_rows=True),
+    Case("DP form with a raw subquery", DP + "ANON_COUNT(*) FROM visits WHERE duration > "
+         "(SELECT max(duration) FROM visits)", "0A000"),
+    # --- statistics leaks
+    Case("pg_stats", "SELECT * FROM pg_stats WHERE tablename IN ('visits', 'purchases')", None,
+         no_rows=True),
+    Case("pg_statistic", "SELECT * FROM pg_statistic", "42501"),
+    Case("EXPLAIN of a raw read", "EXPLAIN SELECT * FROM visits", "42501"),
+    Case("EXPLAIN ANALYZE of a DP query", "EXPLAIN ANALYZE " + DP_COUNT, "42501"),
+    # --- writes, DDL, COPY, cursors, PREPARE, DO, CALL
+    Case("INSERT", "INSERT INTO visits (uid, duration) VALUES (1, 1)", "42501"),
+    Case("UPDATE", "UPDATE visits SET duration = 0", "42501"),
+    Case("DELETE", "DELETE FROM visits", "42501"),
+    Case("TRUNCATE", "TRUNCATE visits", "42501"),
+    Case("DROP", "DROP TABLE visits", "42501"),
+    Case("ALTER: disable RLS", "ALTER TABLE visits DISABLE ROW LEVEL SECURITY", "42501"),
+    Case("CREATE VIEW over it", "CREATE VIEW v AS SELECT * FROM visits", "42501"),
+    Case("CREATE TABLE", "CREATE TABLE attack (x int)", "42501"),
+    Case("COPY TO", "COPY visits TO STDOUT", "42501"),
+    Case("COPY query", "COPY (SELECT * FROM visits) TO STDOUT", "42501"),
+    Case("cursor", ("BEGIN", "DECLARE c CURSOR FOR SELECT * FROM visits"), "42501"),
+    Case("PREPARE", "PREPARE leak AS SELECT * FROM visits", "42501"),
+    Case("PREPARE of a DP query", "PREPARE leak AS " + DP_COUNT, "0A000"),
+    Case("DO block", "DO $$ BEGIN PERFORM * FROM visits; END $$", "42501"),
+    Case("CALL", "CALL no_such_procedure()", "42501"),
+    # --- privilege games
+    Case("SET ROLE", "SET ROLE dp_pushdown", "42501"),
+    Case("SET SESSION AUTHORIZATION", "SET SESSION AUTHORIZATION postgres", "42501"),
+    Case("set_config role", "SELECT set_config('role', 'dp_pushdown', false)", "42501"),
+    Case("RESET ALL then read", ("RESET ALL", "SELECT * FROM visits"), "42501"),
+    Case("temp table shadowing a protected name",
+         "CREATE TEMP TABLE visits (uid int, duration int)", "42501"),
+    Case("search_path shadowing",
+         ("SET search_path = pg_temp, public", "SELECT * FROM visits"), "42501"),
+    # --- side channels: made total or refused, never data-dependent
+    Case("division by a user-dependent zero", DP + "ANON_COUNT(*) FROM visits "
+         "WHERE 1 / (uid - 42) > 0", None),
+    Case("division in the aggregate", DP + "ANON_SUM(100 / (uid - 42), 0, 10) FROM visits", None),
+    Case("overflow", DP + "ANON_SUM(duration * 1e300 * 1e300, 0, 10) FROM visits", None),
+    Case("NaN and infinities", DP + "ANON_AVG(CASE WHEN uid = 42 THEN 'NaN'::float8 "
+         "WHEN uid = 43 THEN 'Infinity'::float8 ELSE duration END, 0, 10) FROM visits", None),
+    Case("float values whose squares overflow float8", DP + "ANON_VAR(CASE WHEN uid = 42 "
+         "THEN 1e150::float8 ELSE 1.5::float8 END, 0, 1e150), ANON_AVG(CASE WHEN uid = 42 "
+         "THEN -1e300::float8 ELSE 2.5::float8 END, -1e300, 1e300) FROM visits", None),
+    Case("bounds so wide the noise scale overflows", DP + "ANON_VAR(duration, 0, 1e200) "
+         "FROM visits", "22023"),
+    Case("text to number cast of a column", DP + "ANON_COUNT(*) FROM visits "
+         "WHERE browser::int > 0", "0A000"),
+    Case("pg_sleep", DP + "ANON_COUNT(*) FROM visits WHERE pg_sleep(1) IS NOT NULL", "0A000"),
+    Case("random()", DP + "ANON_COUNT(*) FROM visits WHERE random() > 0.5", "0A000"),
+    Case("generate_series blow-up", DP + "ANON_COUNT(*) FROM visits, "
+         "generate_series(1, 1000000000) g", "0A000"),
+    Case("system catalog inside a DP query", DP + "ANON_COUNT(*) FROM visits "
+         "JOIN pg_class c ON c.relname = visits.browser", "0A000"),
+    # --- budget games
+    Case("epsilon 0", "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0) ANON_COUNT(*) FROM visits",
+         "22023"),
+    Case("epsilon -1", "SELECT WITH ANONYMIZATION OPTIONS(epsilon=-1) ANON_COUNT(*) FROM visits",
+         "22023"),
+    Case("epsilon NaN", "SELECT WITH ANONYMIZATION OPTIONS(epsilon='NaN') ANON_COUNT(*) "
+         "FROM visits", "22023"),
+    # the budget is checked first (53400), then the per-query caps (22023)
+    Case("epsilon 1e308", "SELECT WITH ANONYMIZATION OPTIONS(epsilon=1e308) ANON_COUNT(*) "
+         "FROM visits", "53400"),
+    Case("delta 1", "SELECT WITH ANONYMIZATION OPTIONS(delta=1) ANON_COUNT(*) FROM visits",
+         "22023"),
+    Case("SET dp.epsilon above the cap", "SET dp.epsilon = 1000", "22023"),
+    Case("huge max_groups_contributed", "SELECT WITH ANONYMIZATION "
+         "OPTIONS(max_groups_contributed=1000000000) ANON_COUNT(*) FROM visits", "22023"),
+    Case("two DP clauses", "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM (SELECT WITH "
+         "ANONYMIZATION ANON_COUNT(*) FROM visits) s", "42501"),
+    # --- several statements in one Query
+    Case("pass-through then a raw read", "SELECT 1; SELECT * FROM visits", "42501"),
+    Case("DP then a raw read", DP_COUNT + "; SELECT * FROM visits", "42501"),
+]
+
+
+def test_catalogue_is_large_enough() -> None:
+    assert len(CASES) + len(PROTOCOL_CASES) >= 40
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.fixture(scope="module")
+def proxy_module(loop_thread: LoopThread, demo_config: Config, backend: Backend) -> Iterator[Proxy]:
+    """One proxy for the whole catalogue (each case still gets its own session)."""
+    with running_proxy(loop_thread, demo_config, backend) as px:
+        with psycopg.connect(px.dsn("admin"), autocommit=True) as adm:
+            adm.execute("SELECT dp_reset_budget('alice')")
+        yield px
+
+
+def _healthy(proxy: Proxy, conn: psycopg.Connection | None) -> None:
+    for c in ([conn] if conn is not None and not conn.closed else []):
+        c.rollback() if c.info.transaction_status != psycopg.pq.TransactionStatus.IDLE else None
+        assert c.execute("SELECT count(*) FROM countries").fetchone()[0] > 0
+    with psycopg.connect(proxy.dsn(), autocommit=True) as fresh:
+        assert fresh.execute("SELECT 1").fetchone() == (1,)
+        (n,) = fresh.execute(DP_COUNT).fetchone()
+        assert isinstance(n, int)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_attack(proxy_module: Proxy, case: Case) -> None:
+    statements = (case.sql,) if isinstance(case.sql, str) else case.sql
+    conn = psycopg.connect(proxy_module.dsn(), autocommit=True)
+    try:
+        for sql in statements[:-1]:
+            conn.execute(sql)
+        if case.sqlstate is None:
+            cur = conn.execute(statements[-1])
+            rows = cur.fetchall() if cur.description else []
+            if case.no_rows:
+                assert rows == []
+            for row in rows:  # nothing from the protected tables' rows
+                assert "Firefox" not in repr(row) and "Chrome" not in repr(row)
+        else:
+            with pytest.raises(psycopg.Error) as info:
+                conn.execute(statements[-1])
+            assert info.value.sqlstate == case.sqlstate, info.value
+            assert info.value.diag.message_primary
+        _healthy(proxy_module, conn)
+    finally:
+        conn.close()
+
+
+def test_reltuples_is_a_documented_residual(proxy_module: Proxy) -> None:
+    """pg_class is readable by every role, so the planner's size estimates of protected tables
+    are visible (hiding them would break every BI tool's table browser). README documents it:
+    the approximate row count of a whole table, not any user's data."""
+    with psycopg.connect(proxy_module.dsn(), autocommit=True) as conn:
+        rows = conn.execute("SELECT reltuples, relpages FROM pg_class WHERE relname = 'visits'"
+                            ).fetchall()
+    assert len(rows) == 1
+    readme = (__import__("pathlib").Path(__file__).parent.parent / "README.md").read_text()
+    assert "reltuples" in readme
+
+
+# --- protocol tricks, on the raw protocol
+
+
+def _login(proxy: Proxy) -> RawClient:
+    c = RawClient(proxy.host, proxy.port)
+    c.login("alice", "alice", TEST_DATABASE)
+    return c
+
+
+def _reuse_unnamed_statement(c: RawClient) -> list[str | None]:
+    c.send(p.Parse("", DP_COUNT, ()), p.Sync())
+    c.recv_until_ready()
+    c.send(p.Parse("", "SELECT * FROM visits", ()), p.Bind("", "", (), (), ()),
+           p.Execute("", 0), p.Sync())
+    return errors(c.recv_until_ready())
+
+
+def _reuse_named_statement(c: RawClient) -> list[str | None]:
+    c.send(p.Parse("s1", DP_COUNT, ()), p.Sync())
+    c.recv_until_ready()
+    c.send(p.Parse("s1", "SELECT * FROM visits", ()), p.Sync())
+    return errors(c.recv_until_ready())
+
+
+def _bind_wrong_parameter_count(c: RawClient) -> list[str | None]:
+    c.send(p.Parse("s2", DP + "ANON_COUNT(*) FROM visits WHERE duration > $1", (23,)),
+           p.Bind("", "s2", (0,), (b"1", b"2"), (0,)), p.Execute("", 0), p.Sync())
+    return errors(c.recv_until_ready())
+
+
+def _bind_binary_garbage(c: RawClient) -> list[str | None]:
+    c.send(p.Parse("s3", DP + "ANON_COUNT(*) FROM visits WHERE duration > $1", (23,)),
+           p.Bind("", "s3", (1,), (b"\x01",), (0,)), p.Execute("", 0), p.Sync())
+    return errors(c.recv_until_ready())
+
+
+def _spent(c: RawClient) -> str:
+    c.send(p.Query("SELECT epsilon_spent FROM dp_budget()"))
+    rows = [m for m in c.recv_until_ready() if isinstance(m, p.DataRow)]
+    value = rows[0].values[0]
+    assert value is not None
+    return value.decode()
+
+
+def _execute_with_row_limit(c: RawClient) -> list[str | None]:
+    """A row limit on a DP portal: the whole answer comes at once (it is one release, charged
+    once); a second Execute of the same portal neither answers nor charges again."""
+    before = _spent(c)
+    c.send(p.Parse("s4", DP + "browser, ANON_COUNT(*) FROM visits GROUP BY browser", ()),
+           p.Bind("", "s4", (), (), ()), p.Execute("", 1), p.Execute("", 1), p.Sync())
+    msgs = c.recv_until_ready()
+    rows = [m for m in msgs if isinstance(m, p.DataRow)]
+    assert len(rows) >= 2, msgs  # more than the limit: the released answer is not split
+    after = _spent(c)
+    assert float(after) - float(before) == pytest.approx(0.01), (before, after)
+    return errors(msgs)
+
+
+PROTOCOL_CASES = {
+    "unnamed statement reused for a raw read": (_reuse_unnamed_statement, ["42501"]),
+    "named statement redefined": (_reuse_named_statement, ["42501"]),
+    "Bind with the wrong parameter count": (_bind_wrong_parameter_count, ["08P01"]),
+    "Bind with a malformed binary parameter": (_bind_binary_garbage, ["22P03"]),
+    "Execute with a row limit on a DP portal": (_execute_with_row_limit, []),
+}
+
+
+@pytest.mark.parametrize("name", list(PROTOCOL_CASES))
+def test_protocol_attack(proxy_module: Proxy, name: str) -> None:
+    run, expected = PROTOCOL_CASES[name]
+    c = _login(proxy_module)
+    try:
+        got = [e for e in run(c) if e is not None]
+        assert got == expected
+        c.send(p.Query("SELECT 1"))
+        assert errors(c.recv_until_ready()) == []
+    finally:
+        c.close()
+    _healthy(proxy_module, None)
