@@ -1,0 +1,117 @@
+"""Faults: clients that vanish or never read, pushdowns that time out.
+
+SLOW is a DP query whose pushdown takes seconds on the demo data (a three-way
+self-join on uid), so that things can happen while it runs, after its charge.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import psycopg
+import pytest
+
+from config import Config
+
+from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, running_proxy
+from .rawclient import RawClient
+
+Q = "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.125) browser, ANON_COUNT(*) FROM visits GROUP BY browser"
+SLOW = ("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.125) a.browser, ANON_COUNT(*) FROM visits a "
+        "JOIN visits b USING (uid) JOIN visits c USING (uid) JOIN visits d USING (uid) "
+        "JOIN visits e USING (uid) GROUP BY a.browser")
+"""Its pushdown runs for many seconds (users' visits to the fifth power)."""
+
+
+def _charges(backend: Backend, analyst: str) -> list[tuple[str, float]]:
+    with psycopg.connect(backend.admin_dsn, autocommit=True) as admin:
+        rows = admin.execute("SELECT kind, epsilon FROM dpproxy.ledger WHERE analyst = %s "
+                             "ORDER BY id", (analyst,)).fetchall()
+    return [(str(k), float(e or 0)) for k, e in rows]
+
+
+def _reset(proxy: Proxy, analyst: str) -> None:
+    with psycopg.connect(proxy.dsn("admin"), autocommit=True) as adm:
+        adm.execute(f"SELECT dp_reset_budget('{analyst}')")
+
+
+def _waiting_pushdowns(backend: Backend) -> int:
+    with psycopg.connect(backend.admin_dsn, autocommit=True) as admin:
+        row = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE usename = 'dp_pushdown' "
+                            "AND state = 'active' AND backend_type = 'client backend' AND datname = %s",
+                            (TEST_DATABASE,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _wait_for(condition: object, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_client_gone_mid_query_charges_once_and_leaks_nothing(proxy: Proxy, backend: Backend) -> None:
+    from server import protocol as p
+
+    _reset(proxy, "alice")
+    before = _charges(backend, "alice")
+    c = RawClient(proxy.host, proxy.port)
+    c.login("alice", "alice", TEST_DATABASE)
+    c.send(p.Query(SLOW))
+    assert _wait_for(lambda: len(_charges(backend, "alice")) > len(before)), "never charged"
+    assert _waiting_pushdowns(backend) == 1, "the pushdown should still run"
+    c.sock.close()  # the client vanishes while its pushdown runs
+    assert _wait_for(lambda: not proxy.server.sessions)
+    # the proxy stopped its pushdown when the client went: nothing left running
+    assert _wait_for(lambda: _waiting_pushdowns(backend) == 0, 5.0)
+    new = _charges(backend, "alice")[len(before):]
+    assert [k for k, _ in new if k == "charge"] == ["charge"], new
+    assert sum(e for k, e in new if k == "charge") == pytest.approx(0.125)
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:  # and the proxy answers again
+        assert conn.execute(Q).fetchall()
+
+
+def test_pushdown_timeout_is_a_generic_charged_error(loop_thread: LoopThread, demo_config: Config,
+                                                     backend: Backend) -> None:
+    config = demo_config.model_copy(update={"backend": demo_config.backend.model_copy(
+        update={"statement_timeout": 0.5})})
+    with running_proxy(loop_thread, config, backend) as px:
+        _reset(px, "alice")
+        with psycopg.connect(px.dsn(), autocommit=True) as conn:
+            started = time.monotonic()
+            with pytest.raises(psycopg.Error) as info:
+                conn.execute(SLOW)
+            assert time.monotonic() - started < 5
+            assert "charged" in str(info.value)  # the generic error after a charge
+            assert "visits" not in str(info.value) and "browser" not in str(info.value)
+            spent = conn.execute("SELECT epsilon_spent FROM dp_budget()").fetchone()
+            assert spent is not None and float(spent[0]) == pytest.approx(0.125)
+        with psycopg.connect(px.dsn(), autocommit=True) as conn:
+            assert conn.execute(Q).fetchall()
+
+
+def test_a_client_that_never_reads_does_not_fill_the_proxy(proxy: Proxy) -> None:
+    """Backpressure: the proxy stops reading the backend when the client stops reading."""
+    from server import protocol as p
+
+    def rss_mib() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) / 1024 for ln in f if ln.startswith("VmRSS:"))
+
+    c = RawClient(proxy.host, proxy.port)
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    c.login("alice", "alice", TEST_DATABASE)
+    before = rss_mib()
+    # about 400 MB of rows, pass-through
+    c.send(p.Query("SELECT repeat('x', 2000) FROM generate_series(1, 200000)"))
+    time.sleep(3)
+    grown = rss_mib() - before
+    c.close()
+    assert grown < 64, f"the proxy buffered {grown:.0f} MiB for a client that does not read"
+    assert _wait_for(lambda: not proxy.server.sessions)
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
