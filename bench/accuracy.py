@@ -31,7 +31,7 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import append_results, dataset_and_proxy, machine
+from common import DATABASE, append_results, dataset_and_proxy, machine
 
 HERE = Path(__file__).resolve().parent
 EPSILONS = (0.1, 1.0, 10.0)
@@ -81,13 +81,15 @@ def noise_only_error(agg: str, true: dict[str, float], scales: dict[tuple[str, s
     return 0.6745 * sd / abs(true["a"])
 
 
-async def measure(conn: asyncpg.Connection, admin: asyncpg.Connection, runs: int) -> dict[str, Any]:
+async def measure(conn: asyncpg.Connection, admin: asyncpg.Connection, runs: int,
+                  reset: asyncpg.Connection) -> dict[str, Any]:
     truth = {r["browser"]: {"n": float(r["n"]), "s": float(r["s"]), "a": float(r["a"])}
              for r in await admin.fetch(BROWSER_TRUTH)}
     sizes = {r["country"]: int(r["n"]) for r in await admin.fetch(COUNTRY_TRUTH)}
     out: dict[str, Any] = {"truth": truth, "sizes": sizes, "cells": {}}
     for c in CAPS:
         for e in EPSILONS:
+            await reset.fetch("SELECT dp_reset_budget('alice')")  # δ: 1e-4 lasts ~8 runs of a cell
             sql = BROWSER.format(e=e, d=DELTA, c=c)
             scales = noise_scales([r[0] for r in await conn.fetch("EXPLAIN " + sql)])
             errors: dict[str, list[float]] = defaultdict(list)
@@ -169,10 +171,13 @@ def plot(result: dict[str, Any], error_png: Path, released_png: Path) -> None:
 async def run(args: argparse.Namespace) -> int:
     async with dataset_and_proxy(args.scale) as s:
         conn = await s.analyst()
+        admin = await asyncpg.connect(host="127.0.0.1", port=s.port, user="admin", password="admin",
+                                      database=DATABASE, ssl=False)
         try:
-            result = await measure(conn, s.admin, args.runs)
+            result = await measure(conn, s.admin, args.runs, admin)
         finally:
             await conn.close()
+            await admin.close()
         rows, users = s.rows, s.users
     error_png, released_png = HERE / "accuracy_error.png", HERE / "accuracy_released.png"
     plot(result, error_png, released_png)
