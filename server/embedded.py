@@ -174,6 +174,8 @@ class EmbeddedPostgres:
     _proc: subprocess.Popen[bytes] | None = field(init=False, default=None)
     _uid: int | None = field(init=False, default=None)
     _gid: int | None = field(init=False, default=None)
+    _bindir: Path | None = field(init=False, default=None)
+    _data: Path | None = field(init=False, default=None)
 
     @property
     def keep_data(self) -> bool:
@@ -233,11 +235,24 @@ class EmbeddedPostgres:
                         "--no-sync",
                     ]
                 )
+            self._bindir, self._data = bindir, data
             self._launch(bindir, data, timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Fast-shutdown the postmaster and start it again on the same data, socket and port
+        (what an operator's restart does to the proxy: every connection drops)."""
+        proc, self._proc = self._proc, None
+        if proc is None or self._bindir is None or self._data is None:
+            raise EmbeddedPostgresError("the cluster is not running")
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGINT)
+            proc.wait(timeout)
+        self._reap_orphans(proc.pid)
+        self._launch(self._bindir, self._data, timeout, keep_port=True)
 
     def _run(self, argv: list[str]) -> None:
         out = subprocess.run(
@@ -246,9 +261,9 @@ class EmbeddedPostgres:
         if out.returncode != 0:
             raise EmbeddedPostgresError(f"{Path(argv[0]).name} failed: {out.stderr.strip()}")
 
-    def _launch(self, bindir: Path, data: Path, timeout: float) -> None:
+    def _launch(self, bindir: Path, data: Path, timeout: float, keep_port: bool = False) -> None:
         for attempt in range(5):
-            if self.tcp:
+            if self.tcp and not keep_port:
                 self.port = _free_loopback_port()
             argv = [
                 str(bindir / "postgres"),
