@@ -43,7 +43,8 @@ async def dataset_and_proxy(scale: float, extra_config: str = "",
     """An embedded Postgres with the bench dataset at `scale`, and dp-proxy as its own process.
 
     `extra_config` is appended to the proxy's TOML (more analysts, say); `settings`
-    replace `key = value` lines of it (e.g. {"pushdown_pool_size": "20"}).
+    replace or add `key = value` lines ({"pushdown_pool_size": "20"}: [backend] when no
+    section is named; {"listen.max_connections": "300"}).
     """
     sys.path.insert(0, str(ROOT))
     from dataset import generate
@@ -70,9 +71,11 @@ async def dataset_and_proxy(scale: float, extra_config: str = "",
             DSN(str(pg.socket_dir), pg.port, "dp_restricted", DATABASE), port,
         ).replace("epsilon_budget = 10", "epsilon_budget = 1e9")
         for key, value in (settings or {}).items():
+            section, _, key = key.rpartition(".")
             cfg_text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", cfg_text)
             if not n:
-                cfg_text = cfg_text.replace("[backend]\n", f"[backend]\n{key} = {value}\n", 1)
+                head = f"[{section or 'backend'}]\n"
+                cfg_text = cfg_text.replace(head, f"{head}{key} = {value}\n", 1)
         cfg_text += extra_config
         cfg = Path(tmp) / "bench.toml"
         cfg.write_text(cfg_text)

@@ -4,7 +4,8 @@
     .venv/bin/python bench/run_all.py [--quick]
 
 Runs pass-through (pgbench), DP query cost, memory (scale 1 and 10), concurrency
-(50 analysts × 60 s) and accuracy (with its PNG plots), then replaces
+(50 analysts × 60 s), load (200 connections mixing pass-through and DP, 60 s) and
+accuracy (with its PNG plots), then replaces
 RESULTS.md with their figures under a description of the machine. Takes about
 half an hour here (most of it the scale-10 dataset); `--quick` runs each with
 small settings (minutes), for checking that they all work. Nothing else should
@@ -33,6 +34,7 @@ FULL = [
     ["dp_query.py"],
     ["memory.py"],
     ["concurrency.py"],
+    ["load.py"],
     ["accuracy.py"],
 ]
 QUICK = [
@@ -40,6 +42,7 @@ QUICK = [
     ["dp_query.py", "--scale", "0.1", "--runs", "2"],
     ["memory.py", "--scales", "0.1", "0.2", "--runs", "1"],
     ["concurrency.py", "--analysts", "10", "--seconds", "10"],
+    ["load.py", "--connections", "40", "--seconds", "10"],
     ["accuracy.py", "--runs", "2"],
 ]
 

@@ -11,11 +11,12 @@ failure after the charge returns one generic error that names no row or value.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
@@ -250,14 +251,29 @@ class DPService:
         if st.kind is StatementKind.LOCAL_FUNCTION:
             # the rewritten query (with a reset not performed) tells its own columns
             sql = await self.local_function(session, st, dry_run=True)
-            async with self.pool.acquire() as conn:
+            async with self._acquire() as conn:
                 attrs = (await conn.prepare(sql)).get_attributes()
             return row_description([a.name for a in attrs], [a.type.oid for a in attrs], formats)
-        async with self.pool.acquire() as conn:
+        async with self._acquire() as conn:
             prepared = await self.prepare(session, st, bind, param_types, conn)
             # the result query, with no rows, tells the columns (computed ones included)
             attrs = (await conn.prepare(self._result_sql(prepared, []))).get_attributes()
         return row_description([a.name for a in attrs], [a.type.oid for a in attrs], formats)
+
+    @contextlib.asynccontextmanager
+    async def _acquire(self) -> AsyncIterator[Any]:
+        """A pushdown connection; a backend out of connection slots is a clean 53300, not a bug."""
+        try:
+            conn = await self.pool.acquire()
+        except (asyncpg.TooManyConnectionsError, asyncpg.CannotConnectNowError, OSError):
+            err = DPError("the backend database has no connection slot free for the DP engine",
+                          hint="try again; an operator can raise the backend's max_connections")
+            err.sqlstate = "53300"
+            raise err from None
+        try:
+            yield conn
+        finally:
+            await self.pool.release(conn)
 
     async def parameter_types(self, session: Session, st: Statement,
                               declared: Sequence[int]) -> tuple[int, ...]:
@@ -276,7 +292,7 @@ class DPService:
         its outcome (the audit trail); answers are there as charges.
         """
         started = time.perf_counter()
-        async with self.pool.acquire() as conn:
+        async with self._acquire() as conn:
             try:
                 answer = await self._answer(session, st, bind, param_types, conn)
                 if st.kind is StatementKind.DP_QUERY:

@@ -271,7 +271,7 @@ class EmbeddedPostgres:
                 "-k", str(self.socket_dir),
                 "-h", "127.0.0.1" if self.tcp else "",
                 "-p", str(self.port),
-                "-c", "max_connections=200",
+                "-c", "max_connections=300",  # the proxy's 200 clients, its pool, admins
                 "-c", "shared_buffers=128MB",
                 "-c", "log_min_messages=warning",
             ]
