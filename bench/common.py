@@ -7,8 +7,10 @@ import os
 import platform
 import re
 import socket
+import statistics
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -108,13 +110,43 @@ def pushdown_statements(explain_rows: list[asyncpg.Record]) -> list[str]:
     return [ln.strip() for ln in lines[start + 1:]]
 
 
-def peak_rss_mib(pid: int) -> float:
-    """A process's peak resident set size (VmHWM), in MiB."""
+def _status_mib(pid: int, field: str) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM")
+    raise RuntimeError(f"no {field}")
+
+
+def peak_rss_mib(pid: int) -> float:
+    """A process's peak resident set size (VmHWM), in MiB."""
+    return _status_mib(pid, "VmHWM")
+
+
+def rss_mib(pid: int) -> float:
+    """A process's resident set size now (VmRSS), in MiB."""
+    return _status_mib(pid, "VmRSS")
+
+
+def latency_ms(latencies: list[float]) -> tuple[float, float]:
+    """(p50, p99) in milliseconds of latencies in seconds (NaN when there are none)."""
+    if not latencies:
+        return float("nan"), float("nan")
+    ordered = sorted(latencies)
+    return statistics.median(ordered) * 1000, ordered[int(0.99 * (len(ordered) - 1))] * 1000
+
+
+def format_errors(errors: Counter[str]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(errors.items())) or "none"
+
+
+def only_budget_refusals(errors: Counter[str]) -> int:
+    """Exit status of a load run: 1 (with a message) when any error but 53400 occurred."""
+    unexpected = {k: v for k, v in errors.items() if k != "53400"}
+    if unexpected:
+        print(f"errors other than 53400: {unexpected}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def free_port() -> int:

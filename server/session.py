@@ -91,6 +91,8 @@ class LocalStatement:
 
     statement: Statement
     param_types: tuple[int, ...]
+    n_params: int
+    """What a Bind must supply: the declared types or the highest $n, whichever is more."""
 
 
 @dataclass(frozen=True)
@@ -782,14 +784,14 @@ class Session:
             self.send_error(st.refusal)
             self.state = State.FAILED_BATCH
             return
-        self.local_statements[msg.name] = LocalStatement(st, msg.param_types)
+        self.local_statements[msg.name] = LocalStatement(
+            st, msg.param_types, max(len(msg.param_types), _highest_parameter(st.tree)))
         self.send(p.ParseComplete())
 
     def _local_bind(self, bind: p.Bind, local: LocalStatement) -> None:
-        needed = max(len(local.param_types), _highest_parameter(local.statement.tree))
-        if len(bind.params) != needed:
+        if len(bind.params) != local.n_params:
             raise BindMismatch(f"bind message supplies {len(bind.params)} parameters, but prepared "
-                               f'statement "{bind.statement}" requires {needed}')
+                               f'statement "{bind.statement}" requires {local.n_params}')
         self.local_portals[bind.portal] = LocalPortal(local, bind)
         self.exhausted_portals.discard(bind.portal)
         self.send(p.BindComplete())

@@ -104,6 +104,12 @@ def backend(demo_config: Config) -> Iterator[Backend]:
             pg.stop()
 
 
+def process_rss_mib() -> float:
+    """This test process's resident set size (in-process proxies included), in MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) / 1024 for ln in f if ln.startswith("VmRSS:"))
+
+
 class LoopThread:
     """An event loop in a daemon thread, for servers that blocking clients talk to."""
 

@@ -14,7 +14,7 @@ import pytest
 
 from config import Config
 
-from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, running_proxy
+from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, process_rss_mib, running_proxy
 from .rawclient import RawClient
 
 Q = "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.125) browser, ANON_COUNT(*) FROM visits GROUP BY browser"
@@ -98,18 +98,14 @@ def test_a_client_that_never_reads_does_not_fill_the_proxy(proxy: Proxy) -> None
     """Backpressure: the proxy stops reading the backend when the client stops reading."""
     from server import protocol as p
 
-    def rss_mib() -> float:
-        with open("/proc/self/status") as f:
-            return next(int(ln.split()[1]) / 1024 for ln in f if ln.startswith("VmRSS:"))
-
     c = RawClient(proxy.host, proxy.port)
     c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
     c.login("alice", "alice", TEST_DATABASE)
-    before = rss_mib()
+    before = process_rss_mib()
     # about 400 MB of rows, pass-through
     c.send(p.Query("SELECT repeat('x', 2000) FROM generate_series(1, 200000)"))
     time.sleep(3)
-    grown = rss_mib() - before
+    grown = process_rss_mib() - before
     c.close()
     assert grown < 64, f"the proxy buffered {grown:.0f} MiB for a client that does not read"
     assert _wait_for(lambda: not proxy.server.sessions)

@@ -17,7 +17,7 @@ import psycopg
 
 from server import protocol as p
 
-from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy
+from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, process_rss_mib
 from .rawclient import RawClient
 
 ROUNDS = 150
@@ -76,18 +76,10 @@ def _restricted_backends(backend: Backend) -> int:
     return int(row[0])
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def test_live_fuzz(proxy: Proxy, backend: Backend, loop_thread: LoopThread) -> None:
     rng = random.Random(SEED)
     bystander = psycopg.connect(proxy.dsn(), autocommit=True)
-    rss_before = _rss_mib()
+    rss_before = process_rss_mib()
     kinds: dict[str, int] = {}
     try:
         for i in range(ROUNDS):
@@ -119,6 +111,6 @@ def test_live_fuzz(proxy: Proxy, backend: Backend, loop_thread: LoopThread) -> N
     assert not proxy.server.sessions, f"seed {SEED}: sessions left open"
     assert _restricted_backends(backend) == 0, f"seed {SEED}: backend connections leaked"
     # memory stays bounded: huge declared lengths are refused before anything is buffered
-    assert _rss_mib() - rss_before < 64, f"seed {SEED}"
+    assert process_rss_mib() - rss_before < 64, f"seed {SEED}"
     with psycopg.connect(proxy.dsn(), autocommit=True) as fresh:
         assert fresh.execute("SELECT 1").fetchone() == (1,)
