@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from config import Config
+from dp_core.rewrite import pushdown_sql
 
 from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, running_proxy
 from .test_dp_engine import GOLDEN_CASES, build
@@ -457,3 +458,32 @@ def test_float_arguments_keep_their_nulls(backend: Backend) -> None:
 
     n, users = asyncio.run(go())
     assert n == users
+
+
+@pytest.mark.parametrize("max_groups", [1, 2])
+def test_each_user_keeps_a_uniform_choice_of_groups(backend: Backend, max_groups: int) -> None:
+    """The keyed hash that picks a user's C_u groups: exactly min(C_u, groups) per user, and
+    each group equally likely (every user prefers no group). 3000 users with the same three
+    browsers: a browser keeps Binomial(3000, C_u/3) users; ±6 sd fails once in 10^8 runs."""
+    query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits "
+                           "GROUP BY browser", max_groups=max_groups)
+    sql = pushdown_sql(query, plan)  # a fresh secret seed: the test holds for any
+
+    async def go() -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            # a temporary table shadows the demo's visits in this session only
+            await conn.execute("CREATE TEMP TABLE visits AS SELECT u AS uid, b AS browser, "
+                               "'FR'::char(2) AS country, 60 AS duration "
+                               "FROM generate_series(1, 3000) u, unnest(ARRAY['a', 'b', 'c']) b, "
+                               "generate_series(1, 2) r")
+            return await conn.fetch(sql)
+        finally:
+            await conn.close()
+
+    users = {r["dp_k0"]: r["dp_users"] for r in asyncio.run(go())}
+    assert sum(users.values()) == 3000 * max_groups
+    p = max_groups / 3
+    sd = math.sqrt(3000 * p * (1 - p))
+    assert set(users) == {"a", "b", "c"}
+    assert all(abs(n - 3000 * p) < 6 * sd for n in users.values()), users
