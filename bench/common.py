@@ -83,7 +83,7 @@ async def dataset_and_proxy(scale: float, extra_config: str = "",
         cfg.write_text(cfg_text)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "server.cli", "--log-level", "WARNING", "serve", "--config",
-            str(cfg), cwd=str(ROOT))
+            str(cfg), cwd=str(ROOT), preexec_fn=_terminate_with_parent)
         setup = BenchSetup(conn, pg.dsn(user="dp_pushdown", database=DATABASE), port, proc.pid,
                            int(n_rows), int(n_users), seconds)
         try:
@@ -101,6 +101,15 @@ async def dataset_and_proxy(scale: float, extra_config: str = "",
                 proc.terminate()
             await proc.wait()
             await conn.close()
+
+
+def _terminate_with_parent() -> None:
+    """In the forked proxy: SIGTERM when the benchmark dies (killed, it runs no `finally`)."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def pushdown_statements(explain_rows: list[asyncpg.Record]) -> list[str]:
