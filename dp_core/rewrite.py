@@ -96,7 +96,8 @@ def _float_arg(i: int, arg_type: str | None) -> str:
 
 
 def _partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
-    """Aggregate i's per-user partial (one value per user and group), named dp_p{i}."""
+    """Aggregate i's per-user partial columns (one row per user and group); `_value(i, ...)`
+    is its value over them."""
     if agg.kind is AggKind.COUNT:
         return f"count({_PH}a{i}) AS dp_p{i}" if agg.arg is not None else f"count(*) AS dp_p{i}"
     if agg.arg is not None and arg_type is not None and arg_type not in NUMERIC_TYPES:
@@ -109,12 +110,20 @@ def _partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
         assert agg.quantile is not None
         return (f"percentile_cont({float(agg.quantile)!r}::float8) WITHIN GROUP "
                 f"(ORDER BY {_float_arg(i, arg_type)}) AS dp_p{i}")
-    if arg_type in _FLOATS:
-        # float8 avg() also accumulates the sum of squares, which overflows (an error) for
-        # values above ~1e154: sum/count has no squares, and the row clamp keeps sums finite
-        arg = _arg(i, arg_type)
-        return f"(sum({arg}) / NULLIF(count({arg}), 0)) AS dp_p{i}"
-    return f"avg({_arg(i, arg_type)}) AS dp_p{i}"
+    # AVG, VAR, STDDEV: the user's mean, divided only for the rows a user keeps (avg() would
+    # divide in numeric for every user and group). For floats, avg() would also accumulate
+    # the sum of squares, which overflows (an error) above ~1e154; the row clamp keeps the
+    # sum finite.
+    arg = _arg(i, arg_type)
+    return f"sum({arg}) AS dp_s{i}, count({arg}) AS dp_n{i}"
+
+
+def _value(i: int, agg: Aggregate, arg_type: str | None) -> str:
+    """Aggregate i's per-user value, over the columns `_partial` made."""
+    if agg.kind in (AggKind.COUNT, AggKind.SUM, AggKind.QUANTILE):
+        return f"dp_p{i}"
+    total = f"dp_s{i}" if arg_type in _FLOATS else f"(dp_s{i})::numeric"
+    return f"({total} / NULLIF(dp_n{i}, 0))"
 
 
 def _kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
@@ -149,6 +158,7 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
     partials = [_partial(i, agg, arg_types.get(i)) for i, agg in enumerate(query.aggregates)
                 if not reads_user_count(agg) and agg.kind is not AggKind.QUANTILE]
     finals = []
+    means: dict[str, str] = {}
     if plan.threshold is not None or plan.shared_users:
         finals.append("count(*) AS dp_users")
     for q in plan.quantities:
@@ -158,7 +168,10 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
         agg = query.aggregates[q.aggregate]
         lo, hi = agg.known_bounds.lower, agg.known_bounds.upper
         mid = (lo + hi) / 2
-        p = f"dp_p{q.aggregate}"
+        p = _value(q.aggregate, agg, arg_types.get(q.aggregate))
+        if p != f"dp_p{q.aggregate}":  # a mean: divided once per kept row, in dp_kept below
+            means[f"dp_v{q.aggregate}"] = p
+            p = f"dp_v{q.aggregate}"
         if q.component == Component.COUNT:
             finals.append(f"sum(LEAST({p}, {_num(hi)})) AS {q.name}")
         elif q.component == Component.SUM:
@@ -175,6 +188,12 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
     if not finals:
         return None  # a global query of quantiles only: the tree statement answers it
     with_list, relation, kept = _kept_rows(query, plan, partials, order_seed)
+    if means:
+        # OFFSET 0 keeps the subquery from being flattened, which would copy each mean into
+        # every expression that uses it and divide several times per row
+        cols = ", ".join(f"{expr} AS {name}" for name, expr in means.items())
+        relation = f"(SELECT *, {cols} FROM {relation} WHERE {kept} OFFSET 0) AS dp_kept"
+        kept = "TRUE"
     if not query.keys:
         return f"WITH {with_list} SELECT {', '.join(finals)} FROM {relation}"
     key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
@@ -222,9 +241,10 @@ def _bounds_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     partials = [_partial(i, query.aggregates[i], arg_types.get(i)) for i in indexes]
     with_list, relation, kept = _kept_rows(query, plan, partials, order_seed)
     edges = ", ".join(str(e) for e in EDGES)
-    bins = [f"SELECT {i} AS dp_agg, width_bucket((dp_p{i})::numeric, "
+    values = {i: _value(i, query.aggregates[i], arg_types.get(i)) for i in indexes}
+    bins = [f"SELECT {i} AS dp_agg, width_bucket(({values[i]})::numeric, "
             f"(ARRAY[{edges}])::numeric[]) AS dp_bin FROM {relation} "
-            f"WHERE {kept} AND dp_p{i} IS NOT NULL" for i in indexes]
+            f"WHERE {kept} AND {values[i]} IS NOT NULL" for i in indexes]
     return (f"WITH {with_list} SELECT dp_agg, dp_bin, count(*) AS dp_n "
             f"FROM ({' UNION ALL '.join(bins)}) AS dp_bins GROUP BY 1, 2")
 
