@@ -4,7 +4,7 @@
 
 Generates the bench dataset (≈ 2M rows / 100k users at scale 1) in an embedded
 Postgres, starts dp-proxy as a separate process, and times, as medians of
-several runs in one process:
+several runs in one process taken in turn (raw, pushdown, proxied, raw, ...):
   raw       the non-private GROUP BY, run directly as superuser;
   pushdown  the SQL dp-proxy generates, run directly as the pushdown role;
   proxied   the DP query through dp-proxy (parse, plan, charge, pushdown, noise, result).
@@ -66,27 +66,29 @@ QUERIES = {
 }
 
 
-async def _timed(conn: asyncpg.Connection, sql: str, runs: int) -> tuple[float, list[asyncpg.Record]]:
-    await conn.fetch(sql)  # warm the cache
-    times, rows = [], []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        rows = await conn.fetch(sql)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), rows
-
-
-async def _timed_all(conn: asyncpg.Connection, statements: list[str], runs: int) -> float:
-    """Median time of running the statements one after the other (one DP answer's pushdown)."""
+async def _run(conn: asyncpg.Connection, statements: list[str]) -> tuple[float, list[asyncpg.Record]]:
+    """Seconds to run the statements one after the other (one DP answer's pushdown), and the
+    last one's rows."""
+    t0 = time.perf_counter()
+    rows: list[asyncpg.Record] = []
     for sql in statements:
-        await conn.fetch(sql)  # warm the cache
-    times = []
+        rows = await conn.fetch(sql)
+    return time.perf_counter() - t0, rows
+
+
+async def _interleaved(targets: list[tuple[asyncpg.Connection, list[str]]],
+                       runs: int) -> tuple[list[float], list[list[asyncpg.Record]]]:
+    """Median seconds of each target, run in turn (raw, pushdown, proxied, raw, ...) so that
+    the machine's drift, which reaches 2× for seconds at a time here, falls on all alike."""
+    for conn, statements in targets:
+        await _run(conn, statements)  # warm the cache
+    times: list[list[float]] = [[] for _ in targets]
+    rows: list[list[asyncpg.Record]] = [[] for _ in targets]
     for _ in range(runs):
-        t0 = time.perf_counter()
-        for sql in statements:
-            await conn.fetch(sql)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for i, (conn, statements) in enumerate(targets):
+            t, rows[i] = await _run(conn, statements)
+            times[i].append(t)
+    return [statistics.median(t) for t in times], rows
 
 
 async def run(scale: float, runs: int) -> list[str]:
@@ -99,11 +101,12 @@ async def run(scale: float, runs: int) -> list[str]:
                  "| query | raw ms | pushdown ms | proxied ms | proxied/raw | proxied/pushdown |"
                  " median rel. error |", "|---|---|---|---|---|---|---|"]
         for name, (raw_sql, dp_sql, truth_sql) in QUERIES.items():
-            raw_t, _ = await _timed(conn, raw_sql, runs)
+            (raw_t, push_t, dp_t), (_, _, dp_rows) = await _interleaved([
+                (conn, [raw_sql]),
+                (pushdown, pushdown_statements(await proxied.fetch("EXPLAIN " + dp_sql))),
+                (proxied, [dp_sql]),
+            ], runs)
             raw_rows = await conn.fetch(truth_sql)
-            push_t = await _timed_all(pushdown, pushdown_statements(
-                await proxied.fetch("EXPLAIN " + dp_sql)), runs)
-            dp_t, dp_rows = await _timed(proxied, dp_sql, runs)
             err = _median_relative_error(raw_rows, dp_rows)
             lines.append(f"| {name} | {raw_t * 1e3:.0f} | {push_t * 1e3:.0f} | {dp_t * 1e3:.0f} | "
                          f"{dp_t / raw_t:.2f}× | {dp_t / push_t:.2f}× | {err} |")
