@@ -41,7 +41,7 @@ class AnswerCost:
                 # not calibrated yet (APPROX_BOUNDS pending): σ is proportional to the
                 # sensitivity, so the multiplier is that of sensitivity 1
                 return gaussian_sigma(float(q.epsilon), float(q.delta), 1.0)
-            return q.noise.scale / (math.sqrt(plan.max_groups_contributed) * q.sensitivity)
+            return q.noise.scale / (math.sqrt(plan.groups_per_user) * q.sensitivity)
 
         gauss = [q for q in plan.all_quantities if kind(q) is NoiseKind.GAUSSIAN]
         return cls(

@@ -78,6 +78,12 @@ class DPQueryPlan:
     """One APPROX_BOUNDS histogram per aggregate without written or configured bounds."""
 
     @property
+    def groups_per_user(self) -> int:
+        """How many released groups one user can change (the L0 bound the noise is calibrated
+        with): C_u, or 1 for a query without GROUP BY, whose users are all in its one group."""
+        return self.max_groups_contributed if self.grouped else 1
+
+    @property
     def pending(self) -> bool:
         """Some noise waits for the bounds APPROX_BOUNDS finds (see `make_plan`'s `auto`)."""
         return any(q.noise is None for q in self.quantities)
@@ -140,6 +146,7 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     the found bounds filled in and `auto` naming those aggregates, for the same split.
     """
     grouped = bool(query.keys)
+    l0 = max_groups if grouped else 1  # DPQueryPlan.groups_per_user
     # the decimal the analyst wrote (1e-6), not the binary expansion of the float
     eps, dlt = Fraction(repr(float(epsilon))), Fraction(repr(float(delta)))
     auto = auto | {i for i, a in enumerate(query.aggregates) if a.bounds is None}
@@ -173,7 +180,7 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
             continue
         kind = NoiseKind.GAUSSIAN if gaussian else NoiseKind.LAPLACE
         noise_spec = None if sensitivity is None else NoiseSpec.calibrate(
-            kind, float(share), float(delta_each), max_groups, sensitivity)
+            kind, float(share), float(delta_each), l0, sensitivity)
         if noise_spec is not None and not math.isfinite(noise_spec.scale):
             assert agg_index is not None
             agg = query.aggregates[agg_index]
@@ -187,7 +194,7 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
         NoisyQuantity(f"dp_a{i}_{Component.BOUNDS}", Component.BOUNDS, i, 1.0,
                       bounds_eps / len(auto), Fraction(0),
                       NoiseSpec.calibrate(NoiseKind.LAPLACE, float(bounds_eps / len(auto)), 0,
-                                          max_groups, 1.0))
+                                          l0, 1.0))
         for i in sorted(auto))
     cost = PrivacyCost(eps, delta_threshold + delta_each * n_gauss)
     plan = DPQueryPlan(eps, dlt, max_groups, noise, grouped, tau, threshold, tuple(quantities),

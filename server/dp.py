@@ -557,6 +557,9 @@ def explain_lines(prepared: Prepared) -> list[str]:
         f"Cost charged when run: epsilon {_g(float(plan.cost.epsilon))}, "
         f"delta {_g(float(plan.cost.delta))}",
     ]
+    if plan.groups_per_user < plan.max_groups_contributed:
+        lines.append("No GROUP BY: each user is in the one group, so the noise is calibrated "
+                     "for 1 group per user")
     if plan.threshold is not None and plan.tau is not None:
         t = plan.threshold
         lines.append(f"Partition selection: noisy user count >= tau {_g(plan.tau)} "

@@ -14,7 +14,7 @@ from pglast import parse_sql
 from dp_core.analysis import AggKind, Bounds, TablePolicy, analyze, parse_select
 from dp_core.classify import Classifier, ProtectionPolicy
 from dp_core.errors import FeatureNotSupported, SyntaxError_
-from dp_core.mechanisms import NoiseKind, granularity, threshold_tau
+from dp_core.mechanisms import NoiseKind, gaussian_sigma, granularity, threshold_tau
 from dp_core.plan import make_plan
 from dp_core.release import release
 from dp_core.rewrite import pushdown, pushdown_sql, result_sql
@@ -162,6 +162,28 @@ def test_split_and_sensitivities_hand_computed() -> None:
     assert scales["dp_a2_csum"] == pytest.approx(2 * 50 / 0.375)
     assert plan.tau == pytest.approx(threshold_tau(2, 0.375, 1e-6))
     assert plan.cost.epsilon == Fraction(3, 2) and plan.cost.delta == Fraction(1, 10**6)
+
+
+def test_a_query_without_group_by_is_calibrated_for_one_group_per_user() -> None:
+    """Without GROUP BY every user is in the one group whatever C_u says: L0 = 1."""
+    from dp_core.accounting import AnswerCost
+
+    _, plan, _ = build("SELECT WITH ANONYMIZATION OPTIONS(epsilon=2, max_groups_contributed=3) "
+                       "ANON_SUM(duration, 0, 100) AS s, ANON_COUNT(*) AS n FROM visits")
+    assert plan.max_groups_contributed == 3 and plan.groups_per_user == 1
+    scales = {q.name: q.noise.scale for q in plan.all_quantities}
+    assert scales == {"dp_users": pytest.approx(1 * 1 / 1.0), "dp_a0_sum": pytest.approx(1 * 100 / 1.0)}
+    _, grouped, _ = build("SELECT WITH ANONYMIZATION OPTIONS(epsilon=2, max_groups_contributed=3) "
+                          "browser, ANON_SUM(duration, 0, 100) AS s FROM visits GROUP BY browser")
+    assert grouped.groups_per_user == 3
+    assert grouped.quantity("dp_a0_sum").noise.scale == pytest.approx(3 * 100 / 1.0)
+    # Gaussian: σ = multiplier · √L0 · Δ, with L0 = 1
+    _, gauss, _ = build("SELECT WITH ANONYMIZATION OPTIONS(noise='gaussian', delta=1e-5, "
+                        "max_groups_contributed=4) ANON_SUM(duration, 0, 100) AS s FROM visits")
+    (q,) = gauss.quantities
+    assert q.noise.scale == pytest.approx(gaussian_sigma(1.0, 1e-5, 100.0))
+    (m,) = AnswerCost.of(gauss).gaussian_multipliers
+    assert m == pytest.approx(gaussian_sigma(1.0, 1e-5, 1.0))
 
 
 def test_var_sensitivities() -> None:

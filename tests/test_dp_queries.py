@@ -146,10 +146,16 @@ def test_explain_spends_nothing_and_shows_the_plan(proxy: Proxy, reset: None) ->
     with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
         before = spent(conn)
         lines = [r[0] for r in conn.execute("EXPLAIN " + Q).fetchall()]
+        global_lines = [r[0] for r in conn.execute(
+            "EXPLAIN SELECT WITH ANONYMIZATION OPTIONS(max_groups_contributed=3) "
+            "ANON_SUM(duration, 0, 100) FROM visits").fetchall()]
         assert spent(conn) == before
     text = "\n".join(lines)
     assert "epsilon 0.1" in text and "tau" in text and "dp_per_user" in text
-    assert "laplace scale" in text
+    assert "laplace scale" in text and "No GROUP BY" not in text
+    text = "\n".join(global_lines)
+    assert "max_groups_contributed 3" in text and "calibrated for 1 group per user" in text
+    assert "laplace scale 100," in text  # 1 · 100 / ε = 1, not 3 · 100
 
 
 def test_notice_reports_spend_and_noise(proxy: Proxy, reset: None) -> None:
