@@ -74,6 +74,46 @@ class Aggregate:
 
 
 @dataclass(frozen=True)
+class CastCheck:
+    """A cast of column values that is total only for some source types, which the analysis
+    cannot see: the server learns the source type from Postgres (`cast_probe_sql`) and
+    `check_casts` refuses the query unless the cast is in TOTAL_CASTS."""
+
+    arg: ast.Node
+    """The (totalised) expression being cast, in the DP query's own FROM scope."""
+    target: str
+    text: str
+    """The cast as the analyst wrote it, for the refusal message."""
+
+
+TOTAL_CASTS: dict[str, frozenset[str]] = {
+    "int2": frozenset({"int2", "int4", "int8", "numeric", "float4", "float8"}),
+    "int4": frozenset({"int4", "int8", "numeric", "float4", "float8"}),
+    "int8": frozenset({"int8", "numeric", "float4", "float8"}),
+    "float4": frozenset({"float4", "float8", "numeric"}),  # numeric holds NaN and ±Infinity
+    "float8": frozenset({"float8", "numeric"}),
+    "numeric": frozenset({"numeric"}),
+    "bool": frozenset({"bool", "int4"}),
+    "date": frozenset({"date"}),
+    "timestamp": frozenset({"timestamp", "date"}),
+    "timestamptz": frozenset({"timestamptz", "date"}),
+}
+"""Casts that succeed on every value of the source type (Postgres ≥ 14). Narrowing casts
+(int8 → int4, float8 → float4, numeric → float8) overflow on some values; date → timestamp
+fails out of range; text → anything fails on malformed input."""
+
+_CHECKED_CAST_TARGETS = frozenset(t for targets in TOTAL_CASTS.values() for t in targets)
+
+
+def check_casts(casts: Sequence[CastCheck], source_types: Sequence[str]) -> None:
+    """Refuse the query unless every deferred cast is total for its source type."""
+    for cast, source in zip(casts, source_types, strict=True):
+        if cast.target not in TOTAL_CASTS.get(source, frozenset()):
+            raise _refuse(f"casts of column values from {source} to {cast.target} (they can "
+                          "fail on some values)", cast.text)
+
+
+@dataclass(frozen=True)
 class Key:
     expr: ast.Node
     output_name: str
@@ -128,6 +168,8 @@ class AnalyzedQuery:
     """The query's (validated) WITH list, kept ahead of the pushdown's own."""
     select: tuple[SelectItem, ...] = ()
     """What the client sees, in select-list order."""
+    casts: tuple[CastCheck, ...] = ()
+    """Casts whose totality depends on their source type (see `check_casts`)."""
 
     def with_bounds(self, found: Mapping[int, Bounds]) -> AnalyzedQuery:
         """The query with bounds (from APPROX_BOUNDS) filled in for the given aggregates."""
@@ -232,8 +274,12 @@ def _nullif_zero(node: ast.Node) -> ast.Node:
 class Totalizer:
     """Checks an expression over user rows and returns a total version of it."""
 
-    def __init__(self, protected_names: frozenset[str]) -> None:
+    def __init__(self, protected_names: frozenset[str], defer_casts: bool = False) -> None:
         self.protected_names = protected_names
+        self.defer_casts = defer_casts
+        """True in the DP query's own scope, where Postgres can tell the type of a cast's
+        argument (`cast_probe_sql`); in subqueries such casts are refused."""
+        self.casts: list[CastCheck] = []
 
     def __call__(self, node: Any, context: str) -> Any:
         """A total copy of `node` (the original is left as the client wrote it)."""
@@ -316,6 +362,14 @@ class Totalizer:
         if target in ("text", "varchar"):
             node.arg = self._total(node.arg, ctx)
             return node
+        names = node.typeName.names
+        builtin = len(names) == 1 or str(names[0].sval) == "pg_catalog"
+        if self.defer_casts and builtin and target in _CHECKED_CAST_TARGETS \
+                and not node.typeName.typmods and not node.typeName.arrayBounds:
+            text = _sql(node)
+            node.arg = self._total(node.arg, ctx)
+            self.casts.append(CastCheck(copy.deepcopy(node.arg), target, text))
+            return node
         raise _refuse(f"casts of column values to {target} (they can fail on some values)",
                       _sql(node))
 
@@ -394,7 +448,8 @@ class _FromAnalysis:
                 raise _refuse("LATERAL subqueries", _sql(node))
             if node.alias is None:
                 raise _refuse("a subquery in FROM needs an alias", _sql(node))
-            sub_uid = _owned_subquery(node.subquery, self.policy, self.totalize, self.ctes)
+            sub_uid = _owned_subquery(node.subquery, self.policy,
+                                      Totalizer(self.totalize.protected_names), self.ctes)
             alias = str(node.alias.aliasname)
             if sub_uid is not None:
                 if node.alias.colnames:
@@ -546,7 +601,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         raise _refuse("SELECT INTO or FOR UPDATE")
     if not stmt.fromClause:
         raise _refuse("a DP query must read a protected table")
-    totalize = Totalizer(frozenset(policy))
+    totalize = Totalizer(frozenset(policy), defer_casts=True)
     fa = _FromAnalysis(policy, totalize, ctes)
     from_clause = tuple(fa.item(item) for item in stmt.fromClause)
     if not fa.tables:
@@ -603,6 +658,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         aggregates=tuple(aggregates), outputs=tuple(outputs), having=stmt.havingClause,
         order_by=tuple(stmt.sortClause or ()), limit=stmt.limitCount, offset=stmt.limitOffset,
         plain_form=plain_form, ctes=cte_nodes, select=tuple(select),
+        casts=tuple(totalize.casts),
     )
 
 

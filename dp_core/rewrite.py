@@ -288,6 +288,19 @@ def argument_probe_sql(query: AnalyzedQuery) -> str | None:
     return str(RawStream()(stmt))
 
 
+def cast_probe_sql(query: AnalyzedQuery) -> str | None:
+    """A query whose result columns have the types of the deferred casts' arguments (prepared
+    only, never run), for `check_casts`."""
+    if not query.casts:
+        return None
+    cols = ", ".join(f"{_PH}c{i} AS c{i}" for i in range(len(query.casts)))
+    stmt = parse_sql(f"SELECT {cols} FROM {_PH}from WHERE FALSE")[0].stmt
+    _Splice({f"{_PH}c{i}": c.arg for i, c in enumerate(query.casts)}, query.from_clause)(stmt)
+    if query.ctes:
+        stmt.withClause = ast.WithClause(ctes=tuple(copy.deepcopy(query.ctes)))
+    return str(RawStream()(stmt))
+
+
 def _build(template: str, query: AnalyzedQuery) -> str:
     stmt = parse_sql(template)[0].stmt
     nodes: dict[str, Any] = {f"{_PH}uid": query.uid,

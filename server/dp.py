@@ -28,7 +28,15 @@ from pglast.visitors import Visitor
 
 from config import Accountant, Config
 from dp_core.accounting import AnswerCost
-from dp_core.analysis import AggKind, AnalyzedQuery, Bounds, TablePolicy, analyze, parse_select
+from dp_core.analysis import (
+    AggKind,
+    AnalyzedQuery,
+    Bounds,
+    TablePolicy,
+    analyze,
+    check_casts,
+    parse_select,
+)
 from dp_core.classify import Statement, StatementKind
 from dp_core.errors import (
     DPError,
@@ -41,7 +49,14 @@ from dp_core.mechanisms import NoiseKind, secure_rng
 from dp_core.plan import Component, DPQueryPlan, make_plan
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, choose_bounds
 from dp_core.release import GroupKey, output_type, release, tree_answer
-from dp_core.rewrite import Pushdown, TypeRef, argument_probe_sql, pushdown, result_sql
+from dp_core.rewrite import (
+    Pushdown,
+    TypeRef,
+    argument_probe_sql,
+    cast_probe_sql,
+    pushdown,
+    result_sql,
+)
 from dp_core.settings import Caps, validate
 from server import protocol as p
 from server.ledger import (
@@ -192,6 +207,10 @@ class DPService:
         epsilon, delta, max_groups, noise = self._settings(session, st)
         plan = make_plan(query, epsilon, delta, max_groups, noise)
         try:
+            casts = cast_probe_sql(query)
+            if casts is not None:
+                check_casts(query.casts, [a.type.name for a in
+                                          (await conn.prepare(casts)).get_attributes()])
             probe = argument_probe_sql(query)
             arg_types: dict[int, str] = {}
             if probe is not None:

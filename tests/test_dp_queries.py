@@ -493,3 +493,25 @@ def test_each_user_keeps_a_uniform_choice_of_groups(backend: Backend, max_groups
     sd = math.sqrt(3000 * p * (1 - p))
     assert set(users) == {"a", "b", "c"}
     assert all(abs(n - 3000 * p) < 6 * sd for n in users.values()), users
+
+
+def test_casts_that_cannot_fail_are_answered_and_others_refused(proxy: Proxy, reset: None) -> None:
+    """Postgres tells the proxy each cast's source type at planning, before any charge."""
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        before = spent(conn)
+        (row,) = conn.execute("SELECT WITH ANONYMIZATION ANON_AVG(duration::float8, 0, 3600) AS a "
+                              "FROM visits WHERE duration::numeric > 10").fetchall()
+        assert 0 <= row[0] <= 3600
+        after_answer = spent(conn)
+        assert after_answer[0] > before[0]
+        for sql, message in [
+            ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE browser::int > 3",
+             "from text to int4"),
+            ("SELECT WITH ANONYMIZATION ANON_SUM(amount::float8, 0, 100) FROM purchases",
+             "from numeric to float8"),
+            ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE duration::int2 > 3",
+             "from int4 to int2"),
+        ]:
+            with pytest.raises(psycopg.errors.FeatureNotSupported, match=message):
+                conn.execute(sql)
+        assert spent(conn) == after_answer, "a refused cast is refused before the charge"
