@@ -274,31 +274,29 @@ class _Splice(Visitor):
         return None
 
 
-def argument_probe_sql(query: AnalyzedQuery) -> str | None:
-    """A query whose result columns have the types of the aggregates' arguments (prepared only)."""
-    cols = [f"{_PH}a{i} AS a{i}" for i, a in enumerate(query.aggregates)
-            if a.arg is not None and a.kind is not AggKind.COUNT]
-    if not cols:
+def _probe_sql(query: AnalyzedQuery, exprs: dict[str, Any]) -> str | None:
+    """`SELECT expr AS name, ... FROM <the query's FROM> WHERE FALSE`: prepared, never run,
+    so that Postgres reports the expressions' types."""
+    if not exprs:
         return None
-    stmt = parse_sql(f"SELECT {', '.join(cols)} FROM {_PH}from WHERE FALSE")[0].stmt
-    nodes = {f"{_PH}a{i}": a.arg for i, a in enumerate(query.aggregates) if a.arg is not None}
-    _Splice(nodes, query.from_clause)(stmt)
+    cols = ", ".join(f"{_PH}{name} AS {name}" for name in exprs)
+    stmt = parse_sql(f"SELECT {cols} FROM {_PH}from WHERE FALSE")[0].stmt
+    _Splice({f"{_PH}{name}": node for name, node in exprs.items()}, query.from_clause)(stmt)
     if query.ctes:
         stmt.withClause = ast.WithClause(ctes=tuple(copy.deepcopy(query.ctes)))
     return str(RawStream()(stmt))
+
+
+def argument_probe_sql(query: AnalyzedQuery) -> str | None:
+    """A query whose result columns a{i} have the types of the aggregates' arguments."""
+    return _probe_sql(query, {f"a{i}": a.arg for i, a in enumerate(query.aggregates)
+                              if a.arg is not None and a.kind is not AggKind.COUNT})
 
 
 def cast_probe_sql(query: AnalyzedQuery) -> str | None:
-    """A query whose result columns have the types of the deferred casts' arguments (prepared
-    only, never run), for `check_casts`."""
-    if not query.casts:
-        return None
-    cols = ", ".join(f"{_PH}c{i} AS c{i}" for i in range(len(query.casts)))
-    stmt = parse_sql(f"SELECT {cols} FROM {_PH}from WHERE FALSE")[0].stmt
-    _Splice({f"{_PH}c{i}": c.arg for i, c in enumerate(query.casts)}, query.from_clause)(stmt)
-    if query.ctes:
-        stmt.withClause = ast.WithClause(ctes=tuple(copy.deepcopy(query.ctes)))
-    return str(RawStream()(stmt))
+    """A query whose result columns c{i} have the types of the deferred casts' arguments,
+    for `check_casts`."""
+    return _probe_sql(query, {f"c{i}": c.arg for i, c in enumerate(query.casts)})
 
 
 def _build(template: str, query: AnalyzedQuery) -> str:
