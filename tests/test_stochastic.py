@@ -67,6 +67,9 @@ MECHANISMS = {
     "avg": f"SELECT WITH ANONYMIZATION OPTIONS(epsilon={EPSILON}) ANON_AVG(duration, {LOWER}, {UPPER}) FROM visits",
     "var": f"SELECT WITH ANONYMIZATION OPTIONS(epsilon={EPSILON}) ANON_VAR(duration, {LOWER}, {UPPER}) FROM visits",
     "stddev": f"SELECT WITH ANONYMIZATION OPTIONS(epsilon={EPSILON}) ANON_STDDEV(duration, {LOWER}, {UPPER}) FROM visits",
+    # without GROUP BY the noise is calibrated for one group per user whatever C_u says
+    "sum, C_u 3": f"SELECT WITH ANONYMIZATION OPTIONS(epsilon={EPSILON}, max_groups_contributed=3) "
+                  f"ANON_SUM(duration, {LOWER}, {UPPER}) FROM visits",
 }
 
 
