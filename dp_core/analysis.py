@@ -76,7 +76,7 @@ class Aggregate:
 @dataclass(frozen=True)
 class CastCheck:
     """A cast of column values that is total only for some source types, which the analysis
-    cannot see: the server learns the source type from Postgres (`cast_probe_sql`) and
+    cannot see: the server learns the source type from Postgres (`argument_probe_sql`) and
     `check_casts` refuses the query unless the cast is in TOTAL_CASTS."""
 
     arg: ast.Node
@@ -278,7 +278,7 @@ class Totalizer:
         self.protected_names = protected_names
         self.defer_casts = defer_casts
         """True in the DP query's own scope, where Postgres can tell the type of a cast's
-        argument (`cast_probe_sql`); in subqueries such casts are refused."""
+        argument (`argument_probe_sql`); in subqueries such casts are refused."""
         self.casts: list[CastCheck] = []
 
     def __call__(self, node: Any, context: str) -> Any:

@@ -79,9 +79,7 @@ class DPQueryPlan:
 
     @property
     def groups_per_user(self) -> int:
-        """How many released groups one user can change (the L0 bound the noise is calibrated
-        with): C_u, or 1 for a query without GROUP BY, whose users are all in its one group."""
-        return self.max_groups_contributed if self.grouped else 1
+        return groups_per_user(self.grouped, self.max_groups_contributed)
 
     @property
     def pending(self) -> bool:
@@ -137,6 +135,12 @@ def reads_user_count(agg: Aggregate) -> bool:
     )
 
 
+def groups_per_user(grouped: bool, max_groups: int) -> int:
+    """How many released groups one user can change (the L0 bound the noise is calibrated
+    with): C_u, or 1 for a query without GROUP BY, whose users are all in its one group."""
+    return max_groups if grouped else 1
+
+
 def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: int,
               noise: NoiseKind, auto: frozenset[int] = frozenset()) -> DPQueryPlan:
     """Split (ε, δ) over the query's noisy quantities and calibrate each one's noise.
@@ -146,7 +150,7 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     the found bounds filled in and `auto` naming those aggregates, for the same split.
     """
     grouped = bool(query.keys)
-    l0 = max_groups if grouped else 1  # DPQueryPlan.groups_per_user
+    l0 = groups_per_user(grouped, max_groups)
     # the decimal the analyst wrote (1e-6), not the binary expansion of the float
     eps, dlt = Fraction(repr(float(epsilon))), Fraction(repr(float(delta)))
     auto = auto | {i for i, a in enumerate(query.aggregates) if a.bounds is None}

@@ -118,9 +118,13 @@ def _partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
     return f"sum({arg}) AS dp_s{i}, count({arg}) AS dp_n{i}"
 
 
+_MEANS = frozenset({AggKind.AVG, AggKind.VAR, AggKind.STDDEV})
+"""Aggregates whose per-user value is a mean: `_partial` makes a sum and a count."""
+
+
 def _value(i: int, agg: Aggregate, arg_type: str | None) -> str:
     """Aggregate i's per-user value, over the columns `_partial` made."""
-    if agg.kind in (AggKind.COUNT, AggKind.SUM, AggKind.QUANTILE):
+    if agg.kind not in _MEANS:
         return f"dp_p{i}"
     total = f"dp_s{i}" if arg_type in _FLOATS else f"(dp_s{i})::numeric"
     return f"({total} / NULLIF(dp_n{i}, 0))"
@@ -169,7 +173,7 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
         lo, hi = agg.known_bounds.lower, agg.known_bounds.upper
         mid = (lo + hi) / 2
         p = _value(q.aggregate, agg, arg_types.get(q.aggregate))
-        if p != f"dp_p{q.aggregate}":  # a mean: divided once per kept row, in dp_kept below
+        if agg.kind in _MEANS:  # divided once per kept row, in dp_kept below
             means[f"dp_v{q.aggregate}"] = p
             p = f"dp_v{q.aggregate}"
         if q.component == Component.COUNT:
@@ -288,15 +292,12 @@ def _probe_sql(query: AnalyzedQuery, exprs: dict[str, Any]) -> str | None:
 
 
 def argument_probe_sql(query: AnalyzedQuery) -> str | None:
-    """A query whose result columns a{i} have the types of the aggregates' arguments."""
-    return _probe_sql(query, {f"a{i}": a.arg for i, a in enumerate(query.aggregates)
-                              if a.arg is not None and a.kind is not AggKind.COUNT})
-
-
-def cast_probe_sql(query: AnalyzedQuery) -> str | None:
-    """A query whose result columns c{i} have the types of the deferred casts' arguments,
-    for `check_casts`."""
-    return _probe_sql(query, {f"c{i}": c.arg for i, c in enumerate(query.casts)})
+    """A query whose result columns have the types of the aggregates' arguments (a{i}) and of
+    the deferred casts' arguments (c{i}, for `check_casts`): one statement to prepare."""
+    exprs = {f"a{i}": a.arg for i, a in enumerate(query.aggregates)
+             if a.arg is not None and a.kind is not AggKind.COUNT}
+    exprs.update((f"c{i}", c.arg) for i, c in enumerate(query.casts))
+    return _probe_sql(query, exprs)
 
 
 def _build(template: str, query: AnalyzedQuery) -> str:

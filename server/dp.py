@@ -53,7 +53,6 @@ from dp_core.rewrite import (
     Pushdown,
     TypeRef,
     argument_probe_sql,
-    cast_probe_sql,
     pushdown,
     result_sql,
 )
@@ -207,15 +206,12 @@ class DPService:
         epsilon, delta, max_groups, noise = self._settings(session, st)
         plan = make_plan(query, epsilon, delta, max_groups, noise)
         try:
-            casts = cast_probe_sql(query)
-            if casts is not None:
-                check_casts(query.casts, [a.type.name for a in
-                                          (await conn.prepare(casts)).get_attributes()])
             probe = argument_probe_sql(query)
             arg_types: dict[int, str] = {}
             if probe is not None:
                 probe_attrs = (await conn.prepare(probe)).get_attributes()
-                arg_types = {int(a.name[1:]): a.type.name for a in probe_attrs}
+                arg_types = {int(a.name[1:]): a.type.name for a in probe_attrs if a.name[0] == "a"}
+                check_casts(query.casts, [a.type.name for a in probe_attrs if a.name[0] == "c"])
             pd = pushdown(query, plan, arg_types)
             statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
         except asyncpg.PostgresError as e:
