@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dp_core.classify import Classifier, ProtectionPolicy, StatementKind
 from dp_core.errors import InvalidParameterValue, SyntaxError_, UndefinedObject
@@ -201,3 +205,59 @@ def test_unknown_setting() -> None:
     with pytest.raises(UndefinedObject) as exc:
         BASE.with_value("dp.epsilonn", 1, CAPS)
     assert exc.value.sqlstate == "42704"
+
+
+# ---------------------------------------------------------------- the unparsed fast path
+
+def _needs_parse_reference(c: Classifier, sql: bytes) -> bool:
+    """The fast path's rule, written plainly: a policy word anywhere, or DO/CALL as a word."""
+    text = sql.lower()
+    words = [w.lower().encode() for w in c.policy.names] + [
+        b"u&", b"dp.", b'"dp"', b"dp_", b"anonymization", b"differential_privacy"]
+    return any(w in text for w in words) or re.search(rb"\bdo\b|\bcall\b", text) is not None
+
+
+@pytest.mark.parametrize(
+    ("sql", "plain"),
+    [
+        (b"SELECT abalance FROM pgbench_accounts WHERE aid = 42", True),
+        (b"select * from VISITS", False),
+        (b"DO $$ BEGIN END $$", False),
+        (b"call p()", False),
+        (b"SELECT double_it(2), 'local', recall, pseudo, window_size, docs", True),
+        (b"SELECT 1; do $$ $$", False),
+        (b"SELECT x FROM t WHERE y = 'do'", False),  # conservative: a word inside a string
+        (b"SELECT caller, dots, do_it", True),
+        (b"select _do", True),
+        (b"select \xc3\xa1do", False),  # a non-ASCII byte is a word boundary, as for \b
+        (b"SELECT dp_budget()", False),
+    ],
+)
+def test_fast_path_words(classifier: Classifier, sql: bytes, plain: bool) -> None:
+    assert classifier.is_plain_pass_through_bytes(sql) is plain
+    assert _needs_parse_reference(classifier, sql) is not plain
+
+
+def test_fast_path_finds_a_protected_name_that_overlaps_do_or_call() -> None:
+    # "call_users" starts with "call", not a word here; the protected "all_users" starts
+    # inside it, and "do_log" would lose to "do" if DO were tried first at its position
+    c = Classifier(ProtectionPolicy({"all_users": "public", "do_log": "public", "o": "x"}))
+    assert not c.is_plain_pass_through_bytes(b"SELECT * FROM call_users")
+    assert not c.is_plain_pass_through_bytes(b"SELECT * FROM do_log")
+    assert not c.is_plain_pass_through_bytes(b"SELECT * FROM xdo_log")
+    assert not c.is_plain_pass_through_bytes(b"SELECT 1 FROM do")  # "o" is protected too
+    c2 = Classifier(ProtectionPolicy({"do": "public"}))  # a table named do: a plain word
+    assert not c2.is_plain_pass_through_bytes(b"SELECT * FROM undo")
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.sampled_from([
+    "do", "call", "all_users", "visits", "dp_", "dp.", "u&", "_", "x", " ", "$", "DO", "CaLL",
+    "1", ";", "'", "\u00e1", "o", "c", "al", "l", "users", "anonymization"]), max_size=12))
+def test_fast_path_agrees_with_its_reference(parts: list[str]) -> None:
+    c = _OVERLAP
+    sql = "".join(parts).encode()
+    assert c.is_plain_pass_through_bytes(sql) is not _needs_parse_reference(c, sql)
+
+
+_OVERLAP = Classifier(ProtectionPolicy({"visits": "public", "all_users": "public"}))
