@@ -80,10 +80,13 @@ class CastCheck:
     `check_casts` refuses the query unless the cast is in TOTAL_CASTS."""
 
     arg: ast.Node
-    """The (totalised) expression being cast, in the DP query's own FROM scope."""
+    """The (totalised) expression being cast."""
     target: str
     text: str
     """The cast as the analyst wrote it, for the refusal message."""
+    scope: ast.SelectStmt | None = None
+    """The inner query (subquery in FROM, or WITH query) whose FROM `arg` reads; None: the
+    DP query's own FROM. Its FROM is final once the analysis is done."""
 
 
 TOTAL_CASTS: dict[str, frozenset[str]] = {
@@ -274,12 +277,18 @@ def _nullif_zero(node: ast.Node) -> ast.Node:
 class Totalizer:
     """Checks an expression over user rows and returns a total version of it."""
 
-    def __init__(self, protected_names: frozenset[str], defer_casts: bool = False) -> None:
+    def __init__(self, protected_names: frozenset[str], casts: list[CastCheck] | None = None,
+                 scope: ast.SelectStmt | None = None) -> None:
         self.protected_names = protected_names
-        self.defer_casts = defer_casts
-        """True in the DP query's own scope, where Postgres can tell the type of a cast's
-        argument (`argument_probe_sql`); in subqueries such casts are refused."""
-        self.casts: list[CastCheck] = []
+        self.casts: list[CastCheck] = [] if casts is None else casts
+        """Casts whose totality depends on their argument's type, which Postgres reports when
+        the proxy prepares `argument_probe_sql`; shared by the query's scopes."""
+        self.scope = scope
+        """The inner query whose FROM the expressions read (None: the DP query's own)."""
+
+    def inner(self, scope: ast.SelectStmt) -> Totalizer:
+        """The totaliser of an inner query's expressions (its casts are checked in its FROM)."""
+        return Totalizer(self.protected_names, self.casts, scope)
 
     def __call__(self, node: Any, context: str) -> Any:
         """A total copy of `node` (the original is left as the client wrote it)."""
@@ -364,11 +373,11 @@ class Totalizer:
             return node
         names = node.typeName.names
         builtin = len(names) == 1 or str(names[0].sval) == "pg_catalog"
-        if self.defer_casts and builtin and target in _CHECKED_CAST_TARGETS \
+        if builtin and target in _CHECKED_CAST_TARGETS \
                 and not node.typeName.typmods and not node.typeName.arrayBounds:
             text = _sql(node)
             node.arg = self._total(node.arg, ctx)
-            self.casts.append(CastCheck(copy.deepcopy(node.arg), target, text))
+            self.casts.append(CastCheck(copy.deepcopy(node.arg), target, text, self.scope))
             return node
         raise _refuse(f"casts of column values to {target} (they can fail on some values)",
                       _sql(node))
@@ -449,7 +458,7 @@ class _FromAnalysis:
             if node.alias is None:
                 raise _refuse("a subquery in FROM needs an alias", _sql(node))
             sub_uid = _owned_subquery(node.subquery, self.policy,
-                                      Totalizer(self.totalize.protected_names), self.ctes)
+                                      self.totalize.inner(node.subquery), self.ctes)
             alias = str(node.alias.aliasname)
             if sub_uid is not None:
                 if node.alias.colnames:
@@ -579,6 +588,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     if stmt.op is not None and stmt.op != 0 and stmt.larg is not None:
         raise _refuse("set operations (UNION, INTERSECT, EXCEPT)")
     ctes: dict[str, str | None] = {}
+    casts: list[CastCheck] = []
     cte_nodes: tuple[Any, ...] = ()
     if stmt.withClause is not None:
         if stmt.withClause.recursive:
@@ -591,7 +601,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
                 raise _refuse("column aliases on a WITH query", name)
             if not isinstance(cte.ctequery, ast.SelectStmt):
                 raise _refuse("data-modifying WITH", name)
-            ctes[name] = _owned_subquery(cte.ctequery, policy, Totalizer(frozenset(policy)), ctes)
+            ctes[name] = _owned_subquery(cte.ctequery, policy,
+                                         Totalizer(frozenset(policy), casts, cte.ctequery), ctes)
         cte_nodes = tuple(stmt.withClause.ctes)
     if stmt.distinctClause:
         raise _refuse("SELECT DISTINCT (distinct over users' rows)")
@@ -601,7 +612,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         raise _refuse("SELECT INTO or FOR UPDATE")
     if not stmt.fromClause:
         raise _refuse("a DP query must read a protected table")
-    totalize = Totalizer(frozenset(policy), defer_casts=True)
+    totalize = Totalizer(frozenset(policy), casts)
     fa = _FromAnalysis(policy, totalize, ctes)
     from_clause = tuple(fa.item(item) for item in stmt.fromClause)
     if not fa.tables:

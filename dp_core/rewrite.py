@@ -256,10 +256,12 @@ def _bounds_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
 class _Splice(Visitor):
     """Replaces placeholders in the template with the user's AST nodes."""
 
-    def __init__(self, nodes: dict[str, Any], from_clause: tuple[Any, ...]) -> None:
+    def __init__(self, nodes: dict[str, Any], from_clause: tuple[Any, ...],
+                 inner_froms: dict[str, tuple[Any, ...]] | None = None) -> None:
         super().__init__()
         self.nodes = nodes
-        self.from_clause = from_clause
+        self.froms = {f"{_PH}from": from_clause, **(inner_froms or {})}
+        """FROM placeholders (`FROM dp_ph_from`, ...) and the FROM clause each stands for."""
 
     def visit_ColumnRef(self, ancestors: Any, node: ast.ColumnRef) -> Any:
         last = node.fields[-1]
@@ -272,20 +274,27 @@ class _Splice(Visitor):
 
     def visit_SelectStmt(self, ancestors: Any, node: ast.SelectStmt) -> Any:
         fc = node.fromClause
-        if (fc and len(fc) == 1 and isinstance(fc[0], ast.RangeVar)
-                and fc[0].relname == f"{_PH}from"):
-            node.fromClause = copy.deepcopy(self.from_clause)
+        if fc and len(fc) == 1 and isinstance(fc[0], ast.RangeVar) and fc[0].relname in self.froms:
+            node.fromClause = copy.deepcopy(self.froms[fc[0].relname])
         return None
 
 
-def _probe_sql(query: AnalyzedQuery, exprs: dict[str, Any]) -> str | None:
+def _probe_sql(query: AnalyzedQuery, exprs: dict[str, Any],
+               inner: dict[str, tuple[Any, Any]] | None = None) -> str | None:
     """`SELECT expr AS name, ... FROM <the query's FROM> WHERE FALSE`: prepared, never run,
-    so that Postgres reports the expressions' types."""
-    if not exprs:
+    so that Postgres reports the expressions' types. `inner` maps more names to an expression
+    and the inner query whose FROM it reads, probed as `(SELECT expr FROM <its FROM> WHERE
+    FALSE)`: a scalar subquery has its column's type."""
+    inner = inner or {}
+    if not exprs and not inner:
         return None
-    cols = ", ".join(f"{_PH}{name} AS {name}" for name in exprs)
-    stmt = parse_sql(f"SELECT {cols} FROM {_PH}from WHERE FALSE")[0].stmt
-    _Splice({f"{_PH}{name}": node for name, node in exprs.items()}, query.from_clause)(stmt)
+    cols = [f"{_PH}{name} AS {name}" for name in exprs]
+    cols += [f"(SELECT {_PH}{name} FROM {_PH}from_{name} WHERE FALSE) AS {name}" for name in inner]
+    stmt = parse_sql(f"SELECT {', '.join(cols)} FROM {_PH}from WHERE FALSE")[0].stmt
+    nodes = {f"{_PH}{name}": node for name, node in exprs.items()}
+    nodes.update((f"{_PH}{name}", arg) for name, (arg, _) in inner.items())
+    froms = {f"{_PH}from_{name}": tuple(scope.fromClause) for name, (_, scope) in inner.items()}
+    _Splice(nodes, query.from_clause, froms)(stmt)
     if query.ctes:
         stmt.withClause = ast.WithClause(ctes=tuple(copy.deepcopy(query.ctes)))
     return str(RawStream()(stmt))
@@ -296,8 +305,9 @@ def argument_probe_sql(query: AnalyzedQuery) -> str | None:
     the deferred casts' arguments (c{i}, for `check_casts`): one statement to prepare."""
     exprs = {f"a{i}": a.arg for i, a in enumerate(query.aggregates)
              if a.arg is not None and a.kind is not AggKind.COUNT}
-    exprs.update((f"c{i}", c.arg) for i, c in enumerate(query.casts))
-    return _probe_sql(query, exprs)
+    exprs.update((f"c{i}", c.arg) for i, c in enumerate(query.casts) if c.scope is None)
+    inner = {f"c{i}": (c.arg, c.scope) for i, c in enumerate(query.casts) if c.scope is not None}
+    return _probe_sql(query, exprs, inner)
 
 
 def _build(template: str, query: AnalyzedQuery) -> str:

@@ -18,7 +18,7 @@ from dp_core.errors import FeatureNotSupported, SyntaxError_
 from dp_core.mechanisms import NoiseKind, gaussian_sigma, granularity, threshold_tau
 from dp_core.plan import make_plan
 from dp_core.release import release
-from dp_core.rewrite import pushdown, pushdown_sql, result_sql
+from dp_core.rewrite import argument_probe_sql, pushdown, pushdown_sql, result_sql
 
 GOLDEN = Path(__file__).parent / "golden" / "rewrite"
 POLICY = {
@@ -94,9 +94,8 @@ REFUSALS = [
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE random() > 0.5", "function random()"),
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE pg_sleep(1) IS NULL", "function pg_sleep()"),
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE now() > '2020-01-01'", "function now()"),
-    # in a subquery Postgres cannot be asked the argument's type: every cast but to text is refused
-    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM (SELECT uid, duration::float8 AS d FROM visits) s",
-     "casts of column values to float8"),
+    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM (SELECT uid, duration::float8(2) AS d "
+     "FROM visits) s", "casts of column values to float8"),  # typmods are refused in any scope
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE duration::numeric(4,1) > 3",
      "casts of column values to numeric"),  # a typmod can overflow
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE duration::myschema.float8 > 3",
@@ -209,6 +208,28 @@ def test_casts_in_the_query_scope_wait_for_their_source_type() -> None:
     check_casts([replace(query.casts[0], target="float4")], ["int8"])  # 9.2e18 < 3.4e38
 
 
+def test_casts_in_inner_queries_are_probed_in_their_own_from() -> None:
+    """A cast in a subquery or WITH query reads that query's FROM: the probe asks Postgres the
+    argument's type there, as a scalar subquery (prepared, never run)."""
+    query, _, _ = build(
+        "WITH t AS (SELECT uid, sum(duration::numeric) AS s FROM visits GROUP BY uid) "
+        "SELECT WITH ANONYMIZATION ANON_AVG(t.s, 0, 10), ANON_SUM(v.d::float8, 0, 5) FROM t "
+        "JOIN (SELECT uid, browser::int AS d FROM visits AS w WHERE w.duration::int8 > 1) AS v "
+        "USING (uid)")
+    assert [(c.target, c.text) for c in query.casts] == [
+        ("numeric", "CAST(duration AS numeric)"), ("int8", "CAST(w.duration AS int8)"),
+        ("int4", "CAST(browser AS integer)"), ("float8", "CAST(v.d AS float8)")]  # WHERE first
+    cte, sub = query.ctes[0].ctequery, query.from_clause[0].rarg.subquery
+    assert [c.scope for c in query.casts] == [cte, sub, sub, None]
+    probe = argument_probe_sql(query)
+    assert probe is not None
+    assert "(SELECT duration FROM visits WHERE FALSE) AS c0" in probe
+    assert "(SELECT w.duration FROM visits AS w WHERE FALSE) AS c1" in probe
+    assert "(SELECT browser FROM visits AS w WHERE FALSE) AS c2" in probe
+    assert "v.d AS c3" in probe
+    assert probe.startswith("WITH t AS (")
+
+
 def test_var_sensitivities() -> None:
     _, plan, _ = build("SELECT WITH ANONYMIZATION ANON_VAR(duration, 0, 600) FROM visits")
     sens = {q.component: q.sensitivity for q in plan.quantities}
@@ -319,8 +340,6 @@ def test_native_aggregates_when_the_argument_type_cannot_overflow() -> None:
 
 
 def test_argument_probe_keeps_the_with_list() -> None:
-    from dp_core.rewrite import argument_probe_sql
-
     query, _, _ = build("WITH s AS (SELECT uid, sum(amount) AS t FROM purchases GROUP BY uid) "
                         "SELECT WITH ANONYMIZATION ANON_SUM(t, 0, 10) FROM s")
     probe = argument_probe_sql(query)

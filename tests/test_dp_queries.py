@@ -502,8 +502,17 @@ def test_casts_that_cannot_fail_are_answered_and_others_refused(proxy: Proxy, re
         (row,) = conn.execute("SELECT WITH ANONYMIZATION ANON_AVG(duration::float8, 0, 3600) AS a "
                               "FROM visits WHERE duration::numeric > 10").fetchall()
         assert 0 <= row[0] <= 3600
+        after_one = spent(conn)
+        assert after_one[0] > before[0]
+        # in a subquery and in a WITH query: probed in their own FROM
+        (row,) = conn.execute(
+            "WITH p AS (SELECT uid, amount::numeric AS a FROM purchases WHERE uid::float8 > 1) "
+            "SELECT WITH ANONYMIZATION ANON_AVG(s.d, 0, 3600) AS a FROM (SELECT uid, "
+            "duration::float8 AS d FROM visits WHERE duration::int8 > 10) AS s JOIN p USING (uid)"
+        ).fetchall()
+        assert 0 <= row[0] <= 3600
         after_answer = spent(conn)
-        assert after_answer[0] > before[0]
+        assert after_answer[0] == pytest.approx(2 * after_one[0] - before[0])
         for sql, message in [
             ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE browser::int > 3",
              "from text to int4"),
@@ -511,6 +520,10 @@ def test_casts_that_cannot_fail_are_answered_and_others_refused(proxy: Proxy, re
              "from numeric to float8"),
             ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE duration::int2 > 3",
              "from int4 to int2"),
+            ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM (SELECT uid FROM visits "
+             "WHERE browser::int > 3) AS s", "from text to int4"),
+            ("WITH p AS (SELECT uid, sum(amount::float8) AS t FROM purchases GROUP BY uid) "
+             "SELECT WITH ANONYMIZATION ANON_SUM(t, 0, 10) FROM p", "from numeric to float8"),
         ]:
             with pytest.raises(psycopg.errors.FeatureNotSupported, match=message):
                 conn.execute(sql)
