@@ -209,10 +209,9 @@ class DPService:
             probe = argument_probe_sql(query)
             arg_types: dict[int, str] = {}
             if probe is not None:
-                probe_attrs = (await conn.prepare(probe)).get_attributes()
-                arg_types = {int(a.name[1:]): a.type.name for a in probe_attrs if a.name[0] == "a"}
-                cast_types = {int(a.name[1:]): a.type.name for a in probe_attrs if a.name[0] == "c"}
-                check_casts(query.casts, [cast_types[i] for i in range(len(query.casts))])
+                types = {a.name: a.type.name for a in (await conn.prepare(probe)).get_attributes()}
+                arg_types = {int(name[1:]): t for name, t in types.items() if name[0] == "a"}
+                check_casts(query.casts, [types[f"c{i}"] for i in range(len(query.casts))])
             pd = pushdown(query, plan, arg_types)
             statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
         except asyncpg.PostgresError as e:

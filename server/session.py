@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl
 import struct
@@ -317,20 +318,16 @@ class Session:
 
     def statement_done(self, kind: str, started: float, sqlstate: str | None) -> None:
         """Count one finished statement (or pass-through cycle) and log it if the config asks."""
+        server = self.server
         if kind == "pass_through" and sqlstate is None:
-            self.server.metrics.pass_through_ok += 1
+            server.metrics.pass_through_ok += 1
+            if not server.statement_log.log_all:
+                return  # the common case, kept cheap: no line to write
         else:
-            self.server.metrics.statement(kind, sqlstate is None).inc()
-        slog = self.server.statement_log
+            server.metrics.statement(kind, sqlstate is None).inc()
+        slog = server.statement_log
         if slog.wants(kind, sqlstate):
             slog.write(self.process_id, self.user, kind, sqlstate, time.perf_counter() - started)
-
-    def _pass_through_done(self, started: float, sqlstate: str | None) -> None:
-        server = self.server
-        if sqlstate is None and not server.statement_log.log_all:
-            server.metrics.pass_through_ok += 1  # the common case, kept cheap
-            return
-        self.statement_done("pass_through", started, sqlstate)
 
     def fatal(self, err: DPError) -> None:
         """Send a FATAL error and close the connection."""
@@ -457,7 +454,7 @@ class Session:
             raise ConnectionFailure("could not connect to the backend database") from None
         # relayed bytes go straight to the transport: it no longer changes (TLS is set up)
         self.link.target = backend.RelayTarget(self.transport.write, self._backend_lost)
-        self.link.on_cycle = self._pass_through_done
+        self.link.on_cycle = functools.partial(self.statement_done, "pass_through")
         self.write(b"".join(self.link.startup_frames))
         self.send(p.BackendKeyData(self.process_id, self.secret_key),
                   p.ReadyForQuery(self.link.tx_status))
