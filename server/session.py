@@ -71,6 +71,8 @@ _NAMED = frozenset(b"BDCE")
 """Frames that name a statement or portal, which may be one the proxy answers itself."""
 _FORWARDED = (StatementKind.PASS_THROUGH, StatementKind.EMPTY)
 _DP_KINDS = (StatementKind.DP_QUERY, StatementKind.DP_EXPLAIN, StatementKind.LOCAL_FUNCTION)
+_IDLE_POLL = 1.0
+"""Seconds between the idle timer's looks while a query runs."""
 
 
 class _AlreadyReported(Exception):
@@ -177,6 +179,11 @@ class Session:
         self._task: asyncio.Task[None] | None = None
         self._dp_task: asyncio.Task[Any] | None = None
         self._idle_handle: asyncio.TimerHandle | None = None
+        self._clock = asyncio.get_running_loop().time
+        self._last_input = self._clock()
+        """When the client last sent bytes (loop time), for the idle timeout."""
+        self._ran_query = False
+        """The idle timer saw a query in flight and has not yet seen it end."""
         self._tls_ok = self.config.tls.enabled
         self._startup_task = asyncio.get_running_loop().create_task(self._startup())
 
@@ -185,7 +192,7 @@ class Session:
     def data_received(self, data: bytes) -> None:
         if self.state is State.CLOSED:
             return
-        self._touch()
+        self._last_input = self._clock()  # the idle timer reads it when it fires
         link = self.link
         if (self.state is State.READY and not self.busy and not self.backlog
                 and not self.frames.buffered and link is not None):
@@ -365,22 +372,33 @@ class Session:
             self._task.cancel()
         self.close()
 
-    def _touch(self) -> None:
-        timeout = self.config.listen.idle_timeout
-        if timeout <= 0 or self.state is not State.READY:
-            return
-        if self._idle_handle is not None:
-            self._idle_handle.cancel()
-        loop = asyncio.get_running_loop()
-        self._idle_handle = loop.call_later(timeout, self._idle_expired)
+    def _arm_idle_timer(self, delay: float) -> None:
+        self._idle_handle = asyncio.get_running_loop().call_later(delay, self._idle_check)
 
-    def _idle_expired(self) -> None:
-        if self.busy:
-            self._touch()
+    def _idle_check(self) -> None:
+        """The idle timeout: close a session that has had nothing in flight and no input for
+        `idle_timeout` seconds. Input does not re-arm the timer (that would cost a timer per
+        read on the pass-through path); the timer looks at when input last came instead, and
+        polls while a query runs (idle time starts when the timer first sees it finished)."""
+        self._idle_handle = None
+        if self.state is not State.READY:
             return
-        err = DPError("terminating connection due to idle-session timeout")
-        err.sqlstate = "57P05"
-        self.fatal(err)
+        timeout = self.config.listen.idle_timeout
+        now = self._clock()
+        if not self.idle:
+            self._ran_query = True
+            self._arm_idle_timer(min(timeout, _IDLE_POLL))
+            return
+        if self._ran_query:
+            self._ran_query = False
+            self._last_input = max(self._last_input, now)
+        left = self._last_input + timeout - now
+        if left > 0:
+            self._arm_idle_timer(left)
+        else:
+            err = DPError("terminating connection due to idle-session timeout")
+            err.sqlstate = "57P05"
+            self.fatal(err)
 
     # ------------------------------------------------------------------ startup
 
@@ -459,7 +477,9 @@ class Session:
         self.send(p.BackendKeyData(self.process_id, self.secret_key),
                   p.ReadyForQuery(self.link.tx_status))
         self.state = State.READY
-        self._touch()
+        self._last_input = self._clock()
+        if self.config.listen.idle_timeout > 0:
+            self._arm_idle_timer(self.config.listen.idle_timeout)
         self._pump()  # anything the client pipelined behind its login
 
     async def _ssl_request(self) -> None:

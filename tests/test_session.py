@@ -253,9 +253,24 @@ def test_startup_and_idle_timeouts(loop_thread: LoopThread, demo_config: Config,
         idle.login("alice", "alice", TEST_DATABASE)
         idle.send(p.Query("SELECT 1"))
         idle.recv_until_ready()
+        t_idle = time.monotonic()
         err = idle.recv()
         assert isinstance(err, p.ErrorResponse) and "idle" in (err.message or "")
+        assert err.sqlstate == "57P05"
+        assert 0.6 < time.monotonic() - t_idle < 3
         assert idle.closed_by_server()
+        # a query running longer than the timeout is not idle time: it finishes, and the
+        # session is closed only once it has then been idle
+        busy = RawClient(px.host, px.port)
+        busy.login("alice", "alice", TEST_DATABASE)
+        busy.send(p.Query("SELECT pg_sleep(1.6)"))
+        msgs = busy.recv_until_ready()
+        t_done = time.monotonic()
+        assert not any(isinstance(m, p.ErrorResponse) for m in msgs)
+        err = busy.recv()
+        assert isinstance(err, p.ErrorResponse) and err.sqlstate == "57P05"
+        assert 0.6 < time.monotonic() - t_done < 3
+        assert busy.closed_by_server()
 
 
 # ---------------------------------------------------------------------------- TLS
