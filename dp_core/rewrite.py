@@ -246,9 +246,13 @@ def _bounds_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     with_list, relation, kept = _kept_rows(query, plan, partials, order_seed)
     edges = ", ".join(str(e) for e in EDGES)
     values = {i: _value(i, query.aggregates[i], arg_types.get(i)) for i in indexes}
+    # a user's value is NULL exactly when a partial column is (a mean's sum is NULL iff its
+    # count is 0): test that column, not the value, which would divide twice per row
+    present = {i: f"dp_s{i}" if query.aggregates[i].kind in _MEANS else f"dp_p{i}"
+               for i in indexes}
     bins = [f"SELECT {i} AS dp_agg, width_bucket(({values[i]})::numeric, "
             f"(ARRAY[{edges}])::numeric[]) AS dp_bin FROM {relation} "
-            f"WHERE {kept} AND {values[i]} IS NOT NULL" for i in indexes]
+            f"WHERE {kept} AND {present[i]} IS NOT NULL" for i in indexes]
     return (f"WITH {with_list} SELECT dp_agg, dp_bin, count(*) AS dp_n "
             f"FROM ({' UNION ALL '.join(bins)}) AS dp_bins GROUP BY 1, 2")
 
