@@ -42,7 +42,9 @@ class ListenConfig(_Strict):
     max_connections: int = Field(default=200, ge=1)
     max_message_size: int = Field(default=64 * 1024 * 1024, ge=1024)
     startup_timeout: float = Field(default=30.0, gt=0)
-    idle_timeout: float = Field(default=0.0, ge=0, description="0 disables it")
+    idle_timeout: float = Field(default=0.0, ge=0, description=(
+        "seconds a session may sit with nothing running and no input before it is closed "
+        "(57P05); 0 disables it"))
     shutdown_grace: float = Field(
         default=30.0, ge=0,
         description="on SIGTERM, how long running queries may finish before sessions close")
