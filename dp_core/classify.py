@@ -92,6 +92,9 @@ class ProtectionPolicy:
 
 _WORD_BYTES = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 """What `\\b` counts as a word character in a bytes pattern (ASCII letters, digits, _)."""
+_PLAIN_PREPARED_SIZE = 1024
+_PLAIN_PREPARED_MAX_LENGTH = 4096
+"""Parse texts remembered by `Classifier.is_plain_prepared_bytes`: how many, up to what length."""
 
 
 class Classifier:
@@ -118,6 +121,7 @@ class Classifier:
         self._needs_parse_bytes = re.compile(
             b"|".join([*(re.escape(w) for w in plain_words), b"do", b"call"]))
         self._opaque_words = frozenset({b"do", b"call"} - set(plain_words))
+        self._plain_prepared: dict[bytes, bool] = {}
 
     def is_plain_pass_through(self, sql: str) -> bool:
         """True when `sql` certainly names no protected table and no DP feature.
@@ -145,6 +149,18 @@ class Classifier:
                 return False  # DO or CALL as a word
             m = search(text, start + 1)  # inside a word ("double", "recall"): look on
         return True
+
+    def is_plain_prepared_bytes(self, sql: bytes) -> bool:
+        """`is_plain_pass_through_bytes` for the text of a Parse, remembered: drivers parse the
+        same few statements again and again, with `$n` where the literals would change."""
+        hit = self._plain_prepared.get(sql)
+        if hit is None:
+            hit = self.is_plain_pass_through_bytes(sql)
+            if len(sql) <= _PLAIN_PREPARED_MAX_LENGTH:
+                if len(self._plain_prepared) >= _PLAIN_PREPARED_SIZE:
+                    self._plain_prepared.clear()
+                self._plain_prepared[sql] = hit
+        return hit
 
     def classify(self, sql: str) -> tuple[Statement, ...]:
         """All statements of `sql`, in order. Raises SyntaxError_ (42601) when it does not parse."""

@@ -241,6 +241,7 @@ class Session:
         pos = 0
         limit = self.frames.max_size
         plain = self.server.classifier.is_plain_pass_through_bytes
+        plain_prepared = self.server.classifier.is_plain_prepared_bytes
         local = bool(self.local_statements or self.local_portals)
         pending = link.pending
         kinds, unpack = _FAST_KINDS, _LENGTH.unpack_from
@@ -254,7 +255,8 @@ class Session:
             if tag == _P:
                 name_end = data.find(b"\0", pos + 5, end)
                 sql_end = data.find(b"\0", name_end + 1, end) if name_end >= 0 else -1
-                if sql_end < 0 or self.local_statements or not plain(data[name_end + 1 : sql_end]):
+                if sql_end < 0 or self.local_statements or \
+                        not plain_prepared(data[name_end + 1 : sql_end]):
                     break
             elif tag == _Q:
                 if data[end - 1] != 0 or not plain(data[pos + 5 : end - 1]):

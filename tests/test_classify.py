@@ -261,3 +261,21 @@ def test_fast_path_agrees_with_its_reference(parts: list[str]) -> None:
 
 
 _OVERLAP = Classifier(ProtectionPolicy({"visits": "public", "all_users": "public"}))
+
+
+def test_prepared_texts_are_remembered_within_bounds() -> None:
+    from dp_core import classify
+
+    c = Classifier(ProtectionPolicy({"visits": "public"}))
+    texts = [b"SELECT abalance FROM pgbench_accounts WHERE aid = $1", b"SELECT * FROM visits",
+             b"DO $$ BEGIN END $$", b"select $1::int"]
+    for _ in range(2):  # the second time from memory, with the same answers
+        assert [c.is_plain_prepared_bytes(t) for t in texts] == \
+            [c.is_plain_pass_through_bytes(t) for t in texts] == [True, False, False, True]
+    assert set(c._plain_prepared) == set(texts)
+    long = b"SELECT 1 " + b" " * classify._PLAIN_PREPARED_MAX_LENGTH + b"FROM visits"
+    assert not c.is_plain_prepared_bytes(long) and long not in c._plain_prepared
+    for i in range(classify._PLAIN_PREPARED_SIZE + 10):
+        assert c.is_plain_prepared_bytes(b"SELECT %d" % i)
+        assert len(c._plain_prepared) <= classify._PLAIN_PREPARED_SIZE
+    assert not c.is_plain_prepared_bytes(b"SELECT * FROM visits")
