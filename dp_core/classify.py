@@ -97,6 +97,27 @@ _PLAIN_PREPARED_MAX_LENGTH = 4096
 """Parse texts remembered by `Classifier.is_plain_prepared_bytes`: how many, up to what length."""
 
 
+def _trie_pattern(words: list[bytes]) -> bytes:
+    """A regular expression matching any of `words`, factored by common prefixes so that the
+    matcher decides on each byte once instead of trying every word in turn; where one word
+    extends another the longer one matches (a greedy optional tail)."""
+    trie: dict[bytes, Any] = {}
+    for word in words:
+        node = trie
+        for byte in word:
+            node = node.setdefault(bytes((byte,)), {})
+        node[b""] = {}
+
+    def build(node: dict[bytes, Any]) -> bytes:
+        branches = [re.escape(ch) + build(sub) for ch, sub in sorted(node.items()) if ch]
+        if not branches:
+            return b""
+        body = branches[0] if len(branches) == 1 else b"(?:" + b"|".join(branches) + b")"
+        return b"(?:" + body + b")?" if b"" in node else body
+
+    return build(trie)
+
+
 class Classifier:
     """Classifies query strings against a fixed policy, with an LRU cache by text."""
 
@@ -114,13 +135,15 @@ class Classifier:
         self._needs_parse = re.compile("|".join([*(re.escape(w) for w in words), opaque]),
                                        re.IGNORECASE)
         # The bytes form, on the hot path of every forwarded Query and Parse, searches
-        # lowercased text case-sensitively (re.IGNORECASE costs 5× more) and leaves the
+        # lowercased text case-sensitively (re.IGNORECASE costs 5× more), with the words
+        # in one trie-shaped pattern (a plain alternation costs 1.4× more), and leaves the
         # word boundaries of DO and CALL to Python (a \b in the pattern doubles the cost
-        # of every search). They come last: at a given position a word wins over them.
+        # of every search). At a position the longest word matches, so a word that extends
+        # DO or CALL wins over them; DO or CALL extending a word counts as that word.
         plain_words = [w.encode().lower() for w in words]
-        self._needs_parse_bytes = re.compile(
-            b"|".join([*(re.escape(w) for w in plain_words), b"do", b"call"]))
-        self._opaque_words = frozenset({b"do", b"call"} - set(plain_words))
+        self._needs_parse_bytes = re.compile(_trie_pattern([*plain_words, b"do", b"call"]))
+        self._opaque_words = frozenset(
+            o for o in (b"do", b"call") if not any(o.startswith(w) for w in plain_words))
         self._plain_prepared: dict[bytes, bool] = {}
 
     def is_plain_pass_through(self, sql: str) -> bool:
