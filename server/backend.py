@@ -280,7 +280,8 @@ class BackendLink(asyncio.Protocol):
     def write(self, data: bytes) -> None:
         """Send raw client frames whose pending replies the caller has already noted."""
         assert self.transport is not None
-        self.uncork()
+        if self._corked is not None:
+            self.uncork()
         self.transport.write(data)
 
     def cork(self) -> None:

@@ -184,6 +184,9 @@ class Session:
         """When the client last sent bytes (loop time), for the idle timeout."""
         self._ran_query = False
         """The idle timer saw a query in flight and has not yet seen it end."""
+        classifier = server.classifier
+        self._plain = classifier.is_plain_pass_through_bytes
+        self._plain_prepared = classifier.is_plain_prepared_bytes
         self._tls_ok = self.config.tls.enabled
         self._startup_task = asyncio.get_running_loop().create_task(self._startup())
 
@@ -240,8 +243,7 @@ class Session:
         n = len(data)
         pos = 0
         limit = self.frames.max_size
-        plain = self.server.classifier.is_plain_pass_through_bytes
-        plain_prepared = self.server.classifier.is_plain_prepared_bytes
+        plain, plain_prepared = self._plain, self._plain_prepared
         local = bool(self.local_statements or self.local_portals)
         pending = link.pending
         kinds, unpack = _FAST_KINDS, _LENGTH.unpack_from
@@ -266,7 +268,9 @@ class Session:
             kind = kinds[tag]
             if kind is not None:
                 pending.append(kind)
-                if tag in _CYCLE_TAGS:
+                if tag == _Q:
+                    link.cycles.append(now)  # note_cycle's first case, inline on the hot path
+                elif tag in _CYCLE_TAGS:
                     link.note_cycle(tag, now)
             pos = end
         if pos:
