@@ -53,6 +53,8 @@ class TableRef:
     name: str
     alias: str
     uid_column: str
+    derived: bool = False
+    """A subquery or WITH query over protected tables (no configured column bounds)."""
 
 
 @dataclass(frozen=True)
@@ -465,7 +467,7 @@ class _FromAnalysis:
                     raise _refuse("column aliases on a subquery that reads protected tables", alias)
                 if any(t.alias == alias for t in self.tables):
                     raise _refuse("the same alias twice", alias)
-                self.tables.append(TableRef(alias, alias, sub_uid))
+                self.tables.append(TableRef(alias, alias, sub_uid, derived=True))
             return node
         if isinstance(node, ast.RangeFunction):
             raise _refuse("functions in FROM", _sql(node))
@@ -482,7 +484,7 @@ class _FromAnalysis:
                 alias = str(rv.alias.aliasname) if rv.alias else name
                 if any(t.alias == alias for t in self.tables):
                     raise _refuse("the same alias twice", alias)
-                self.tables.append(TableRef(name, alias, cte_uid))
+                self.tables.append(TableRef(name, alias, cte_uid, derived=True))
             return rv
         pol = self.policy.get(name)
         if pol is not None and schema in (None, pol.schema):
@@ -1025,6 +1027,8 @@ def _configured_bounds(node: Any, fa: _FromAnalysis,
     parts = [str(f.sval) for f in node.fields if isinstance(f, ast.String)]
     candidates = []
     for t in fa.tables:
+        if t.derived:
+            continue  # its columns are the inner query's outputs, not the table's
         col = policy[t.name].columns.get(parts[-1])
         if col is not None and (len(parts) == 1 or parts[0] == t.alias):
             candidates.append((col.lower, col.upper))

@@ -360,3 +360,17 @@ def test_group_choice_depends_on_the_user() -> None:
             "hashtextextended(CAST(dp_uid AS text), 7))") in sql
     # the user leads the per-user GROUP BY, so the window's partitions come out of it in order
     assert "GROUP BY 2, 1" in sql
+
+
+def test_configured_bounds_are_the_tables_not_an_inner_querys() -> None:
+    # found by tests/test_fuzz_sql.py: a column of a subquery or WITH query looked its bounds
+    # up in the policy by the inner query's name (a KeyError, or another table's bounds)
+    for sql in ["SELECT stddev(s.d) FROM (SELECT uid, sum(duration) AS d FROM visits GROUP BY uid) s",
+                "WITH t AS (SELECT uid, amount FROM purchases) SELECT AVG(t.amount) FROM t",
+                "WITH visits AS (SELECT uid, sum(duration) AS duration FROM visits GROUP BY uid) "
+                "SELECT AVG(duration) FROM visits"]:
+        query, plan, _ = build(sql)
+        assert query.aggregates[0].bounds is None, sql  # APPROX_BOUNDS finds them
+        assert plan.auto_bounds, sql
+    query, _, _ = build("SELECT AVG(v.duration) FROM visits v")
+    assert query.aggregates[0].bounds == Bounds(0, 3600)
