@@ -17,7 +17,7 @@ import math
 import struct
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +130,8 @@ class Prepared:
     key_types: list[TypeRef]
     key_oids: list[int]
     param_oids: list[int]
+    columns: list[Any] = field(default_factory=list)
+    """The result query's columns (asyncpg Attributes), from preparing it with no rows."""
 
     @property
     def sql(self) -> list[str]:
@@ -230,7 +232,18 @@ class DPService:
         for stmt in statements.values():
             found = [t.oid for t in stmt.get_parameters()]
             param_oids = found if len(found) > len(param_oids) else param_oids
-        return Prepared(query, plan, pd, statements, arg_types, key_types, key_oids, param_oids)
+        prepared = Prepared(query, plan, pd, statements, arg_types, key_types, key_oids,
+                            param_oids)
+        # The result query (HAVING, ORDER BY and expressions over the released values), with
+        # no rows: what it cannot use is refused here, before any charge, not after the run.
+        try:
+            result = await conn.prepare(self._result_sql(prepared, []))
+        except asyncpg.PostgresError as e:
+            err = DPError(str(e).replace("dp_result.", "").replace("dp_result", "the result"))
+            err.sqlstate = e.sqlstate or "XX000"
+            raise err from None
+        prepared.columns = list(result.get_attributes())
+        return prepared
 
     async def _type_name(self, oid: int) -> TypeRef:
         if oid not in self._type_names:
@@ -270,9 +283,8 @@ class DPService:
                 attrs = (await conn.prepare(sql)).get_attributes()
             return row_description([a.name for a in attrs], [a.type.oid for a in attrs], formats)
         async with self._acquire() as conn:
-            prepared = await self.prepare(session, st, bind, param_types, conn)
             # the result query, with no rows, tells the columns (computed ones included)
-            attrs = (await conn.prepare(self._result_sql(prepared, []))).get_attributes()
+            attrs = (await self.prepare(session, st, bind, param_types, conn)).columns
         return row_description([a.name for a in attrs], [a.type.oid for a in attrs], formats)
 
     @contextlib.asynccontextmanager
