@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import psycopg
 
@@ -141,10 +142,14 @@ def test_random_dp_queries_are_answered_or_refused_cleanly(proxy: Proxy, reset: 
             psycopg.connect(proxy.dsn(), autocommit=True) as conn:
         for i in range(ROUNDS):
             sql, protected = _query(rng)
-            where = f"seed {SEED}, round {i}: {sql}"
+            params: tuple[object, ...] | None = None
+            if re.search(r" > 10\b", sql) and rng.random() < 0.3:  # an extended-protocol parameter
+                sql = re.sub(r" > 10\b", " > %s", sql.replace("%", "%%"), count=1)
+                params = (rng.choice([10, 10.5, "10", None, "abc", 2**40]),)
+            where = f"seed {SEED}, round {i}: {sql} {params or ''}"
             before = spent(conn)
             try:
-                conn.execute(sql).fetchall()
+                conn.execute(sql, params).fetchall()
             except psycopg.Error as e:
                 assert e.sqlstate in _REFUSALS, f"{where}\n{e.sqlstate}: {e}"
                 if "cost is charged" in str(e):  # APPROX_BOUNDS found too few users: says so
