@@ -151,6 +151,9 @@ def test_random_dp_queries_are_answered_or_refused_cleanly(proxy: Proxy, reset: 
             try:
                 conn.execute(sql, params).fetchall()
             except psycopg.Error as e:
+                if not protected:  # passed through: Postgres's own answer, whatever it is
+                    assert e.sqlstate and e.sqlstate[:2] not in ("XX", "08"), f"{where}\n{e}"
+                    continue
                 assert e.sqlstate in _REFUSALS, f"{where}\n{e.sqlstate}: {e}"
                 if "cost is charged" in str(e):  # APPROX_BOUNDS found too few users: says so
                     assert e.sqlstate == "22023" and spent(conn)[0] > before[0], where
