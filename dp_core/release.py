@@ -82,14 +82,25 @@ def _column(rows: Sequence[Mapping[str, Any]], name: str) -> NDArray[np.float64]
     return np.array([float(r[name]) if r[name] is not None else 0.0 for r in rows], dtype=np.float64)
 
 
-def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, Any]],
-            rng: np.random.Generator | None = None,
-            quantiles: Mapping[tuple[GroupKey, int], float] | None = None) -> Released:
-    """Add noise to the pushdown's rows and keep what may be released.
+@dataclass(frozen=True)
+class Selection:
+    """Every group's noisy quantities, and the groups partition selection keeps."""
 
-    `quantiles` are the groups' DP quantiles from `tree_values`; a group without a
-    tree row (no user with a value) gets the answer of an empty tree.
-    """
+    rows: Sequence[Mapping[str, Any]]
+    """The pushdown's rows (one made-up row of zeros for a global aggregate over no rows)."""
+    noisy: dict[str, NDArray[np.float64]]
+    kept: list[int]
+    """Indexes into `rows` of the released groups, in order."""
+
+    def kept_keys(self, keys: int) -> set[GroupKey]:
+        return {group_key(self.rows[r], keys) for r in self.kept}
+
+
+def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, Any]],
+           rng: np.random.Generator | None = None) -> Selection:
+    """Add noise to every group's quantities and keep the groups whose noisy user count
+    reaches τ (every group when there is no threshold). Run before the quantile trees are
+    walked, so that only kept groups' trees are."""
     rng = rng or secure_rng()
     if plan.pending:
         raise InternalError("release before APPROX_BOUNDS found the bounds (this is a bug)")
@@ -104,8 +115,23 @@ def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str,
     keep = np.ones(len(rows), dtype=bool)
     if plan.threshold is not None and plan.tau is not None:
         keep = noisy[plan.threshold.name] >= plan.tau
+    return Selection(rows, noisy, [int(x) for x in np.flatnonzero(keep)])
+
+
+def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, Any]],
+            rng: np.random.Generator | None = None,
+            quantiles: Mapping[tuple[GroupKey, int], float] | None = None,
+            selection: Selection | None = None) -> Released:
+    """Add noise to the pushdown's rows and keep what may be released.
+
+    `quantiles` are the groups' DP quantiles from `tree_values`; a group without a
+    tree row (no user with a value) gets the answer of an empty tree. `selection`, from
+    `select` over the same rows, when the groups were chosen first (to walk only their trees).
+    """
+    rng = rng or secure_rng()
+    chosen = selection if selection is not None else select(query, plan, rows, rng)
+    rows, noisy, kept = chosen.rows, chosen.noisy, chosen.kept
     values: list[list[Any]] = []
-    kept = [int(x) for x in np.flatnonzero(keep)]
     for i, agg in enumerate(query.aggregates):
         if agg.kind is AggKind.QUANTILE:
             found = quantiles or {}

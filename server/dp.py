@@ -48,7 +48,15 @@ from dp_core.errors import (
 from dp_core.mechanisms import NoiseKind, secure_rng
 from dp_core.plan import Component, DPQueryPlan, make_plan
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, choose_bounds
-from dp_core.release import GroupKey, output_type, release, tree_answer
+from dp_core.release import (
+    GroupKey,
+    Selection,
+    group_key,
+    output_type,
+    release,
+    select,
+    tree_answer,
+)
 from dp_core.rewrite import (
     Pushdown,
     TypeRef,
@@ -75,6 +83,9 @@ log = logging.getLogger("dp_proxy.dp")
 
 _OIDS = {"int8": 20, "float8": 701, "text": 25, "numeric": 1700, "timestamptz": 1184, "int4": 23}
 PG = "pg_catalog"
+_TREE_NODES_PER_FETCH = 1 << 18
+_TREE_ROWS_PER_FETCH = 1024
+"""Quantile-tree rows are fetched in batches of about this many nodes, at most this many rows."""
 
 
 class QueryFailed(DPError):
@@ -106,6 +117,7 @@ class _Run:
     rows: Sequence[Any]
     quantiles: dict[tuple[GroupKey, int], float]
     bounds: dict[int, FoundBounds]
+    selection: Selection
 
 
 def _visible_name(query: AnalyzedQuery, aggregate: int) -> str:
@@ -362,7 +374,8 @@ class DPService:
             log.warning("session %s: charged DP query failed: %s", session.process_id,
                         type(e).__name__)
             raise QueryFailed() from None
-        released = release(run.query, run.plan, run.rows, quantiles=run.quantiles)
+        released = release(run.query, run.plan, run.rows, quantiles=run.quantiles,
+                           selection=run.selection)
         sql = self._result_sql(prepared, released.rows)
         budget = await self.ledger.budget(session.user, conn)
         return sql, [self._notice(prepared, run, budget)]
@@ -398,15 +411,27 @@ class DPService:
                               if name != "bounds"}
             rows = (await statements["main"].fetch(timeout=timeout + 5)
                     if "main" in statements else [])
+            # partition selection first: only the kept groups' trees are walked
+            selection = select(query, plan, rows, rng)
             quantiles: dict[tuple[GroupKey, int], float] = {}
             if "trees" in statements:
-                # streamed, a few rows at a time: each row is one group's whole tree (up to
-                # 69,904 nodes), and only its answer is kept
-                async for r in statements["trees"].cursor(prefetch=4, timeout=timeout + 5):
-                    key, value = tree_answer(query, plan, r, rng)
-                    quantiles[key] = value
+                wanted, keys = selection.kept_keys(len(query.keys)), len(query.keys)
+                # streamed: each row is one group's whole tree (up to 69,904 nodes) and only
+                # its answer is kept; each fetch asks for about _TREE_NODES_PER_FETCH nodes'
+                # worth of rows, judging by the last (few big trees, or many small ones)
+                cursor = await statements["trees"].cursor(timeout=timeout + 5)
+                batch = 4
+                while rows_got := await cursor.fetch(batch, timeout=timeout + 5):
+                    nodes = 0
+                    for r in rows_got:
+                        nodes += len(r["dp_codes"])
+                        if group_key(r, keys) in wanted:
+                            key, value = tree_answer(query, plan, r, rng)
+                            quantiles[key] = value
+                    batch = max(1, min(_TREE_ROWS_PER_FETCH,
+                                       _TREE_NODES_PER_FETCH * len(rows_got) // max(nodes, 1)))
         self.metrics.pushdown_seconds.observe(time.perf_counter() - started)
-        return _Run(query, plan, rows, quantiles, found)
+        return _Run(query, plan, rows, quantiles, found, selection)
 
     async def _check_affordable(self, session: Session, plan: DPQueryPlan, conn: Any,
                                 accountant: Accountant) -> None:

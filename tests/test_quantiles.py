@@ -33,7 +33,7 @@ from dp_core.quantiles import (
     tree_codes,
     walk,
 )
-from dp_core.release import release, tree_values
+from dp_core.release import release, select, tree_values
 
 from .test_dp_engine import build
 
@@ -196,3 +196,18 @@ def test_release_merges_tree_answers_by_group() -> None:
     out = release(query, plan, rows, quantiles=tree_values(query, plan, trees))
     medians = {r[0]: r[2] for r in out.rows}
     assert medians["a"] == pytest.approx(10.0, abs=0.05) and medians["b"] == pytest.approx(90.0, abs=0.05)
+
+
+def test_partition_selection_comes_first_and_release_keeps_its_choice() -> None:
+    # the server walks only the kept groups' trees: selection must be decided from the main
+    # rows alone, and release must then keep exactly those groups with their tree answers
+    query, plan, _ = build("SELECT WITH ANONYMIZATION OPTIONS(epsilon=1000) browser, ANON_COUNT(*) AS n, "
+                           "ANON_MEDIAN(duration, 0, 100) AS m FROM visits GROUP BY browser")
+    rows = [{"dp_k0": k, "dp_t0": k, "dp_users": n} for k, n in (("big", 5000), ("tiny", 1))]
+    chosen = select(query, plan, rows, secure_rng())
+    assert chosen.kept_keys(1) == {("big",)}  # τ is well above 1 user
+    codes, counts = tree_codes(np.full(5000, 30.0), 0, 100)
+    big = {"dp_t0": "big", "dp_agg": 1, "dp_codes": codes.tolist(), "dp_counts": counts.tolist()}
+    out = release(query, plan, rows, quantiles=tree_values(query, plan, [big]), selection=chosen)
+    ((key, n, m),) = out.rows
+    assert key == "big" and n == chosen.noisy["dp_users"][0].round() and m == pytest.approx(30, abs=0.05)
