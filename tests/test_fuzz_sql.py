@@ -53,6 +53,14 @@ _SOURCES = {
     "left join": ("visits v LEFT JOIN purchases p ON p.uid = v.uid", ["v.browser", "p.amount"],
                   "v.uid"),
     "cross": ("visits v, purchases p", ["v.browser", "p.amount"], "v.uid"),
+    "quoted": ('public."visits" AS "V"', ['"V".browser', '"V".duration'], '"V".uid'),
+    "nested": ("(SELECT uid, b, sum(x) AS x FROM (SELECT uid, browser AS b, duration AS x FROM "
+               "visits) i GROUP BY uid, b) o", ["o.b", "o.x"], "o.uid"),
+    # (a self join squares each user's rows: kept to a few hundred users)
+    "self join": ("(SELECT * FROM visits WHERE uid < 300) a JOIN (SELECT * FROM visits WHERE "
+                  "uid < 300) b ON a.uid = b.uid", ["a.browser", "b.country", "a.duration"],
+                  "a.uid"),
+    "bad join": ("visits a JOIN visits b ON a.uid < b.uid", ["a.browser", "a.duration"], "a.uid"),
 }
 _CTE = "WITH t AS (SELECT uid, category, amount FROM purchases WHERE amount > 1) "
 
@@ -104,8 +112,9 @@ def _query(rng: random.Random) -> tuple[str, bool]:
     source, cols, uid = _SOURCES[name]
     plain = rng.random() < 0.2
     keys = rng.sample(cols, min(len(cols), rng.choice([0, 1, 1, 2])))
-    keys = [rng.choice([k, f"upper({k}::text)", f"{k}::text", f"{k} IS NULL"]) if rng.random() < 0.3
-            else k for k in keys]
+    keys = [rng.choice([k, f"upper({k}::text)", f"{k}::text", f"{k} IS NULL",
+                        f"CASE WHEN {k} IS NULL THEN 'none' ELSE 'some' END"])
+            if rng.random() < 0.3 else k for k in keys]
     aggs = [_aggregate(rng, cols, plain, uid) for _ in range(rng.choice([1, 1, 2, 3]))]
     head = "SELECT "
     if not plain:
@@ -129,7 +138,10 @@ def _query(rng: random.Random) -> tuple[str, bool]:
             sql += " HAVING a0 > 0"
         if rng.random() < 0.3:
             sql += (" ORDER BY " + rng.choice(["1", "a0", f"{len(keys) + 1}"])
-                    + rng.choice(["", " DESC"]) + rng.choice(["", " LIMIT 3", " OFFSET 1"]))
+                    + rng.choice(["", " DESC", " NULLS FIRST"])
+                    + rng.choice(["", " LIMIT 3", " OFFSET 1", " LIMIT ALL"]))
+    if rng.random() < 0.1:  # DP words inside a comment and a string change nothing
+        sql = sql.replace(" FROM ", " /* WITH ANONYMIZATION */ FROM ", 1) + " -- ANON_SUM('x')"
     if name == "cte":
         sql = _CTE + sql
     return ("EXPLAIN " if rng.random() < 0.25 else "") + sql, name != "unprotected"
