@@ -83,7 +83,7 @@ log = logging.getLogger("dp_proxy.dp")
 
 _OIDS = {"int8": 20, "float8": 701, "text": 25, "numeric": 1700, "timestamptz": 1184, "int4": 23}
 PG = "pg_catalog"
-_TREE_NODES_PER_FETCH = 1 << 18
+_TREE_NODES_PER_FETCH = 1 << 16
 _TREE_ROWS_PER_FETCH = 1024
 """Quantile-tree rows are fetched in batches of about this many nodes, at most this many rows."""
 
