@@ -130,6 +130,12 @@ def _value(i: int, agg: Aggregate, arg_type: str | None) -> str:
     return f"({total} / NULLIF(dp_n{i}, 0))"
 
 
+def _present(i: int, agg: Aggregate) -> str:
+    """A column `_partial` made that is NULL exactly when aggregate i's per-user value is (a
+    mean's sum is NULL iff its count is 0): cheaper to test than the value, a division."""
+    return f"dp_s{i}" if agg.kind in _MEANS else f"dp_p{i}"
+
+
 def _kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
                order_seed: int) -> tuple[str, str, str]:
     """(WITH-list entries, relation, condition): the per-user rows each user keeps (≤ C_u groups)."""
@@ -245,14 +251,10 @@ def _bounds_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     partials = [_partial(i, query.aggregates[i], arg_types.get(i)) for i in indexes]
     with_list, relation, kept = _kept_rows(query, plan, partials, order_seed)
     edges = ", ".join(str(e) for e in EDGES)
-    values = {i: _value(i, query.aggregates[i], arg_types.get(i)) for i in indexes}
-    # a user's value is NULL exactly when a partial column is (a mean's sum is NULL iff its
-    # count is 0): test that column, not the value, which would divide twice per row
-    present = {i: f"dp_s{i}" if query.aggregates[i].kind in _MEANS else f"dp_p{i}"
-               for i in indexes}
-    bins = [f"SELECT {i} AS dp_agg, width_bucket(({values[i]})::numeric, "
+    aggs = query.aggregates
+    bins = [f"SELECT {i} AS dp_agg, width_bucket(({_value(i, aggs[i], arg_types.get(i))})::numeric, "
             f"(ARRAY[{edges}])::numeric[]) AS dp_bin FROM {relation} "
-            f"WHERE {kept} AND {present[i]} IS NOT NULL" for i in indexes]
+            f"WHERE {kept} AND {_present(i, aggs[i])} IS NOT NULL" for i in indexes]
     return (f"WITH {with_list} SELECT dp_agg, dp_bin, count(*) AS dp_n "
             f"FROM ({' UNION ALL '.join(bins)}) AS dp_bins GROUP BY 1, 2")
 

@@ -120,6 +120,15 @@ class _Run:
     selection: Selection
 
 
+def _planning_error(e: asyncpg.PostgresError) -> DPError:
+    """Postgres's error on preparing a generated statement, as the analyst's: planning reads
+    no rows, so its errors (unknown column, type mismatch) are safe to show."""
+    message = str(e).replace("dp_per_user", "the query").replace("dp_result.", "")
+    err = DPError(message.replace("dp_result", "the result"))
+    err.sqlstate = e.sqlstate or "XX000"
+    return err
+
+
 def _visible_name(query: AnalyzedQuery, aggregate: int) -> str:
     name = query.aggregates[aggregate].output_name
     return "an expression's aggregate" if name.startswith("dp_hidden") else name
@@ -229,10 +238,7 @@ class DPService:
             pd = pushdown(query, plan, arg_types)
             statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
         except asyncpg.PostgresError as e:
-            # planning reads no rows: its errors (unknown column, type mismatch) are safe to show
-            err = DPError(str(e).replace("dp_per_user", "the query"))
-            err.sqlstate = e.sqlstate or "XX000"
-            raise err from None
+            raise _planning_error(e) from None
         key_types: list[TypeRef] = []
         key_oids: list[int] = []
         if query.keys:  # grouped: the main statement has the keys (it counts the users)
@@ -251,9 +257,7 @@ class DPService:
         try:
             result = await conn.prepare(self._result_sql(prepared, []))
         except asyncpg.PostgresError as e:
-            err = DPError(str(e).replace("dp_result.", "").replace("dp_result", "the result"))
-            err.sqlstate = e.sqlstate or "XX000"
-            raise err from None
+            raise _planning_error(e) from None
         prepared.columns = list(result.get_attributes())
         return prepared
 

@@ -268,9 +268,7 @@ class Session:
             kind = kinds[tag]
             if kind is not None:
                 pending.append(kind)
-                if tag == _Q:
-                    link.cycles.append(now)  # note_cycle's first case, inline on the hot path
-                elif tag in _CYCLE_TAGS:
+                if tag in _CYCLE_TAGS:
                     link.note_cycle(tag, now)
             pos = end
         if pos:
@@ -397,7 +395,7 @@ class Session:
             return
         if self._ran_query:
             self._ran_query = False
-            self._last_input = max(self._last_input, now)
+            self._last_input = now
         left = self._last_input + timeout - now
         if left > 0:
             self._arm_idle_timer(left)
