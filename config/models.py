@@ -108,6 +108,15 @@ class BackendConfig(_Strict):
         default=None, pattern=r"^[0-9]+(kB|MB|GB)$",
         description="work_mem of pushdown sessions (default: the server's); more memory avoids "
                     "spilling per-user aggregates to disk but can turn parallel plans serial")
+    pushdown_split: int = Field(
+        default=4, ge=1, le=64,
+        description="a DP query over a large table runs as up to this many pushdowns at once, "
+                    "each over one range of the uid (in one snapshot), on pool connections that "
+                    "are free; 1 never splits")
+    pushdown_split_min_rows: int = Field(
+        default=200_000, ge=0,
+        description="split only when the table whose uid the query groups by has at least this "
+                    "many rows (pg_class.reltuples) and a histogram of its uid column (ANALYZE)")
     ledger_schema: str = "dpproxy"
 
     @field_validator("ledger_schema")

@@ -11,6 +11,7 @@ with noisy counts (`dp_core.quantiles`).
 
 from __future__ import annotations
 
+import decimal
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,33 @@ GroupKey = tuple[str | None, ...]
 
 def group_key(row: Mapping[str, Any], keys: int) -> GroupKey:
     return tuple(row[f"dp_t{i}"] for i in range(keys))
+
+
+_EXACT = decimal.Context(prec=decimal.MAX_PREC, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)
+
+
+def add_rows(parts: Iterable[Iterable[Mapping[str, Any]]], by: Sequence[str],
+             keep: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The rows of statements that each read one range of the users, added up.
+
+    Rows with equal `by` columns are one row; `keep` columns are taken from the first of them
+    and every other column is a sum over users, so it adds up (NULL only where all are NULL,
+    as SQL's sum). With `by` empty (a global aggregate) the result is one row.
+    """
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    with decimal.localcontext(_EXACT):  # numeric sums add exactly, as in Postgres
+        for rows in parts:
+            for row in rows:
+                key = tuple(row[c] for c in by)
+                into = merged.get(key)
+                if into is None:
+                    merged[key] = dict(row.items())
+                    continue
+                for name, value in row.items():
+                    if name in by or name in keep or value is None:
+                        continue
+                    into[name] = value if into[name] is None else into[name] + value
+    return list(merged.values())
 
 
 def quantile_value(query: AnalyzedQuery, plan: DPQueryPlan, aggregate: int,

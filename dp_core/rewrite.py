@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pglast import ast, parse_sql
+from pglast.enums import A_Expr_Kind, BoolExprType, JoinType, NullTestType
 from pglast.stream import RawStream
 from pglast.visitors import Visitor
 
@@ -154,7 +155,8 @@ def _kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
     # in every statement of one answer makes them all see the same kept rows.
     # The hash chains: the user's hash keys the first key's, which keys the next one's (a
     # NULL key hashes as '', a tie at worst); cheaper than hashing one concatenated text.
-    rank = f"hashtextextended(dp_uid::text, {int(order_seed)})"
+    # (a NULL uid is one user too: its rows must rank in one order in every statement)
+    rank = f"hashtextextended(coalesce(dp_uid::text, ''), {int(order_seed)})"
     for i in range(len(keys)):
         rank = f"hashtextextended(coalesce(dp_k{i}::text, ''), {rank})"
     bounded = ("SELECT *, row_number() OVER (PARTITION BY dp_uid ORDER BY "
@@ -316,10 +318,99 @@ def argument_probe_sql(query: AnalyzedQuery) -> str | None:
     return _probe_sql(query, exprs, inner)
 
 
-def _build(template: str, query: AnalyzedQuery) -> str:
+UidRange = tuple[str | None, str | None]
+"""[lower, upper) of the uid as text literals in the uid's type; None is unbounded (and the
+lowest range also holds a NULL uid)."""
+
+
+def uid_ranges(histogram: Sequence[str], n: int) -> list[UidRange]:
+    """About `n` ranges of equally many rows, cut at the uid column's histogram bounds
+    (`pg_stats`, ascending in the column's order). Every uid is in exactly one range: `>=` and
+    `<` against one value are complements for any btree-ordered type."""
+    cuts: list[str] = []
+    for k in range(1, n):
+        cut = histogram[round(k * (len(histogram) - 1) / n)] if histogram else None
+        if cut is not None and (not cuts or cut != cuts[-1]):
+            cuts.append(cut)
+    bounds: list[str | None] = [None, *cuts, None]
+    return [(bounds[i], bounds[i + 1]) for i in range(len(cuts) + 1)]
+
+
+def _range_uids(query: AnalyzedQuery) -> list[Any]:
+    """The uid columns a range of users is tested on: the query's uid, and where the FROM
+    clause has no outer join, every protected FROM item's (all equal in each row, as the
+    analysis requires; Postgres infers equalities from `a.uid = b.uid` but not ranges, so each
+    table is read for its range alone instead of whole in every range)."""
+    def outer(node: Any) -> bool:
+        if isinstance(node, ast.JoinExpr):
+            return node.jointype is not JoinType.JOIN_INNER or outer(node.larg) or outer(node.rarg)
+        return False
+
+    uids = [query.uid]
+    if any(outer(item) for item in query.from_clause):
+        return uids
+    for t in query.tables:
+        ref = ast.ColumnRef(fields=(ast.String(sval=t.alias), ast.String(sval=t.uid_column)))
+        if all(ref != u for u in uids):
+            uids.append(ref)
+    return uids
+
+
+def _uid_in(query: AnalyzedQuery, token: str) -> Any:
+    """The query's users in the range that `_fill` later writes in for the marks named by
+    `token`, in one shape for every range, which Postgres's constant folding reduces to the
+    range's own test (`uids` from `_range_uids`, uid the first):
+
+        (AND over uids of ((u >= lower OR no_lower) AND (u < upper OR no_upper)))
+        OR (uid IS NULL AND no_lower)
+    """
+    def mark(name: str) -> Any:
+        return ast.A_Const(val=ast.String(sval=f"dp_range_{name}_{token}"))
+
+    def both(args: Sequence[Any]) -> Any:
+        return args[0] if len(args) == 1 else ast.BoolExpr(boolop=BoolExprType.AND_EXPR,
+                                                           args=tuple(args))
+
+    def either(a: Any, b: Any) -> Any:
+        return ast.BoolExpr(boolop=BoolExprType.OR_EXPR, args=(a, b))
+
+    def compare(uid: Any, op: str, value: str) -> Any:
+        return ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval=op),),
+                          lexpr=copy.deepcopy(uid), rexpr=mark(value))
+
+    in_range = both([both([either(compare(u, ">=", "lower"), mark("no_lower")),
+                           either(compare(u, "<", "upper"), mark("no_upper"))])
+                     for u in _range_uids(query)])
+    is_null = ast.NullTest(arg=copy.deepcopy(query.uid), nulltesttype=NullTestType.IS_NULL)
+    return either(in_range, both([is_null, mark("no_lower")]))
+
+
+def _fill(sql: str, token: str, uid_range: UidRange) -> str:
+    """`sql` with the marks of `_uid_in` replaced by `uid_range`'s bounds (an open end's
+    comparison gets the other bound, a valid value that its `OR TRUE` ignores)."""
+    lower, upper = uid_range
+    some_lower = lower if lower is not None else upper
+    some_upper = upper if upper is not None else lower
+    if some_lower is None or some_upper is None:
+        raise InternalError("a uid range needs a bound")
+
+    def literal(value: str) -> str:
+        return str(RawStream()(ast.A_Const(val=ast.String(sval=value))))
+
+    marks = {"lower": literal(some_lower), "upper": literal(some_upper),
+             "no_lower": "TRUE" if lower is None else "FALSE",
+             "no_upper": "TRUE" if upper is None else "FALSE"}
+    for name, value in marks.items():
+        sql = sql.replace(f"'dp_range_{name}_{token}'", value)
+    return sql
+
+
+def _build(template: str, query: AnalyzedQuery, token: str | None = None) -> str:
     stmt = parse_sql(template)[0].stmt
-    nodes: dict[str, Any] = {f"{_PH}uid": query.uid,
-                             f"{_PH}where": query.where or ast.A_Const(val=ast.Boolean(boolval=True))}
+    where = query.where or ast.A_Const(val=ast.Boolean(boolval=True))
+    if token is not None:
+        where = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(where, _uid_in(query, token)))
+    nodes: dict[str, Any] = {f"{_PH}uid": query.uid, f"{_PH}where": where}
     for i, key in enumerate(query.keys):
         nodes[f"{_PH}k{i}"] = key.expr
     for i, agg in enumerate(query.aggregates):
@@ -342,6 +433,8 @@ class Pushdown:
     bounds: str | None
     """APPROX_BOUNDS: users per log-scale bin and aggregate (run first, when present)."""
     order_seed: int
+    uid_range: UidRange | None = None
+    """The users this pushdown reads, when it is one of several that split them."""
 
     def statements(self) -> dict[str, str]:
         """The statements there are, by name, in the order they run."""
@@ -350,7 +443,7 @@ class Pushdown:
 
 
 def pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None = None,
-             order_seed: int | None = None) -> Pushdown:
+             order_seed: int | None = None, uid_range: UidRange | None = None) -> Pushdown:
     """The pushdown statements for `plan`.
 
     `arg_types` maps aggregate indexes to their argument's type name (from
@@ -359,7 +452,45 @@ def pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] 
     drawn when none is given. Before APPROX_BOUNDS has run, aggregates without
     bounds get placeholder bounds [0, 1] in `main` and `trees` (prepared only,
     for their types; run them from `pushdown` with the found bounds).
+    With `uid_range`, the statements read only the users in that range (see
+    `split_pushdown`).
     """
+    if uid_range is not None:
+        return ranged_pushdown(query, plan, arg_types, order_seed).of(uid_range)
+    return _pushdown(query, plan, arg_types, order_seed, None)
+
+
+@dataclass(frozen=True)
+class RangedPushdown:
+    """The pushdown for any range of the uid, printed once with marks for the range's bounds.
+
+    The statements of the ranges of `uid_ranges(...)` together read every user once, and as
+    all their columns but the keys are sums over users, their rows add up to the unsplit
+    statements' rows (`release.add_rows`).
+    """
+
+    marked: Pushdown
+    token: str
+
+    def of(self, uid_range: UidRange) -> Pushdown:
+        """The statements that read only the users in `uid_range`."""
+        def fill(sql: str | None) -> str | None:
+            return None if sql is None else _fill(sql, self.token, uid_range)
+
+        m = self.marked
+        return Pushdown(fill(m.main), fill(m.trees), fill(m.bounds), m.order_seed, uid_range)
+
+
+def ranged_pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None,
+                    order_seed: int | None) -> RangedPushdown:
+    import secrets
+
+    token = secrets.token_hex(8)
+    return RangedPushdown(_pushdown(query, plan, arg_types, order_seed, token), token)
+
+
+def _pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None,
+              order_seed: int | None, token: str | None) -> Pushdown:
     import secrets
 
     seed = secrets.randbits(62) if order_seed is None else order_seed
@@ -370,8 +501,9 @@ def pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] 
                                if a.bounds is None})
     main = _template(query, plan, types, seed)
     trees = _tree_template(query, plan, types, seed)
-    return Pushdown(_build(main, query) if main else None, _build(trees, query) if trees else None,
-                    _build(bounds_sql, query) if bounds_sql else None, seed)
+    return Pushdown(_build(main, query, token) if main else None,
+                    _build(trees, query, token) if trees else None,
+                    _build(bounds_sql, query, token) if bounds_sql else None, seed)
 
 
 def pushdown_sql(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None = None,

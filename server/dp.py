@@ -11,9 +11,11 @@ failure after the charge returns one generic error that names no row or value.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
+import re
 import struct
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -33,6 +35,7 @@ from dp_core.analysis import (
     AnalyzedQuery,
     Bounds,
     TablePolicy,
+    TableRef,
     analyze,
     check_casts,
     parse_select,
@@ -51,6 +54,7 @@ from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, c
 from dp_core.release import (
     GroupKey,
     Selection,
+    add_rows,
     group_key,
     output_type,
     release,
@@ -59,10 +63,14 @@ from dp_core.release import (
 )
 from dp_core.rewrite import (
     Pushdown,
+    RangedPushdown,
     TypeRef,
+    UidRange,
     argument_probe_sql,
     pushdown,
+    ranged_pushdown,
     result_sql,
+    uid_ranges,
 )
 from dp_core.settings import Caps, validate
 from server import protocol as p
@@ -86,6 +94,17 @@ PG = "pg_catalog"
 _TREE_NODES_PER_FETCH = 1 << 16
 _TREE_ROWS_PER_FETCH = 1024
 """Quantile-tree rows are fetched in batches of about this many nodes, at most this many rows."""
+_SPLIT_KEY_OIDS = frozenset({16, 18, 19, 20, 21, 23, 25, 1043, 1082, 1083, 1114, 1184, 2950})
+"""Group-key types whose text is one per value (bool, char, name, integers, text, varchar,
+date, time, timestamp(tz), uuid): the rows of several uid ranges add up by their key texts.
+Not numeric (1.0 = 1.00) nor floats (0 = -0), whose equal values can print differently."""
+_TEXT_KEY_OIDS = frozenset({18, 19, 25, 1043})
+_STATS_SECONDS = 300.0
+"""How long a uid column's histogram (for splitting pushdowns) is reused before it is read again."""
+_SAMPLE_ROWS = 20_000
+"""About this many rows are sampled (TABLESAMPLE SYSTEM) to find the uid's percentiles."""
+_PERCENTILES = [k / 100 for k in range(101)]
+_SNAPSHOT = re.compile(r"^[0-9A-Fa-f-]+$")
 
 
 class QueryFailed(DPError):
@@ -138,6 +157,41 @@ def _pct(x: float) -> str:
     return f"{100 * x:.2g}%"
 
 
+@dataclass(frozen=True)
+class UidSplit:
+    """A DP query's pushdown may run as several, each over one range of the uid.
+
+    Each range's statements read only its users, and every column but the keys is a sum over
+    users, so the rows of all ranges add up to the unsplit rows (users are never in two
+    ranges). Postgres finishes one per-user aggregation per connection instead of gathering
+    every (user, group) row into one process.
+    """
+
+    table: str
+    uid_column: str
+    rows: int
+    histogram: tuple[str, ...]
+    """Percentiles 0, 1, ..., 100 of the uid column in a sample of the table, as text
+    (ascending in the column's order). `pg_stats` would have them, but Postgres hides it for
+    tables with row-level security, as protected tables are."""
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _uid_table(query: AnalyzedQuery) -> TableRef | None:
+    """The protected base table whose uid column is the query's uid, if it is one."""
+    uid = query.uid
+    if not isinstance(uid, ast.ColumnRef) or len(uid.fields) < 2:
+        return None
+    names = [getattr(f, "sval", None) for f in uid.fields]
+    for t in query.tables:
+        if not t.derived and names[-2] == t.alias and names[-1] == t.uid_column:
+            return t
+    return None
+
+
 @dataclass
 class Prepared:
     """A DP query analysed, planned and prepared on the backend (not yet charged or run)."""
@@ -153,6 +207,11 @@ class Prepared:
     param_oids: list[int]
     columns: list[Any] = field(default_factory=list)
     """The result query's columns (asyncpg Attributes), from preparing it with no rows."""
+    split: UidSplit | None = None
+    ranged: RangedPushdown | None = None
+    """The pushdown for any uid range, when `split`."""
+    split_ranges: int = 1
+    """How many uid ranges `split` gives at most (by the configured number of pushdowns)."""
 
     @property
     def sql(self) -> list[str]:
@@ -197,6 +256,8 @@ class DPService:
             for name, t in config.tables.items()
         }
         self._type_names: dict[int, TypeRef] = {}
+        self._histograms: dict[str, tuple[float, UidSplit | None]] = {}
+        self._nondeterministic: bool | None = None
 
     # ------------------------------------------------------------------ analysis and planning
 
@@ -260,6 +321,64 @@ class DPService:
             raise _planning_error(e) from None
         prepared.columns = list(result.get_attributes())
         return prepared
+
+    async def _split(self, prepared: Prepared, conn: Any) -> UidSplit | None:
+        """How the pushdown may be split by uid ranges, or None: only over a large table whose
+        uid column has a histogram, and with group keys whose texts can be added up by."""
+        b = self.config.backend
+        table = _uid_table(prepared.query)
+        if b.pushdown_split < 2 or table is None or any(
+                o not in _SPLIT_KEY_OIDS for o in prepared.key_oids):
+            return None
+        try:
+            if any(o in _TEXT_KEY_OIDS for o in prepared.key_oids):
+                if self._nondeterministic is None:  # such a collation makes 'a' = 'A' a group
+                    self._nondeterministic = bool(await conn.fetchval(
+                        "SELECT EXISTS (SELECT FROM pg_collation WHERE NOT collisdeterministic)"))
+                if self._nondeterministic:
+                    return None
+            now = time.monotonic()
+            cached = self._histograms.get(table.name)
+            if cached is None or cached[0] < now:
+                try:
+                    found = await self._uid_histogram(table, conn)
+                except asyncpg.PostgresError as e:  # a view, say: cannot be sampled
+                    log.warning("DP pushdowns over %s will not be split by uid: %s", table.name, e)
+                    found = None
+                cached = self._histograms[table.name] = (now + _STATS_SECONDS, found)
+            split = cached[1]
+            if split is None or split.rows < b.pushdown_split_min_rows:
+                return None
+            # the ranges' bounds are the column's own values as text: checked here, before
+            # any charge, that Postgres takes them for the query's uid
+            ranges = uid_ranges(split.histogram, b.pushdown_split)
+            if len(ranges) < 2:
+                return None
+            prepared.split_ranges = len(ranges)
+            ranged = ranged_pushdown(prepared.query, prepared.plan, prepared.arg_types,
+                                     prepared.pushdown.order_seed)
+            await conn.prepare(next(iter(ranged.of(ranges[len(ranges) // 2]).statements().values())))
+            prepared.ranged = ranged
+        except asyncpg.PostgresError as e:
+            log.warning("a DP pushdown will not be split by uid: %s", e)
+            return None
+        return split
+
+    async def _uid_histogram(self, table: TableRef, conn: Any) -> UidSplit | None:
+        schema = self.policy[table.name].schema
+        rows = await conn.fetchval(
+            "SELECT c.reltuples::float8 FROM pg_class c JOIN pg_namespace n ON n.oid = "
+            "c.relnamespace WHERE n.nspname = $1 AND c.relname = $2", schema, table.name)
+        if rows is None or rows < max(1, self.config.backend.pushdown_split_min_rows):
+            return None  # (-1: never analysed or vacuumed)
+        percent = min(100.0, max(0.01, 100.0 * _SAMPLE_ROWS / rows))
+        name = f"{_ident(schema)}.{_ident(table.name)}"
+        bounds = await conn.fetchval(
+            f"SELECT (percentile_disc($1::float8[]) WITHIN GROUP (ORDER BY {_ident(table.uid_column)}"
+            f"))::text[] FROM {name} TABLESAMPLE SYSTEM ($2)", _PERCENTILES, percent)
+        if not bounds or any(b is None for b in bounds):
+            return None
+        return UidSplit(table.name, table.uid_column, int(rows), tuple(bounds))
 
     async def _type_name(self, oid: int) -> TypeRef:
         if oid not in self._type_names:
@@ -353,6 +472,7 @@ class DPService:
     async def _answer(self, session: Session, st: Statement, bind: p.Bind | None,
                       param_types: Sequence[int], conn: Any) -> tuple[str, list[p.NoticeResponse]]:
         prepared = await self.prepare(session, st, bind, param_types, conn)
+        prepared.split = await self._split(prepared, conn)
         plan = prepared.plan
         if st.kind is StatementKind.DP_EXPLAIN:
             lines = explain_lines(prepared)
@@ -388,18 +508,41 @@ class DPService:
         """Run the pushdown (after the charge): APPROX_BOUNDS first, then main and trees.
 
         All statements see one snapshot and keep the same rows per user (one order seed).
+        Where the pushdown may be split (`UidSplit`) and the pool has connections free, the
+        bounds and main statements run as one per uid range, at once, on connections that
+        share the snapshot, and their rows are added up.
         """
         timeout = self.config.backend.statement_timeout
         started = time.perf_counter()
         query, plan, statements = prepared.query, prepared.plan, dict(prepared.statements)
         found: dict[int, FoundBounds] = {}
         rng = secure_rng()
-        async with conn.transaction(readonly=True, isolation="repeatable_read"):
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(conn.transaction(readonly=True,
+                                                             isolation="repeatable_read"))
             # enforced by Postgres for each statement (the ledger's have none)
             await conn.execute(f"SET LOCAL statement_timeout = {int(timeout * 1000)}")
+            ranges, conns = await self._split_run(prepared, conn, stack)
+            ranged = prepared.ranged
+            shards = [ranged.of(r).statements() for r in ranges] if ranged else []
+
+            async def fetch(name: str) -> list[Any]:
+                if not ranges:
+                    return list(await statements[name].fetch(timeout=timeout + 5))
+                parts = await asyncio.gather(*(c.fetch(sqls[name], timeout=timeout + 5)
+                                               for c, sqls in zip(conns, shards, strict=True)),
+                                             return_exceptions=True)
+                for part in parts:
+                    if isinstance(part, BaseException):
+                        raise part
+                if name == "bounds":
+                    return add_rows(parts, ("dp_agg", "dp_bin"))
+                keys = range(len(query.keys))
+                return add_rows(parts, [f"dp_t{i}" for i in keys], [f"dp_k{i}" for i in keys])
+
             if "bounds" in statements:
                 bins: dict[int, dict[int, int]] = {i: {} for i in plan.auto_bounds}
-                for r in await statements["bounds"].fetch(timeout=timeout + 5):
+                for r in await fetch("bounds"):
                     bins[int(r["dp_agg"])][int(r["dp_bin"])] = int(r["dp_n"])
                 for q in plan.approx_bounds:
                     assert q.aggregate is not None
@@ -413,12 +556,14 @@ class DPService:
                 pd = pushdown(query, plan, prepared.arg_types, prepared.pushdown.order_seed)
                 statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()
                               if name != "bounds"}
-            rows = (await statements["main"].fetch(timeout=timeout + 5)
-                    if "main" in statements else [])
+                if ranges:
+                    ranged = ranged_pushdown(query, plan, prepared.arg_types, pd.order_seed)
+                    shards = [ranged.of(r).statements() for r in ranges]
+            rows = await fetch("main") if "main" in statements else []
             # partition selection first: only the kept groups' trees are walked
             selection = select(query, plan, rows, rng)
             quantiles: dict[tuple[GroupKey, int], float] = {}
-            if "trees" in statements:
+            if "trees" in statements:  # not split: its rows are whole trees, streamed
                 wanted, keys = selection.kept_keys(len(query.keys)), len(query.keys)
                 # streamed: each row is one group's whole tree (up to 69,904 nodes) and only
                 # its answer is kept; each fetch asks for about _TREE_NODES_PER_FETCH nodes'
@@ -435,7 +580,43 @@ class DPService:
                     batch = max(1, min(_TREE_ROWS_PER_FETCH,
                                        _TREE_NODES_PER_FETCH * len(rows_got) // max(nodes, 1)))
         self.metrics.pushdown_seconds.observe(time.perf_counter() - started)
+        if ranges:
+            self.metrics.pushdown_split.labels(str(len(ranges))).inc()
         return _Run(query, plan, rows, quantiles, found, selection)
+
+    async def _split_run(self, prepared: Prepared, conn: Any,
+                         stack: contextlib.AsyncExitStack) -> tuple[list[UidRange], list[Any]]:
+        """The uid ranges this run splits into and a connection for each (`conn` first, the
+        others in its snapshot, released by `stack`); ([], [conn]) when it does not split."""
+        split, b = prepared.split, self.config.backend
+        if split is None or not ({"main", "bounds"} & prepared.statements.keys()):
+            return [], [conn]
+        pool = self.pool
+        free = pool.get_idle_size() + pool.get_max_size() - pool.get_size()
+        ranges = uid_ranges(split.histogram, min(b.pushdown_split, 1 + free))
+        if len(ranges) < 2:
+            return [], [conn]
+        snapshot = str(await conn.fetchval("SELECT pg_export_snapshot()"))
+        if not _SNAPSHOT.match(snapshot):
+            raise InternalError("unexpected snapshot name")
+        conns = [conn]
+        for _ in range(len(ranges) - 1):
+            try:
+                other = await pool.acquire(timeout=1.0)
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError):
+                break
+            stack.push_async_callback(pool.release, other)
+            await stack.enter_async_context(other.transaction(readonly=True,
+                                                              isolation="repeatable_read"))
+            await other.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
+            await other.execute(f"SET LOCAL statement_timeout = {int(b.statement_timeout * 1000)}")
+            conns.append(other)
+        if len(conns) < len(ranges):
+            ranges = uid_ranges(split.histogram, len(conns))
+            conns = conns[:len(ranges)]
+            if len(ranges) < 2:
+                return [], [conn]
+        return ranges, conns
 
     async def _check_affordable(self, session: Session, plan: DPQueryPlan, conn: Any,
                                 accountant: Accountant) -> None:
@@ -640,6 +821,11 @@ def explain_lines(prepared: Prepared) -> list[str]:
         sensitivity = "?" if q.sensitivity is None else _g(q.sensitivity)
         lines.append(f"  {owner}: {q.component}, sensitivity {sensitivity}, epsilon "
                      f"{_g(float(q.epsilon))}, delta {_g(float(q.delta))}, {noise}")
+    if prepared.split is not None:
+        sp = prepared.split
+        lines.append(f"Split: up to {prepared.split_ranges} pushdowns at once over ranges of "
+                     f"{sp.table}.{sp.uid_column} (about {sp.rows} rows), on free pool connections "
+                     "in one snapshot; their rows add up (quantile trees are not split)")
     lines.append("Pushdown SQL (run as the pushdown role):")
     lines.extend("  " + sql for sql in prepared.sql)
     return lines

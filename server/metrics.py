@@ -47,6 +47,10 @@ class Metrics:
         self.pushdown_seconds = Histogram("dpproxy_pushdown_seconds",
                                           "Time of DP pushdowns in the backend (all statements)",
                                           buckets=_LATENCY_BUCKETS, registry=r)
+        self.pushdown_split = Counter(
+            "dpproxy_pushdown_split",
+            "DP pushdowns run as several at once over ranges of the uid, by number of ranges",
+            ["ranges"], registry=r)
 
     def statement(self, kind: str, ok: bool) -> Any:
         """The counter child for (kind, outcome), looked up once (it is on the pass-through path)."""

@@ -357,7 +357,7 @@ def test_group_choice_depends_on_the_user() -> None:
     query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits GROUP BY browser")
     sql = pushdown_sql(query, plan, order_seed=7)
     assert ("hashtextextended(COALESCE(CAST(dp_k0 AS text), ''), "
-            "hashtextextended(CAST(dp_uid AS text), 7))") in sql
+            "hashtextextended(COALESCE(CAST(dp_uid AS text), ''), 7))") in sql
     # the user leads the per-user GROUP BY, so the window's partitions come out of it in order
     assert "GROUP BY 2, 1" in sql
 

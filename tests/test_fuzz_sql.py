@@ -13,10 +13,14 @@ from __future__ import annotations
 import os
 import random
 import re
+from collections.abc import Iterator
 
 import psycopg
+import pytest
 
-from .conftest import Proxy
+from config import Config
+
+from .conftest import Backend, LoopThread, Proxy, running_proxy
 from .test_dp_queries import reset, spent  # noqa: F401  (reset is a fixture)
 
 SEED = int(os.environ.get("DPPROXY_FUZZ_SEED", random.randrange(1 << 30)))
@@ -147,6 +151,15 @@ def _query(rng: random.Random) -> tuple[str, bool]:
     return ("EXPLAIN " if rng.random() < 0.25 else "") + sql, name != "unprotected"
 
 
+@pytest.fixture
+def proxy(loop_thread: LoopThread, demo_config: Config, backend: Backend) -> Iterator[Proxy]:
+    """The demo proxy, splitting every pushdown it can by uid ranges (also over small tables),
+    so that the fuzzer runs that path too."""
+    b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0})
+    with running_proxy(loop_thread, demo_config.model_copy(update={"backend": b}), backend) as px:
+        yield px
+
+
 def test_random_dp_queries_are_answered_or_refused_cleanly(proxy: Proxy, reset: None) -> None:  # noqa: F811
     rng = random.Random(SEED)
     answered = refused = 0
@@ -183,4 +196,6 @@ def test_random_dp_queries_are_answered_or_refused_cleanly(proxy: Proxy, reset: 
                 admin.execute("SELECT dp_reset_budget('alice')")
     # the generator must reach both sides, or it tests little
     assert answered >= ROUNDS // 10 and refused >= ROUNDS // 10, (answered, refused)
+    split = proxy.server.metrics.pushdown_split.collect()[0].samples
+    assert sum(x.value for x in split if x.name.endswith("_total")) > 0, "no pushdown was split"
 

@@ -1,0 +1,185 @@
+"""Pushdowns split by ranges of the uid: the ranges' rows add up to the unsplit rows, exactly."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import asyncpg
+import psycopg
+import pytest
+from pglast import parse_sql
+
+from config import Config
+from dp_core.release import add_rows
+from dp_core.rewrite import pushdown, uid_ranges
+
+from .conftest import Backend, LoopThread, running_proxy
+from .test_dp_engine import GOLDEN, GOLDEN_CASES, build
+
+# ---------------------------------------------------------------------------- pure parts
+
+
+def test_ranges_cut_the_histogram_evenly_and_cover_every_uid() -> None:
+    hist = [str(v) for v in range(0, 101, 10)]  # 11 bounds, 10 buckets of equal rows
+    assert uid_ranges(hist, 1) == [(None, None)]
+    assert uid_ranges(hist, 2) == [(None, "50"), ("50", None)]
+    assert uid_ranges(hist, 4) == [(None, "20"), ("20", "50"), ("50", "80"), ("80", None)]
+    # a histogram with repeated bounds (a few huge users) gives fewer ranges, never empty ones
+    assert uid_ranges(["1", "1", "1", "1", "9"], 4) == [(None, "1"), ("1", None)]
+    assert uid_ranges([], 4) == [(None, None)]
+
+
+def test_rows_add_up_by_key_with_sql_sum_semantics() -> None:
+    a = [{"dp_k0": "x", "dp_t0": "x", "dp_users": 2, "dp_a0_sum": None},
+         {"dp_k0": None, "dp_t0": None, "dp_users": 1, "dp_a0_sum": 5}]
+    b = [{"dp_k0": "x", "dp_t0": "x", "dp_users": 3, "dp_a0_sum": 7},
+         {"dp_k0": "y", "dp_t0": "y", "dp_users": 1, "dp_a0_sum": None}]
+    merged = {r["dp_t0"]: r for r in add_rows([a, b], ["dp_t0"], ["dp_k0"])}
+    assert merged == {
+        "x": {"dp_k0": "x", "dp_t0": "x", "dp_users": 5, "dp_a0_sum": 7},
+        None: {"dp_k0": None, "dp_t0": None, "dp_users": 1, "dp_a0_sum": 5},
+        "y": {"dp_k0": "y", "dp_t0": "y", "dp_users": 1, "dp_a0_sum": None},
+    }
+    # a global aggregate: one row per range, one row in all
+    assert add_rows([[{"n": 1, "s": None}], [{"n": 0, "s": None}]], []) == [{"n": 1, "s": None}]
+
+
+def test_a_range_restricts_the_per_user_rows_of_every_statement() -> None:
+    text = (GOLDEN / "approx_bounds.sql").read_text()
+    query, plan, _ = build("\n".join(ln for ln in text.splitlines() if not ln.startswith("--")))
+    whole = pushdown(query, plan, order_seed=1).statements()
+    part = pushdown(query, plan, order_seed=1, uid_range=("10", "20")).statements()
+    assert whole.keys() == part.keys()
+    for sql in part.values():
+        assert sql.count("((purchases.uid >= '10' OR FALSE) AND (purchases.uid < '20' OR FALSE)) "
+                         "OR (purchases.uid IS NULL AND FALSE)") == sql.count("dp_per_user AS") == 1
+        parse_sql(sql)
+    lowest = pushdown(query, plan, order_seed=1, uid_range=(None, "5")).main
+    assert lowest is not None and ("((purchases.uid >= '5' OR TRUE) AND (purchases.uid < '5' OR "
+                                   "FALSE)) OR (purchases.uid IS NULL AND TRUE)") in lowest
+    quoted = pushdown(query, plan, order_seed=1, uid_range=("it's", None)).main
+    assert quoted is not None and "purchases.uid < 'it''s' OR TRUE" in quoted
+
+
+# ---------------------------------------------------------------------------- on Postgres
+
+
+def _by(name: str, keys: int) -> list[str]:
+    return ["dp_agg", "dp_bin"] if name == "bounds" else [f"dp_t{i}" for i in range(keys)]
+
+
+def _index(rows: Sequence[Mapping[str, Any]], by: Sequence[str]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    out = {tuple(r[c] for c in by): dict(r.items()) for r in rows}
+    assert len(out) == len(rows), "a key twice"
+    return out
+
+
+def test_split_rows_add_up_to_the_unsplit_rows(backend: Backend) -> None:
+    """Every golden pushdown (main and APPROX_BOUNDS), split into 2, 3 and 5 ranges cut at the
+    uid histogram, gives exactly the unsplit rows, including a user whose uid is NULL (in the
+    lowest range) and a user at a range's bound."""
+
+    async def go() -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        tr = conn.transaction()
+        await tr.start()
+        try:
+            for table in ("visits", "purchases"):
+                await conn.execute(f"ALTER TABLE {table} ALTER uid DROP NOT NULL")
+            await conn.execute("INSERT INTO visits SELECT NULL, browser, country, duration "
+                               "FROM visits WHERE uid = 7")
+            await conn.execute("INSERT INTO purchases SELECT NULL, category, amount "
+                               "FROM purchases ORDER BY uid LIMIT 3")
+            hist = {t: await conn.fetchval(
+                "SELECT histogram_bounds::text::text[] FROM pg_stats WHERE tablename = $1 "
+                "AND attname = 'uid'", t) for t in ("visits", "purchases")}
+            checked = 0
+            # (subquery_window_by_uid picks each user's first visit by duration, with ties:
+            # which of them is first differs between plans, split or not)
+            cases = [c for c in GOLDEN_CASES if c.stem != "subquery_window_by_uid"]
+            for case in cases:
+                text = "\n".join(ln for ln in case.read_text().splitlines() if not ln.startswith("--"))
+                query, plan, _ = build(text.strip())
+                whole = pushdown(query, plan, order_seed=99).statements()
+                table = "purchases" if "purchases" in text else "visits"
+                for n in (2, 3, 5):
+                    ranges = uid_ranges(hist[table], n)
+                    assert len(ranges) == n
+                    parts = [pushdown(query, plan, order_seed=99, uid_range=r).statements()
+                             for r in ranges]
+                    for name in ("main", "bounds"):
+                        if name not in whole:
+                            continue
+                        expected = await conn.fetch(whole[name])
+                        got = [await conn.fetch(p[name]) for p in parts]
+                        assert sum(len(g) for g in got) >= len(expected)
+                        by = _by(name, len(query.keys))
+                        keep = [f"dp_k{i}" for i in range(len(query.keys))]
+                        a, e = _index(add_rows(got, by, keep), by), _index(expected, by)
+                        diff = [(k, a[k], e[k]) for k in e if a.get(k) != e[k]]
+                        assert a.keys() == e.keys() and not diff, (
+                            f"{case.stem} {name} in {n} ranges: {diff[:2]}")
+                        checked += 1
+            assert checked >= 3 * len(cases)
+        finally:
+            await tr.rollback()
+            await conn.close()
+
+    asyncio.run(go())
+
+
+def _split_counter(text: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("dpproxy_pushdown_split_total{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_large_queries_run_split_through_the_proxy(loop_thread: LoopThread, demo_config: Config,
+                                                   backend: Backend) -> None:
+    b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0})
+    config = demo_config.model_copy(update={"backend": b})
+    with running_proxy(loop_thread, config, backend) as px:
+        metrics = px.server.metrics
+        with psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
+            admin.execute("SELECT dp_reset_budget('alice')")
+        with psycopg.connect(px.dsn(), autocommit=True) as conn:
+            q = ("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.3) browser, ANON_COUNT(*), "
+                 "ANON_AVG(duration) FROM visits GROUP BY browser")
+            plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + q).fetchall())
+            assert "Split: up to 3 pushdowns at once over ranges of visits.uid" in plan
+            before = _split_counter(metrics.exposition().decode())
+            rows = conn.execute(q).fetchall()
+            assert {r[0] for r in rows} >= {"Chrome", "Safari"}
+            assert all(r[1] > 100 for r in rows)
+            # APPROX_BOUNDS runs split too (its histogram rows add up), then the main statement
+            rows = conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.3) "
+                                "ANON_SUM(duration) FROM visits").fetchall()
+            assert len(rows) == 1 and rows[0][0] is not None
+            assert _split_counter(metrics.exposition().decode()) >= before + 2
+            # keys whose equal values can print differently (numeric) are not split
+            plan = "\n".join(r[0] for r in conn.execute(
+                "EXPLAIN SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) round(duration / 600.0, 1), "
+                "ANON_COUNT(*) FROM visits GROUP BY 1").fetchall())
+            assert "Split:" not in plan
+            # nor a query whose uid is a subquery's
+            plan = "\n".join(r[0] for r in conn.execute(
+                "EXPLAIN SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) ANON_COUNT(*) FROM "
+                "(SELECT uid, browser FROM visits) AS s").fetchall())
+            assert "Split:" not in plan
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_small_tables_or_split_1_are_not_split(loop_thread: LoopThread, demo_config: Config,
+                                                backend: Backend, split: int) -> None:
+    b = demo_config.backend.model_copy(update={"pushdown_split": split,
+                                               "pushdown_split_min_rows": 10**9})
+    config = demo_config.model_copy(update={"backend": b})
+    with (running_proxy(loop_thread, config, backend) as px,
+          psycopg.connect(px.dsn(), autocommit=True) as conn):
+        plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits").fetchall())
+        assert "Split:" not in plan
