@@ -94,11 +94,13 @@ PG = "pg_catalog"
 _TREE_NODES_PER_FETCH = 1 << 16
 _TREE_ROWS_PER_FETCH = 1024
 """Quantile-tree rows are fetched in batches of about this many nodes, at most this many rows."""
-_SPLIT_KEY_OIDS = frozenset({16, 18, 19, 20, 21, 23, 25, 1043, 1082, 1083, 1114, 1184, 2950})
-"""Group-key types whose text is one per value (bool, char, name, integers, text, varchar,
-date, time, timestamp(tz), uuid): the rows of several uid ranges add up by their key texts.
-Not numeric (1.0 = 1.00) nor floats (0 = -0), whose equal values can print differently."""
-_TEXT_KEY_OIDS = frozenset({18, 19, 25, 1043})
+_SPLIT_KEY_OIDS = frozenset({16, 18, 19, 20, 21, 23, 25, 1042, 1043, 1082, 1083, 1114, 1184,
+                             2950})
+"""Group-key types whose text is one per value (bool, "char", name, integers, text, bpchar
+(its text drops the trailing blanks that equality ignores), varchar, date, time,
+timestamp(tz), uuid): the rows of several uid ranges add up by their key texts. Not numeric
+(1.0 = 1.00) nor floats (0 = -0), whose equal values can print differently."""
+_TEXT_KEY_OIDS = frozenset({18, 19, 25, 1042, 1043})
 _STATS_SECONDS = 300.0
 """How long a uid column's histogram (for splitting pushdowns) is reused before it is read again."""
 _SAMPLE_ROWS = 20_000
