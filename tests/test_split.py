@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -188,3 +189,33 @@ def test_small_tables_or_split_1_are_not_split(loop_thread: LoopThread, demo_con
         plan = "\n".join(r[0] for r in conn.execute(
             "EXPLAIN SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits").fetchall())
         assert "Split:" not in plan
+
+
+def test_cancel_a_running_split_query(loop_thread: LoopThread, demo_config: Config,
+                                      backend: Backend) -> None:
+    """A cancel reaches every range's pushdown; the connections go back to the pool usable."""
+    import time
+
+    b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0,
+                                               "pushdown_pool_size": 4})
+    config = demo_config.model_copy(update={"backend": b})
+    with running_proxy(loop_thread, config, backend) as px:
+        with psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
+            admin.execute("SELECT dp_reset_budget('alice')")
+        with psycopg.connect(px.dsn(), autocommit=True) as conn:
+            before = _split_counter(px.server.metrics.exposition().decode())
+            for _ in range(2):
+                timer = threading.Timer(1.0, conn.cancel_safe)
+                timer.start()
+                started = time.monotonic()
+                with pytest.raises(psycopg.errors.QueryCanceled):
+                    conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.2) a.browser, "
+                                 "ANON_COUNT(*) FROM visits a JOIN visits b USING (uid) JOIN "
+                                 "visits c USING (uid) GROUP BY a.browser").fetchall()
+                assert time.monotonic() - started < 5
+            # the pool (4 connections) is whole: queries still split and answer
+            for _ in range(3):
+                rows = conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) browser, "
+                                    "ANON_COUNT(*) FROM visits GROUP BY browser").fetchall()
+                assert rows
+            assert _split_counter(px.server.metrics.exposition().decode()) >= before + 3
