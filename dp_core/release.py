@@ -52,6 +52,27 @@ def group_key(row: Mapping[str, Any], keys: int) -> GroupKey:
     return tuple(row[f"dp_t{i}"] for i in range(keys))
 
 
+def tree_order(row: Mapping[str, Any], keys: int) -> tuple[Any, ...]:
+    """Where a tree-statement row sorts (its ORDER BY: key texts by code point, NULL last; then
+    the aggregate), for merging the trees of several ranges of users as streams."""
+    return (*((1, "") if row[f"dp_t{i}"] is None else (0, row[f"dp_t{i}"]) for i in range(keys)),
+            int(row["dp_agg"]))
+
+
+def add_trees(parts: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """One group's quantile tree from its trees in several ranges of users (rows of the tree
+    statement with equal keys and aggregate): each node's user count is the sum of its counts."""
+    if len(parts) == 1:
+        return parts[0]
+    codes = np.concatenate([np.asarray(p["dp_codes"], dtype=np.int64) for p in parts])
+    counts = np.concatenate([np.asarray(p["dp_counts"], dtype=np.int64) for p in parts])
+    nodes, where = np.unique(codes, return_inverse=True)
+    merged = dict(parts[0].items())
+    merged["dp_codes"] = nodes
+    merged["dp_counts"] = np.bincount(where, weights=counts, minlength=len(nodes)).astype(np.int64)
+    return merged
+
+
 _EXACT = decimal.Context(prec=decimal.MAX_PREC, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)
 
 

@@ -238,10 +238,14 @@ def _tree_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int,
              f"CROSS JOIN (VALUES {levels}) AS lv(off, div) "
              f"GROUP BY {', '.join(str(n) for n in range(1, len(key_cols) + 3))}")
     key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
+    order = [f'dp_k{i}::text COLLATE "C"' for i in range(len(query.keys))]
     return (f"WITH {with_list}, dp_nodes AS ({nodes}) "
             f"SELECT {', '.join([*key_text, 'dp_agg'])}, array_agg(dp_code ORDER BY dp_code) AS "
             "dp_codes, array_agg(dp_n ORDER BY dp_code) AS dp_counts FROM dp_nodes "
-            f"GROUP BY {', '.join([*key_cols, 'dp_agg'])}")
+            f"GROUP BY {', '.join([*key_cols, 'dp_agg'])} "
+            # in one order (code points; NULL last) for any collation and range of users, so
+            # that the trees of several ranges merge as streams (one group at a time)
+            f"ORDER BY {', '.join([*order, 'dp_agg'])}")
 
 
 def _bounds_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],

@@ -55,11 +55,13 @@ from dp_core.release import (
     GroupKey,
     Selection,
     add_rows,
+    add_trees,
     group_key,
     output_type,
     release,
     select,
     tree_answer,
+    tree_order,
 )
 from dp_core.rewrite import (
     Pushdown,
@@ -107,6 +109,8 @@ _SAMPLE_ROWS = 20_000
 """About this many rows are sampled (TABLESAMPLE SYSTEM) to find the uid's percentiles."""
 _PERCENTILES = [k / 100 for k in range(101)]
 _SNAPSHOT = re.compile(r"^[0-9A-Fa-f-]+$")
+_CODE_POINT_ORDER = frozenset({"UTF8", "SQL_ASCII", "LATIN1"})
+"""Server encodings whose byte order (COLLATE "C") is the code points' (Python's str order)."""
 
 
 class QueryFailed(DPError):
@@ -176,6 +180,38 @@ class UidSplit:
     """Percentiles 0, 1, ..., 100 of the uid column in a sample of the table, as text
     (ascending in the column's order). `pg_stats` would have them, but Postgres hides it for
     tables with row-level security, as protected tables are."""
+
+
+async def _tree_stream(cursor: Any, timeout: float) -> AsyncIterator[Any]:
+    """The rows of a tree statement's cursor; each fetch asks for about _TREE_NODES_PER_FETCH
+    nodes' worth of rows, judging by the last (few big trees, or many small ones)."""
+    batch = 4
+    while rows := await cursor.fetch(batch, timeout=timeout + 5):
+        nodes = 0
+        for r in rows:
+            nodes += len(r["dp_codes"])
+            yield r
+        batch = max(1, min(_TREE_ROWS_PER_FETCH, _TREE_NODES_PER_FETCH * len(rows) // max(nodes, 1)))
+
+
+async def _merged_trees(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIterator[Any]:
+    """The trees of several ranges of users, each stream in `tree_order`, merged: one row per
+    group and aggregate, holding one batch per range at a time."""
+    # the first fetch runs each range's statement (to its sort): at once, not one by one
+    heads = list(await asyncio.gather(*(anext(s, None) for s in streams)))
+    while True:
+        live = [tree_order(h, keys) for h in heads if h is not None]
+        if not live:
+            return
+        first = min(live)
+        parts = []
+        for i, head in enumerate(heads):
+            if head is not None and tree_order(head, keys) == first:
+                parts.append(head)
+                heads[i] = nxt = await anext(streams[i], None)
+                if nxt is not None and tree_order(nxt, keys) <= first:
+                    raise InternalError("quantile-tree rows out of order")
+        yield add_trees(parts)
 
 
 def _ident(name: str) -> str:
@@ -510,9 +546,9 @@ class DPService:
         """Run the pushdown (after the charge): APPROX_BOUNDS first, then main and trees.
 
         All statements see one snapshot and keep the same rows per user (one order seed).
-        Where the pushdown may be split (`UidSplit`) and the pool has connections free, the
-        bounds and main statements run as one per uid range, at once, on connections that
-        share the snapshot, and their rows are added up.
+        Where the pushdown may be split (`UidSplit`) and the pool has connections free, each
+        statement runs as one per uid range, at once, on connections that share the snapshot,
+        and their rows (and trees) are added up.
         """
         timeout = self.config.backend.statement_timeout
         started = time.perf_counter()
@@ -565,22 +601,21 @@ class DPService:
             # partition selection first: only the kept groups' trees are walked
             selection = select(query, plan, rows, rng)
             quantiles: dict[tuple[GroupKey, int], float] = {}
-            if "trees" in statements:  # not split: its rows are whole trees, streamed
+            if "trees" in statements:
                 wanted, keys = selection.kept_keys(len(query.keys)), len(query.keys)
                 # streamed: each row is one group's whole tree (up to 69,904 nodes) and only
-                # its answer is kept; each fetch asks for about _TREE_NODES_PER_FETCH nodes'
-                # worth of rows, judging by the last (few big trees, or many small ones)
-                cursor = await statements["trees"].cursor(timeout=timeout + 5)
-                batch = 4
-                while rows_got := await cursor.fetch(batch, timeout=timeout + 5):
-                    nodes = 0
-                    for r in rows_got:
-                        nodes += len(r["dp_codes"])
-                        if group_key(r, keys) in wanted:
-                            key, value = tree_answer(query, plan, r, rng)
-                            quantiles[key] = value
-                    batch = max(1, min(_TREE_ROWS_PER_FETCH,
-                                       _TREE_NODES_PER_FETCH * len(rows_got) // max(nodes, 1)))
+                # its answer is kept; split, the ranges' streams are merged a group at a time
+                if ranges and conn.get_settings().server_encoding in _CODE_POINT_ORDER:
+                    streams = [_tree_stream(await (await c.prepare(sqls["trees"])).cursor(
+                        timeout=timeout + 5), timeout) for c, sqls in zip(conns, shards, strict=True)]
+                    trees = _merged_trees(streams, keys)
+                else:
+                    trees = _tree_stream(await statements["trees"].cursor(timeout=timeout + 5),
+                                         timeout)
+                async for r in trees:
+                    if group_key(r, keys) in wanted:
+                        key, value = tree_answer(query, plan, r, rng)
+                        quantiles[key] = value
         self.metrics.pushdown_seconds.observe(time.perf_counter() - started)
         if ranges:
             self.metrics.pushdown_split.labels(str(len(ranges))).inc()
@@ -591,7 +626,7 @@ class DPService:
         """The uid ranges this run splits into and a connection for each (`conn` first, the
         others in its snapshot, released by `stack`); ([], [conn]) when it does not split."""
         split, b = prepared.split, self.config.backend
-        if split is None or not ({"main", "bounds"} & prepared.statements.keys()):
+        if split is None:
             return [], [conn]
         pool = self.pool
         free = pool.get_idle_size() + pool.get_max_size() - pool.get_size()
@@ -827,7 +862,7 @@ def explain_lines(prepared: Prepared) -> list[str]:
         sp = prepared.split
         lines.append(f"Split: up to {prepared.split_ranges} pushdowns at once over ranges of "
                      f"{sp.table}.{sp.uid_column} (about {sp.rows} rows), on free pool connections "
-                     "in one snapshot; their rows add up (quantile trees are not split)")
+                     "in one snapshot; their rows and quantile trees add up")
     lines.append("Pushdown SQL (run as the pushdown role):")
     lines.extend("  " + sql for sql in prepared.sql)
     return lines
