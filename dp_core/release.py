@@ -59,13 +59,29 @@ def tree_order(row: Mapping[str, Any], keys: int) -> tuple[Any, ...]:
             int(row["dp_agg"]))
 
 
+def tree_arrays(row: Mapping[str, Any]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """A tree row's node codes and user counts: bytes from the tree statement (big-endian int4
+    and int8), or sequences."""
+    codes, counts = row["dp_codes"], row["dp_counts"]
+    if isinstance(codes, bytes):
+        return (np.frombuffer(codes, dtype=">i4").astype(np.int64),
+                np.frombuffer(counts, dtype=">i8").astype(np.int64))
+    return np.asarray(codes, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+
+
+def tree_nodes(row: Mapping[str, Any]) -> int:
+    codes = row["dp_codes"]
+    return len(codes) // 4 if isinstance(codes, bytes) else len(codes)
+
+
 def add_trees(parts: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     """One group's quantile tree from its trees in several ranges of users (rows of the tree
     statement with equal keys and aggregate): each node's user count is the sum of its counts."""
     if len(parts) == 1:
         return parts[0]
-    codes = np.concatenate([np.asarray(p["dp_codes"], dtype=np.int64) for p in parts])
-    counts = np.concatenate([np.asarray(p["dp_counts"], dtype=np.int64) for p in parts])
+    arrays = [tree_arrays(p) for p in parts]
+    codes = np.concatenate([c for c, _ in arrays])
+    counts = np.concatenate([n for _, n in arrays])
     nodes, where = np.unique(codes, return_inverse=True)
     merged = dict(parts[0].items())
     merged["dp_codes"] = nodes
@@ -101,7 +117,8 @@ def add_rows(parts: Iterable[Iterable[Mapping[str, Any]]], by: Sequence[str],
 
 
 def quantile_value(query: AnalyzedQuery, plan: DPQueryPlan, aggregate: int,
-                   codes: Sequence[int], counts: Sequence[int], rng: np.random.Generator) -> float:
+                   codes: Sequence[int] | NDArray[np.int64], counts: Sequence[int] | NDArray[np.int64],
+                   rng: np.random.Generator) -> float:
     """The DP quantile of one group from its tree's non-empty nodes (a row of the tree statement)."""
     agg = query.aggregates[aggregate]
     tree = plan.quantity(f"dp_a{aggregate}_{Component.TREE}")
@@ -117,7 +134,7 @@ def tree_answer(query: AnalyzedQuery, plan: DPQueryPlan, row: Mapping[str, Any],
     rows can be streamed, keeping only the answers."""
     aggregate = int(row["dp_agg"])
     return ((group_key(row, len(query.keys)), aggregate),
-            quantile_value(query, plan, aggregate, row["dp_codes"], row["dp_counts"], rng))
+            quantile_value(query, plan, aggregate, *tree_arrays(row), rng))
 
 
 def tree_values(query: AnalyzedQuery, plan: DPQueryPlan, tree_rows: Iterable[Mapping[str, Any]],

@@ -61,6 +61,7 @@ from dp_core.release import (
     release,
     select,
     tree_answer,
+    tree_nodes,
     tree_order,
 )
 from dp_core.rewrite import (
@@ -182,16 +183,17 @@ class UidSplit:
     tables with row-level security, as protected tables are."""
 
 
-async def _tree_stream(cursor: Any, timeout: float) -> AsyncIterator[Any]:
+async def _tree_stream(cursor: Any, timeout: float, streams: int = 1) -> AsyncIterator[Any]:
     """The rows of a tree statement's cursor; each fetch asks for about _TREE_NODES_PER_FETCH
-    nodes' worth of rows, judging by the last (few big trees, or many small ones)."""
-    batch = 4
+    nodes' worth of rows (shared by `streams` merged at once), judging by the last (few big
+    trees, or many small ones)."""
+    batch, nodes_per_fetch = 1, _TREE_NODES_PER_FETCH // streams
     while rows := await cursor.fetch(batch, timeout=timeout + 5):
         nodes = 0
         for r in rows:
-            nodes += len(r["dp_codes"])
+            nodes += tree_nodes(r)
             yield r
-        batch = max(1, min(_TREE_ROWS_PER_FETCH, _TREE_NODES_PER_FETCH * len(rows) // max(nodes, 1)))
+        batch = max(1, min(_TREE_ROWS_PER_FETCH, nodes_per_fetch * len(rows) // max(nodes, 1)))
 
 
 async def _merged_trees(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIterator[Any]:
@@ -607,7 +609,8 @@ class DPService:
                 # its answer is kept; split, the ranges' streams are merged a group at a time
                 if ranges and conn.get_settings().server_encoding in _CODE_POINT_ORDER:
                     streams = [_tree_stream(await (await c.prepare(sqls["trees"])).cursor(
-                        timeout=timeout + 5), timeout) for c, sqls in zip(conns, shards, strict=True)]
+                        timeout=timeout + 5), timeout, len(conns))
+                        for c, sqls in zip(conns, shards, strict=True)]
                     trees = _merged_trees(streams, keys)
                 else:
                     trees = _tree_stream(await statements["trees"].cursor(timeout=timeout + 5),
