@@ -24,7 +24,7 @@ from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery
 from dp_core.errors import InternalError
 from dp_core.mechanisms import secure_rng
 from dp_core.plan import Component, DPQueryPlan, reads_user_count
-from dp_core.quantiles import walk
+from dp_core.quantiles import LEAVES, LEVEL_OFFSETS, walk
 
 INT8 = "int8"
 FLOAT8 = "float8"
@@ -79,13 +79,15 @@ def add_trees(parts: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     statement with equal keys and aggregate): each node's user count is the sum of its counts."""
     if len(parts) == 1:
         return parts[0]
-    arrays = [tree_arrays(p) for p in parts]
-    codes = np.concatenate([c for c, _ in arrays])
-    counts = np.concatenate([n for _, n in arrays])
-    nodes, where = np.unique(codes, return_inverse=True)
+    # one dense count per possible node (560 kB), each part added in turn: a smaller peak
+    # than sorting all parts' codes together
+    dense = np.zeros(LEVEL_OFFSETS[-1] + LEAVES, dtype=np.int64)
+    for p in parts:
+        codes, counts = tree_arrays(p)
+        dense[codes] += counts  # a part's codes are distinct
+    nodes = np.flatnonzero(dense)
     merged = dict(parts[0].items())
-    merged["dp_codes"] = nodes
-    merged["dp_counts"] = np.bincount(where, weights=counts, minlength=len(nodes)).astype(np.int64)
+    merged["dp_codes"], merged["dp_counts"] = nodes.astype(np.int64), dense[nodes]
     return merged
 
 
