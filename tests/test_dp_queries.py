@@ -365,18 +365,23 @@ def test_subqueries_and_ctes_end_to_end(proxy: Proxy, reset: None) -> None:
                          "FROM visits GROUP BY browser) s")
 
 
-def test_cancel_a_running_dp_query(proxy: Proxy, reset: None) -> None:
+def cancel_a_slow_dp_query(conn: psycopg.Connection) -> None:
+    """Run a DP query that takes many seconds (epsilon 0.2), cancel it after one: 57014 soon."""
     import time
 
+    timer = threading.Timer(1.0, conn.cancel_safe)
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(psycopg.errors.QueryCanceled):
+        conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.2) a.browser, ANON_COUNT(*) "
+                     "FROM visits a JOIN visits b USING (uid) JOIN visits c USING (uid) "
+                     "GROUP BY a.browser").fetchall()
+    assert time.monotonic() - started < 5
+
+
+def test_cancel_a_running_dp_query(proxy: Proxy, reset: None) -> None:
     with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
-        timer = threading.Timer(1.0, conn.cancel_safe)
-        timer.start()
-        started = time.monotonic()
-        with pytest.raises(psycopg.errors.QueryCanceled):
-            conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.2) a.browser, ANON_COUNT(*) "
-                         "FROM visits a JOIN visits b USING (uid) JOIN visits c USING (uid) "
-                         "GROUP BY a.browser").fetchall()
-        assert time.monotonic() - started < 5
+        cancel_a_slow_dp_query(conn)
         assert conn.execute("SELECT 1").fetchone() == (1,)
         assert spent(conn)[0] == pytest.approx(0.2), "the charge made before the cancel stands"
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ from dp_core.rewrite import pushdown, uid_ranges
 
 from .conftest import Backend, LoopThread, running_proxy
 from .test_dp_engine import GOLDEN, GOLDEN_CASES, build
+from .test_dp_queries import cancel_a_slow_dp_query
 
 # ---------------------------------------------------------------------------- pure parts
 
@@ -251,8 +251,6 @@ def test_small_tables_or_split_1_are_not_split(loop_thread: LoopThread, demo_con
 def test_cancel_a_running_split_query(loop_thread: LoopThread, demo_config: Config,
                                       backend: Backend) -> None:
     """A cancel reaches every range's pushdown; the connections go back to the pool usable."""
-    import time
-
     b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0,
                                                "pushdown_pool_size": 4})
     config = demo_config.model_copy(update={"backend": b})
@@ -262,14 +260,7 @@ def test_cancel_a_running_split_query(loop_thread: LoopThread, demo_config: Conf
         with psycopg.connect(px.dsn(), autocommit=True) as conn:
             before = _split_counter(px.server.metrics.exposition().decode())
             for _ in range(2):
-                timer = threading.Timer(1.0, conn.cancel_safe)
-                timer.start()
-                started = time.monotonic()
-                with pytest.raises(psycopg.errors.QueryCanceled):
-                    conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.2) a.browser, "
-                                 "ANON_COUNT(*) FROM visits a JOIN visits b USING (uid) JOIN "
-                                 "visits c USING (uid) GROUP BY a.browser").fetchall()
-                assert time.monotonic() - started < 5
+                cancel_a_slow_dp_query(conn)
             # the pool (4 connections) is whole: queries still split and answer
             for _ in range(3):
                 rows = conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) browser, "
