@@ -116,7 +116,7 @@ class BackendConfig(_Strict):
     pushdown_split_min_rows: int = Field(
         default=200_000, ge=0,
         description="split only when the table whose uid the query groups by has at least this "
-                    "many rows (pg_class.reltuples) and a histogram of its uid column (ANALYZE)")
+                    "many rows (pg_class.reltuples, kept by ANALYZE and VACUUM)")
     ledger_schema: str = "dpproxy"
 
     @field_validator("ledger_schema")

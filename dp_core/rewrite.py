@@ -331,9 +331,9 @@ lowest range also holds a NULL uid)."""
 
 
 def uid_ranges(histogram: Sequence[str], n: int) -> list[UidRange]:
-    """About `n` ranges of equally many rows, cut at the uid column's histogram bounds
-    (`pg_stats`, ascending in the column's order). Every uid is in exactly one range: `>=` and
-    `<` against one value are complements for any btree-ordered type."""
+    """About `n` ranges of equally many rows, cut at `histogram`: percentiles of the uid column
+    (ascending in the column's order). Every uid is in exactly one range: `>=` and `<` against
+    one value are complements for any btree-ordered type."""
     cuts: list[str] = []
     for k in range(1, n):
         cut = histogram[round(k * (len(histogram) - 1) / n)] if histogram else None
@@ -440,8 +440,6 @@ class Pushdown:
     bounds: str | None
     """APPROX_BOUNDS: users per log-scale bin and aggregate (run first, when present)."""
     order_seed: int
-    uid_range: UidRange | None = None
-    """The users this pushdown reads, when it is one of several that split them."""
 
     def statements(self) -> dict[str, str]:
         """The statements there are, by name, in the order they run."""
@@ -460,7 +458,7 @@ def pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] 
     bounds get placeholder bounds [0, 1] in `main` and `trees` (prepared only,
     for their types; run them from `pushdown` with the found bounds).
     With `uid_range`, the statements read only the users in that range (see
-    `split_pushdown`).
+    `RangedPushdown`).
     """
     if uid_range is not None:
         return ranged_pushdown(query, plan, arg_types, order_seed).of(uid_range)
@@ -485,7 +483,7 @@ class RangedPushdown:
             return None if sql is None else _fill(sql, self.token, uid_range)
 
         m = self.marked
-        return Pushdown(fill(m.main), fill(m.trees), fill(m.bounds), m.order_seed, uid_range)
+        return Pushdown(fill(m.main), fill(m.trees), fill(m.bounds), m.order_seed)
 
 
 def ranged_pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None,

@@ -362,21 +362,26 @@ class DPService:
         prepared.columns = list(result.get_attributes())
         return prepared
 
-    async def _split(self, prepared: Prepared, conn: Any) -> UidSplit | None:
-        """How the pushdown may be split by uid ranges, or None: only over a large table whose
-        uid column has a histogram, and with group keys whose texts can be added up by."""
+    async def _split(self, prepared: Prepared, conn: Any) -> None:
+        """Sets how the pushdown may be split by uid ranges (`prepared.split`, `.ranged`,
+        `.split_ranges`): only over a large table whose uid could be sampled, with group keys
+        whose texts rows can be added up by, and (for quantile trees, which merge as streams
+        in key order) a server encoding whose byte order is the code points'."""
         b = self.config.backend
         table = _uid_table(prepared.query)
         if b.pushdown_split < 2 or table is None or any(
                 o not in _SPLIT_KEY_OIDS for o in prepared.key_oids):
-            return None
+            return
+        if ("trees" in prepared.statements and prepared.key_oids
+                and conn.get_settings().server_encoding not in _CODE_POINT_ORDER):
+            return
         try:
             if any(o in _TEXT_KEY_OIDS for o in prepared.key_oids):
                 if self._nondeterministic is None:  # such a collation makes 'a' = 'A' a group
                     self._nondeterministic = bool(await conn.fetchval(
                         "SELECT EXISTS (SELECT FROM pg_collation WHERE NOT collisdeterministic)"))
                 if self._nondeterministic:
-                    return None
+                    return
             now = time.monotonic()
             cached = self._histograms.get(table.name)
             if cached is None or cached[0] < now:
@@ -388,21 +393,19 @@ class DPService:
                 cached = self._histograms[table.name] = (now + _STATS_SECONDS, found)
             split = cached[1]
             if split is None or split.rows < b.pushdown_split_min_rows:
-                return None
+                return
             # the ranges' bounds are the column's own values as text: checked here, before
             # any charge, that Postgres takes them for the query's uid
             ranges = uid_ranges(split.histogram, b.pushdown_split)
             if len(ranges) < 2:
-                return None
-            prepared.split_ranges = len(ranges)
+                return
             ranged = ranged_pushdown(prepared.query, prepared.plan, prepared.arg_types,
                                      prepared.pushdown.order_seed)
             await conn.prepare(next(iter(ranged.of(ranges[len(ranges) // 2]).statements().values())))
-            prepared.ranged = ranged
         except asyncpg.PostgresError as e:
             log.warning("a DP pushdown will not be split by uid: %s", e)
-            return None
-        return split
+            return
+        prepared.split, prepared.ranged, prepared.split_ranges = split, ranged, len(ranges)
 
     async def _uid_histogram(self, table: TableRef, conn: Any) -> UidSplit | None:
         schema = self.policy[table.name].schema
@@ -512,7 +515,7 @@ class DPService:
     async def _answer(self, session: Session, st: Statement, bind: p.Bind | None,
                       param_types: Sequence[int], conn: Any) -> tuple[str, list[p.NoticeResponse]]:
         prepared = await self.prepare(session, st, bind, param_types, conn)
-        prepared.split = await self._split(prepared, conn)
+        await self._split(prepared, conn)
         plan = prepared.plan
         if st.kind is StatementKind.DP_EXPLAIN:
             lines = explain_lines(prepared)
@@ -593,12 +596,15 @@ class DPService:
                                  plan.max_groups_contributed, plan.noise_kind, plan.auto_bounds)
                 if plan.cost != prepared.plan.cost:
                     raise InternalError("the plan's cost changed with its bounds (this is a bug)")
-                pd = pushdown(query, plan, prepared.arg_types, prepared.pushdown.order_seed)
-                statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()
-                              if name != "bounds"}
-                if ranges:
-                    ranged = ranged_pushdown(query, plan, prepared.arg_types, pd.order_seed)
+                seed = prepared.pushdown.order_seed
+                if ranges:  # the ranges run every statement: their names are all that is used
+                    ranged = ranged_pushdown(query, plan, prepared.arg_types, seed)
                     shards = [ranged.of(r).statements() for r in ranges]
+                    statements = dict.fromkeys(n for n in shards[0] if n != "bounds")
+                else:
+                    pd = pushdown(query, plan, prepared.arg_types, seed)
+                    statements = {name: await conn.prepare(sql)
+                                  for name, sql in pd.statements().items() if name != "bounds"}
             rows = await fetch("main") if "main" in statements else []
             # partition selection first: only the kept groups' trees are walked
             selection = select(query, plan, rows, rng)
@@ -607,7 +613,7 @@ class DPService:
                 wanted, keys = selection.kept_keys(len(query.keys)), len(query.keys)
                 # streamed: each row is one group's whole tree (up to 69,904 nodes) and only
                 # its answer is kept; split, the ranges' streams are merged a group at a time
-                if ranges and conn.get_settings().server_encoding in _CODE_POINT_ORDER:
+                if ranges:
                     streams = [_tree_stream(await (await c.prepare(sqls["trees"])).cursor(
                         timeout=timeout + 5), timeout, len(conns))
                         for c, sqls in zip(conns, shards, strict=True)]
