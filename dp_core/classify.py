@@ -92,9 +92,11 @@ class ProtectionPolicy:
 
 _WORD_BYTES = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 """What `\\b` counts as a word character in a bytes pattern (ASCII letters, digits, _)."""
-_PLAIN_PREPARED_SIZE = 1024
-_PLAIN_PREPARED_MAX_LENGTH = 4096
-"""Parse texts remembered by `Classifier.is_plain_prepared_bytes`: how many, up to what length."""
+_PLAIN_MEMO_SIZE = 1024
+_PLAIN_MEMO_MAX_LENGTH = 4096
+"""Texts whose fast-path verdict `Classifier.is_plain_pass_through_bytes` remembers: how
+many, up to what length."""
+_DIGITS = b"0123456789"
 
 
 def _trie_pattern(words: list[bytes]) -> bytes:
@@ -144,7 +146,17 @@ class Classifier:
         self._needs_parse_bytes = re.compile(_trie_pattern([*plain_words, b"do", b"call"]))
         self._opaque_words = frozenset(
             o for o in (b"do", b"call") if not any(o.startswith(w) for w in plain_words))
-        self._plain_prepared: dict[bytes, bool] = {}
+        # The verdicts are remembered by folded text: ASCII letters lowercased (as the search
+        # wants them) and, when no word has a digit, every digit written as 0, so that the
+        # same statement with other numbers (pgbench's, a BI tool's ids) is one entry. The
+        # verdict cannot change: a word without digits neither meets a digit in the text nor
+        # finds one in the folded text, and digits stay word characters for DO and CALL.
+        fold = bytearray(bytes(range(256)).lower())
+        if not any(d in w for w in plain_words for d in _DIGITS):
+            for d in _DIGITS:
+                fold[d] = ord("0")
+        self._fold = bytes(fold)
+        self._plain_memo: dict[bytes, bool] = {}
 
     def is_plain_pass_through(self, sql: str) -> bool:
         """True when `sql` certainly names no protected table and no DP feature.
@@ -156,11 +168,24 @@ class Classifier:
         return self._needs_parse.search(sql) is None
 
     def is_plain_pass_through_bytes(self, sql: bytes) -> bool:
-        """`is_plain_pass_through` on UTF-8 text (protected names are ASCII identifiers).
+        """`is_plain_pass_through` on UTF-8 text (protected names are ASCII identifiers), for
+        the hot path of every forwarded Query and Parse: the verdict is remembered by folded
+        text (clients send the same few statements again and again, with other literals).
 
-        `bytes.lower` folds ASCII only, as re.IGNORECASE does on bytes.
+        The fold lowercases ASCII only, as re.IGNORECASE does on bytes.
         """
-        text = sql.lower()
+        text = sql.translate(self._fold)
+        hit = self._plain_memo.get(text)
+        if hit is None:
+            hit = self._search_plain(text)
+            if len(text) <= _PLAIN_MEMO_MAX_LENGTH:
+                if len(self._plain_memo) >= _PLAIN_MEMO_SIZE:
+                    self._plain_memo.clear()
+                self._plain_memo[text] = hit
+        return hit
+
+    def _search_plain(self, text: bytes) -> bool:
+        """No word that needs the parser in `text` (folded)."""
         search, opaque, n = self._needs_parse_bytes.search, self._opaque_words, len(text)
         m = search(text)
         while m is not None:
@@ -172,18 +197,6 @@ class Classifier:
                 return False  # DO or CALL as a word
             m = search(text, start + 1)  # inside a word ("double", "recall"): look on
         return True
-
-    def is_plain_prepared_bytes(self, sql: bytes) -> bool:
-        """`is_plain_pass_through_bytes` for the text of a Parse, remembered: drivers parse the
-        same few statements again and again, with `$n` where the literals would change."""
-        hit = self._plain_prepared.get(sql)
-        if hit is None:
-            hit = self.is_plain_pass_through_bytes(sql)
-            if len(sql) <= _PLAIN_PREPARED_MAX_LENGTH:
-                if len(self._plain_prepared) >= _PLAIN_PREPARED_SIZE:
-                    self._plain_prepared.clear()
-                self._plain_prepared[sql] = hit
-        return hit
 
     def classify(self, sql: str) -> tuple[Statement, ...]:
         """All statements of `sql`, in order. Raises SyntaxError_ (42601) when it does not parse."""

@@ -156,6 +156,8 @@ class ProxyServer:
         self.config = merged
         for session in list(self.sessions.values()):
             session.config = merged
+            if session.link is not None:
+                session.link.log_cycles = self.statement_log.log_all
             if session.user and session.user not in merged.analysts:
                 session.fatal(InvalidAuthorization(
                     f'role "{session.user}" was removed from the configuration'))

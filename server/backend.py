@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import cast
+from typing import Protocol, cast
 
 from server import protocol as p
 from server.dsn import DSN
@@ -70,6 +70,8 @@ _COMPLETES = {
     b"s": (Pending.EXECUTE,),
 }
 _SIMPLE = (Pending.QUERY, Pending.QUERY_SPLIT)
+_QUERY, _SYNC = Pending.QUERY, Pending.SYNC
+"""For the relay loop (an Enum member is a slow class attribute on Python 3.11)."""
 _INTERNAL_COMPLETES = {
     b"1": Pending.INTERNAL_PARSE,
     b"2": Pending.INTERNAL_BIND,
@@ -83,9 +85,17 @@ _LENGTH = struct.Struct("!i")
 # the same sets keyed by the tag's byte value, for the relay loop
 _TRACKED_INT = frozenset(t[0] for t in _TRACKED)
 _NOT_ENDING_A_QUERY_INT = frozenset(t[0] for t in _NOT_ENDING_A_QUERY)
-_COMPLETES_INT = {t[0]: kinds for t, kinds in _COMPLETES.items()}
+_ENDS_INT = {t[0]: kinds[0] for t, kinds in _COMPLETES.items()}
+"""The one pending kind each tracked reply ends, by tag byte (every tuple of _COMPLETES has one)."""
+assert all(len(kinds) == 1 for kinds in _COMPLETES.values())
 _BYTES = [bytes((i,)) for i in range(256)]
-_Q, _E, _S = ord("Q"), ord("E"), ord("S")
+_Q, _E, _S, _Z = ord("Q"), ord("E"), ord("S"), ord("Z")
+
+
+class CycleCounter(Protocol):
+    """Where the relay counts client cycles that succeeded (the metrics)."""
+
+    pass_through_ok: int
 
 
 @dataclass
@@ -104,8 +114,8 @@ class BackendLink(asyncio.Protocol):
         self._relaying = False
         self.target: RelayTarget | None = None
         self.pending: deque[Pending] = deque()
-        self.idle = asyncio.Event()
-        self.idle.set()
+        self._drained: asyncio.Future[None] | None = None
+        """What `drain()` awaits: set when the pending queue empties."""
         self.errors = 0
         """ErrorResponses relayed so far."""
         self.errors_at_ready = 0
@@ -129,7 +139,10 @@ class BackendLink(asyncio.Protocol):
         self.last_sqlstate: str | None = None
         self.on_cycle: Callable[[float, str | None], None] | None = None
         """Called at the end of each client cycle that did pass-through work: its start, and
-        the SQLSTATE of its last error (None when it succeeded)."""
+        the SQLSTATE of its last error (None when it succeeded); for a success only when
+        `log_cycles` is set, else the cycle is just counted in `counter`."""
+        self.log_cycles = True
+        self.counter: CycleCounter | None = None
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -150,7 +163,10 @@ class BackendLink(asyncio.Protocol):
 
         Untracked frames (rows, notices...) stream through as they arrive, even
         when a frame spans many reads; only small tracked frames are ever held
-        back, and only until they are complete.
+        back, and only until they are complete. The replies that end a
+        forwarded message, and the ReadyForQuery of a cycle that succeeded, are
+        handled inline (this loop runs for every reply a pass-through statement
+        gets); the rest goes through `_track`.
         """
         out: list[bytes] = []
         if self._skip:
@@ -163,6 +179,8 @@ class BackendLink(asyncio.Protocol):
         n = len(buf)
         pos = keep_from = 0
         unpack, tracked, pending = _LENGTH.unpack_from, _TRACKED_INT, self.pending
+        not_ending, ends, query, sync = _NOT_ENDING_A_QUERY_INT, _ENDS_INT, _QUERY, _SYNC
+        head = pending[0] if pending else None
         while pos + 5 <= n:
             tag = buf[pos]  # an int: cheaper than a one-byte slice on this hot path
             length = unpack(buf, pos + 1)[0]
@@ -176,23 +194,43 @@ class BackendLink(asyncio.Protocol):
                     pos = n
                 break
             if tag in tracked:
-                head = pending[0] if pending else None
-                if head is Pending.QUERY and tag in _NOT_ENDING_A_QUERY_INT:
-                    pass  # inside a simple query only ReadyForQuery and errors matter
-                elif head is not None and head in _COMPLETES_INT.get(tag, ()):
-                    pending.popleft()  # the common case of _track, inline on the hot path
-                    if not pending:
-                        self.idle.set()
-                elif not self._track(_BYTES[tag], buf, pos, end):
-                    out.append(buf[keep_from:pos])
-                    keep_from = end
+                if (head is query or head is sync) and tag in not_ending:
+                    pass  # before a ReadyForQuery that ends a cycle, only errors matter
+                elif head is not None and head is ends.get(tag):
+                    pending.popleft()
+                    head = pending[0] if pending else None
+                elif tag == _Z and (head is query or head is sync) \
+                        and self.errors == self.errors_at_ready and self.cycles:
+                    # a client cycle that succeeded: `_track`'s common case
+                    pending.popleft()
+                    head = pending[0] if pending else None
+                    self.tx_status = _BYTES[buf[pos + 5]]
+                    started = self.cycles.popleft()
+                    if started is not None:
+                        if self.log_cycles and self.on_cycle is not None:
+                            self.on_cycle(started, None)
+                        elif self.counter is not None:
+                            self.counter.pass_through_ok += 1
+                else:
+                    if not self._track(_BYTES[tag], buf, pos, end):
+                        out.append(buf[keep_from:pos])
+                        keep_from = end
+                    head = pending[0] if pending else None
             pos = end
+        if head is None and self._drained is not None:
+            self._wake()
         out.append(buf[keep_from:pos])
         self._partial = buf[pos:]
         if self.target is not None:
             chunk = out[0] if len(out) == 1 else b"".join(out)
             if chunk:
                 self.target.write(chunk)
+
+    def _wake(self) -> None:
+        """Nothing is pending any more: let `drain()` return."""
+        waiter, self._drained = self._drained, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lose(exc)
@@ -206,7 +244,7 @@ class BackendLink(asyncio.Protocol):
         self._handshake.put_nowait(BackendError("the backend closed the connection"))
         self.pending.clear()
         self.cycles.clear()
-        self.idle.set()
+        self._wake()
         if self._relaying and self.target is not None:
             self.target.lost(exc)
 
@@ -226,8 +264,8 @@ class BackendLink(asyncio.Protocol):
                 relay = head is not Pending.QUERY_SPLIT and head is not Pending.INTERNAL_SYNC
                 if relay and self.cycles:
                     started = self.cycles.popleft()
-                    if started is not None and self.on_cycle is not None:
-                        self.on_cycle(started, self.last_sqlstate if failed else None)
+                    if started is not None:
+                        self._cycle_done(started, self.last_sqlstate if failed else None)
         elif tag == b"E":
             self.errors += 1
             code = buf.find(b"\0C", start + 4, end)  # a field boundary, then the SQLSTATE field
@@ -249,9 +287,14 @@ class BackendLink(asyncio.Protocol):
             relay = False
         elif head is not None and head in _COMPLETES.get(tag, ()):
             pending.popleft()
-        if not pending:
-            self.idle.set()
         return relay
+
+    def _cycle_done(self, started: float, sqlstate: str | None) -> None:
+        if sqlstate is None and not self.log_cycles:
+            if self.counter is not None:
+                self.counter.pass_through_ok += 1
+        elif self.on_cycle is not None:
+            self.on_cycle(started, sqlstate)
 
     def forward(self, raw: bytes, tag: bytes) -> None:
         """Send one raw client frame to the backend and note the reply it awaits."""
@@ -259,7 +302,6 @@ class BackendLink(asyncio.Protocol):
         kind = Pending.QUERY if tag == b"Q" else _EXTENDED_TAGS.get(tag)
         if kind is not None:
             self.pending.append(kind)
-            self.idle.clear()
             self.note_cycle(tag[0], time.perf_counter())
         if self._corked is not None:
             self._corked.append(raw)
@@ -299,7 +341,6 @@ class BackendLink(asyncio.Protocol):
         assert self.transport is not None
         self.pending.append(Pending.QUERY_SPLIT)
         self.last_split_failed = False
-        self.idle.clear()
         self.uncork()
         self.transport.write(p.Query(sql).encode())
 
@@ -314,7 +355,6 @@ class BackendLink(asyncio.Protocol):
         n = INTERNAL_NAME
         self.pending.extend([Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND, Pending.EXECUTE,
                              Pending.INTERNAL_CLOSE, Pending.INTERNAL_CLOSE, Pending.INTERNAL_SYNC])
-        self.idle.clear()
         self.transport.write(b"".join(m.encode() for m in (
             p.Parse(n, sql), p.Bind(n, n, (), (), result_formats), p.Execute(n, 0),
             p.Close(b"P", n), p.Close(b"S", n), p.Sync())))
@@ -327,7 +367,9 @@ class BackendLink(asyncio.Protocol):
         if self.pending[-1] not in _SIMPLE and self.pending[-1] not in _SYNCS:
             assert self.transport is not None
             self.transport.write(p.Flush().encode())
-        await self.idle.wait()
+        if self._drained is None:
+            self._drained = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._drained)
 
     def pause_reading(self) -> None:
         if self.transport is not None and not self.closed:

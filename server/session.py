@@ -59,14 +59,14 @@ _FAST_KINDS = {
     ord("S"): backend.Pending.SYNC, ord("H"): None,
 }
 """Frames the fast path forwards, by tag byte, and the reply each awaits."""
-_P, _Q = ord("P"), ord("Q")
+_P, _Q, _S, _E = ord("P"), ord("Q"), ord("S"), ord("E")
+_SLOW: Any = object()
+"""`_FAST_KINDS.get`'s default: a frame the fast path does not forward."""
 _LOG_KINDS = {
     StatementKind.DP_QUERY: "dp_query", StatementKind.DP_EXPLAIN: "dp_explain",
     StatementKind.REFUSED: "refused",
 }
 """Statement kinds as metrics and logs name them; the proxy's other answers are "local"."""
-_CYCLE_TAGS = frozenset(b"QES")
-"""Frames that start or end a client cycle, for the statement log and metrics."""
 _NAMED = frozenset(b"BDCE")
 """Frames that name a statement or portal, which may be one the proxy answers itself."""
 _FORWARDED = (StatementKind.PASS_THROUGH, StatementKind.EMPTY)
@@ -86,6 +86,10 @@ class State(Enum):
     FAILED_BATCH = "failed-batch"
     """An extended-protocol message failed: discard everything until Sync."""
     CLOSED = "closed"
+
+
+_READY, _CLOSED = State.READY, State.CLOSED
+"""For the per-read path (an Enum member is a slow class attribute on Python 3.11)."""
 
 
 @dataclass(frozen=True)
@@ -186,18 +190,18 @@ class Session:
         """The idle timer saw a query in flight and has not yet seen it end."""
         classifier = server.classifier
         self._plain = classifier.is_plain_pass_through_bytes
-        self._plain_prepared = classifier.is_plain_prepared_bytes
         self._tls_ok = self.config.tls.enabled
         self._startup_task = asyncio.get_running_loop().create_task(self._startup())
 
     # ------------------------------------------------------------------ input
 
     def data_received(self, data: bytes) -> None:
-        if self.state is State.CLOSED:
+        state = self.state
+        if state is _CLOSED:
             return
         self._last_input = self._clock()  # the idle timer reads it when it fires
         link = self.link
-        if (self.state is State.READY and not self.busy and not self.backlog
+        if (state is _READY and not self.busy and not self.backlog
                 and not self.frames.buffered and link is not None):
             rest = self._fast_forward(link, data)  # the common case: no copy into the buffer
             if not rest:
@@ -237,42 +241,58 @@ class Session:
 
         Stops at the first frame that needs the proxy (or is malformed, or
         incomplete) and returns the bytes from there on, for the general path.
-        Each forwarded frame is noted in the link's pending queue exactly as
-        `BackendLink.forward` would.
+        Each forwarded frame is noted in the link's pending queue as
+        `BackendLink.forward` would, except that the frames before a forwarded
+        Sync are noted as the Sync alone: up to its ReadyForQuery the backend's
+        replies are all theirs, as they are a simple Query's.
         """
         n = len(data)
         pos = 0
         limit = self.frames.max_size
-        plain, plain_prepared = self._plain, self._plain_prepared
+        plain = self._plain
         local = bool(self.local_statements or self.local_portals)
-        pending = link.pending
+        pending, cycles = link.pending, link.cycles
         kinds, unpack = _FAST_KINDS, _LENGTH.unpack_from
+        unsynced: list[backend.Pending] = []
+        """Kinds of the frames forwarded since the last Sync of this run."""
         now = time.perf_counter()
         while pos + 5 <= n:
             tag = data[pos]  # an int: cheaper than a one-byte slice
             length = unpack(data, pos + 1)[0]
             end = pos + 1 + length
-            if length < 4 or length > limit or end > n or tag not in kinds:
+            kind = kinds.get(tag, _SLOW)
+            if length < 4 or length > limit or end > n or kind is _SLOW:
                 break
-            if tag == _P:
+            if tag == _Q:
+                if data[end - 1] != 0 or not plain(data[pos + 5 : end - 1]):
+                    break
+                if unsynced:
+                    pending.extend(unsynced)
+                    unsynced.clear()
+                pending.append(kind)
+                cycles.append(now)  # `BackendLink.note_cycle`, inline
+            elif tag == _S:
+                unsynced.clear()
+                pending.append(kind)
+                cycles.append(link.batch_started)  # `BackendLink.note_cycle`, inline
+                link.batch_started = None
+            elif tag == _P:
                 name_end = data.find(b"\0", pos + 5, end)
                 sql_end = data.find(b"\0", name_end + 1, end) if name_end >= 0 else -1
                 if sql_end < 0 or self.local_statements or \
-                        not plain_prepared(data[name_end + 1 : sql_end]):
+                        not plain(data[name_end + 1 : sql_end]):
                     break
-            elif tag == _Q:
-                if data[end - 1] != 0 or not plain(data[pos + 5 : end - 1]):
-                    break
+                unsynced.append(kind)
             elif local and tag in _NAMED:
                 break  # names may be local: let the general path look
-            kind = kinds[tag]
-            if kind is not None:
-                pending.append(kind)
-                if tag in _CYCLE_TAGS:
-                    link.note_cycle(tag, now)
+            elif kind is not None:  # Bind, Describe, Execute, Close (a Flush awaits nothing)
+                unsynced.append(kind)
+                if tag == _E and link.batch_started is None:
+                    link.batch_started = now
             pos = end
+        if unsynced:
+            pending.extend(unsynced)
         if pos:
-            link.idle.clear()
             link.write(data[:pos] if pos < n else data)
         return data[pos:] if pos else data
 
@@ -332,8 +352,6 @@ class Session:
         server = self.server
         if kind == "pass_through" and sqlstate is None:
             server.metrics.pass_through_ok += 1
-            if not server.statement_log.log_all:
-                return  # the common case, kept cheap: no line to write
         else:
             server.metrics.statement(kind, sqlstate is None).inc()
         slog = server.statement_log
@@ -477,6 +495,8 @@ class Session:
         # relayed bytes go straight to the transport: it no longer changes (TLS is set up)
         self.link.target = backend.RelayTarget(self.transport.write, self._backend_lost)
         self.link.on_cycle = functools.partial(self.statement_done, "pass_through")
+        self.link.counter = self.server.metrics
+        self.link.log_cycles = self.server.statement_log.log_all
         self.write(b"".join(self.link.startup_frames))
         self.send(p.BackendKeyData(self.process_id, self.secret_key),
                   p.ReadyForQuery(self.link.tx_status))

@@ -257,8 +257,9 @@ def test_fast_path_finds_a_protected_name_that_overlaps_do_or_call() -> None:
 @settings(max_examples=3000, deadline=None)
 @given(st.lists(st.sampled_from([
     "do", "call", "all_users", "visits", "dp_", "dp.", "u&", "_", "x", " ", "$", "DO", "CaLL",
-    "1", ";", "'", "\u00e1", "o", "c", "al", "l", "users", "anonymization", "ca", "_log"]),
-    max_size=12), st.sampled_from([0, 1]))
+    "1", ";", "'", "\u00e1", "o", "c", "al", "l", "users", "anonymization", "ca", "_log", "7",
+    "2024", "visits20"]),
+    max_size=12), st.sampled_from([0, 1, 2]))
 def test_fast_path_agrees_with_its_reference(parts: list[str], policy: int) -> None:
     c = _OVERLAP[policy]
     sql = "".join(parts).encode()
@@ -266,22 +267,34 @@ def test_fast_path_agrees_with_its_reference(parts: list[str], policy: int) -> N
 
 
 _OVERLAP = (Classifier(ProtectionPolicy({"visits": "public", "all_users": "public"})),
-            Classifier(ProtectionPolicy({"cal": "public", "do_log": "public", "visit": "x"})))
+            Classifier(ProtectionPolicy({"cal": "public", "do_log": "public", "visit": "x"})),
+            Classifier(ProtectionPolicy({"visits2024": "public", "do1": "public"})))
 
 
-def test_prepared_texts_are_remembered_within_bounds() -> None:
+def test_fast_path_verdicts_are_remembered_within_bounds() -> None:
     from dp_core import classify
 
     c = Classifier(ProtectionPolicy({"visits": "public"}))
     texts = [b"SELECT abalance FROM pgbench_accounts WHERE aid = $1", b"SELECT * FROM visits",
              b"DO $$ BEGIN END $$", b"select $1::int"]
     for _ in range(2):  # the second time from memory, with the same answers
-        assert [c.is_plain_prepared_bytes(t) for t in texts] == \
-            [c.is_plain_pass_through_bytes(t) for t in texts] == [True, False, False, True]
-    assert set(c._plain_prepared) == set(texts)
-    long = b"SELECT 1 " + b" " * classify._PLAIN_PREPARED_MAX_LENGTH + b"FROM visits"
-    assert not c.is_plain_prepared_bytes(long) and long not in c._plain_prepared
-    for i in range(classify._PLAIN_PREPARED_SIZE + 10):
-        assert c.is_plain_prepared_bytes(b"SELECT %d" % i)
-        assert len(c._plain_prepared) <= classify._PLAIN_PREPARED_SIZE
-    assert not c.is_plain_prepared_bytes(b"SELECT * FROM visits")
+        assert [c.is_plain_pass_through_bytes(t) for t in texts] == [True, False, False, True]
+        assert [c._search_plain(t.lower()) for t in texts] == [True, False, False, True]
+    assert set(c._plain_memo) == {t.lower().replace(b"1", b"0") for t in texts}
+    # other numbers, other case: the same entry
+    assert c.is_plain_pass_through_bytes(b"select abalance from PGBENCH_ACCOUNTS where aid = 97")
+    assert b"select abalance from pgbench_accounts where aid = 00" in c._plain_memo
+    long = b"SELECT 1 " + b" " * classify._PLAIN_MEMO_MAX_LENGTH + b"FROM visits"
+    assert not c.is_plain_pass_through_bytes(long) and len(c._plain_memo) == 5
+    for i in range(classify._PLAIN_MEMO_SIZE + 10):
+        assert c.is_plain_pass_through_bytes(b"SELECT '%d'" % i)
+        assert len(c._plain_memo) <= classify._PLAIN_MEMO_SIZE
+    assert not c.is_plain_pass_through_bytes(b"SELECT * FROM visits")
+
+
+def test_digits_are_kept_when_a_protected_name_has_one() -> None:
+    c = Classifier(ProtectionPolicy({"visits2024": "public"}))
+    assert c.is_plain_pass_through_bytes(b"SELECT * FROM visits2023")
+    assert not c.is_plain_pass_through_bytes(b"SELECT * FROM visits2024")
+    assert not c.is_plain_pass_through_bytes(b"SELECT * FROM VISITS2024")
+    assert c.is_plain_pass_through_bytes(b"SELECT * FROM visits2025")

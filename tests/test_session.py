@@ -134,6 +134,32 @@ def test_extended_local_statement_describe_and_execute(raw: RawClient) -> None:
     assert desc.fields[0].name == "dp.max_groups_contributed"
 
 
+def test_pipelined_batches_in_one_write_keep_their_order(raw: RawClient) -> None:
+    # one write: forwarded batches (the fast path notes each as its Sync alone), a failing
+    # one, a Bind/Execute left before the last Sync, and a batch the proxy answers itself
+    raw.send(
+        p.Parse("", "SELECT 1"), p.Bind("", ""), p.Describe(b"P", ""), p.Execute(""), p.Sync(),
+        p.Parse("", "SELECT 1/x FROM (VALUES (0)) AS t(x)"), p.Bind("", ""), p.Execute(""),
+        p.Sync(),
+        p.Parse("two", "SELECT 2"), p.Bind("", "two"), p.Execute(""), p.Sync(),
+        p.Bind("", "two"), p.Execute(""),
+        p.Parse("s", "SHOW dp.epsilon"), p.Bind("", "s"), p.Execute(""), p.Sync(),
+        p.Query("SELECT 3"),
+    )
+    batches = [raw.recv_until_ready() for _ in range(5)]
+    assert tags(batches[0]) == ["ParseComplete", "BindComplete", "RowDescription", "DataRow",
+                                "CommandComplete", "ReadyForQuery"]
+    assert tags(batches[1])[-2:] == ["ErrorResponse", "ReadyForQuery"]
+    assert errors(batches[1]) == ["22012"]
+    assert tags(batches[2]) == ["ParseComplete", "BindComplete", "DataRow", "CommandComplete",
+                                "ReadyForQuery"]
+    assert tags(batches[3]) == ["BindComplete", "DataRow", "CommandComplete", "ParseComplete",
+                                "BindComplete", "DataRow", "CommandComplete", "ReadyForQuery"]
+    rows = [m.values for m in batches[3] if isinstance(m, p.DataRow)]
+    assert rows[0] == (b"2",) and float(rows[1][0] or b"nan") > 0
+    assert [m.values for m in batches[4] if isinstance(m, p.DataRow)] == [(b"3",)]
+
+
 def test_extended_flush_returns_replies_before_sync(raw: RawClient) -> None:
     raw.send(p.Parse("q", "SELECT 1"), p.Describe(b"S", "q"), p.Flush())
     assert tags([raw.recv(), raw.recv(), raw.recv()]) == [
