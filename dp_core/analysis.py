@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -122,6 +122,10 @@ def check_casts(casts: Sequence[CastCheck], source_types: Sequence[str]) -> None
 class Key:
     expr: ast.Node
     output_name: str
+    hashed: bool = False
+    """Matched between the pushdown's statements (a group's row and its quantile trees) by a
+    hash of its value (`dp_h{i}`) instead of its text (`dp_t{i}`): for types whose equal
+    values can print differently (numeric 1.0 = 1.00, float -0 = 0, ...)."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,16 @@ class AnalyzedQuery:
         aggregates = tuple(replace(a, bounds=found[i]) if i in found else a
                            for i, a in enumerate(self.aggregates))
         return replace(self, aggregates=aggregates)
+
+    def with_hashed_keys(self, hashed: Iterable[int]) -> AnalyzedQuery:
+        """The query with the given keys matched by hash (`Key.hashed`)."""
+        which = set(hashed)
+        return replace(self, keys=tuple(replace(k, hashed=i in which)
+                                        for i, k in enumerate(self.keys)))
+
+    @property
+    def has_quantiles(self) -> bool:
+        return any(a.kind is AggKind.QUANTILE for a in self.aggregates)
 
 
 # ---------------------------------------------------------------------------- functions

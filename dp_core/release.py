@@ -44,12 +44,13 @@ class Released:
     """Groups the pushdown returned (before thresholding); not to be shown to analysts."""
 
 
-GroupKey = tuple[str | None, ...]
-"""A group's key texts (the pushdown's dp_t columns), () for a global aggregate."""
+GroupKey = tuple[str | int | None, ...]
+"""What matches a group's row with its quantile trees: its key texts (the pushdown's dp_t
+columns) or, for hashed keys, their hashes (dp_h); () for a global aggregate."""
 
 
-def group_key(row: Mapping[str, Any], keys: int) -> GroupKey:
-    return tuple(row[f"dp_t{i}"] for i in range(keys))
+def group_key(row: Mapping[str, Any], query: AnalyzedQuery) -> GroupKey:
+    return tuple(row[f"dp_h{i}" if k.hashed else f"dp_t{i}"] for i, k in enumerate(query.keys))
 
 
 def tree_order(row: Mapping[str, Any], keys: int) -> tuple[Any, ...]:
@@ -135,7 +136,7 @@ def tree_answer(query: AnalyzedQuery, plan: DPQueryPlan, row: Mapping[str, Any],
     """((group, aggregate), DP quantile) from one row of the tree statement (one whole tree):
     rows can be streamed, keeping only the answers."""
     aggregate = int(row["dp_agg"])
-    return ((group_key(row, len(query.keys)), aggregate),
+    return ((group_key(row, query), aggregate),
             quantile_value(query, plan, aggregate, *tree_arrays(row), rng))
 
 
@@ -160,8 +161,15 @@ class Selection:
     kept: list[int]
     """Indexes into `rows` of the released groups, in order."""
 
-    def kept_keys(self, keys: int) -> set[GroupKey]:
-        return {group_key(self.rows[r], keys) for r in self.kept}
+    def kept_keys(self, query: AnalyzedQuery) -> set[GroupKey]:
+        """The kept groups' match keys, but for any two groups share (two hashed keys' hashes
+        that collide): those groups get an empty tree's answer, never another group's."""
+        seen: set[GroupKey] = set()
+        shared: set[GroupKey] = set()
+        for r in self.kept:
+            key = group_key(self.rows[r], query)
+            (shared if key in seen else seen).add(key)
+        return seen - shared
 
 
 def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, Any]],
@@ -204,8 +212,10 @@ def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str,
         if agg.kind is AggKind.QUANTILE:
             found = quantiles or {}
             column: list[Any] = [None] * len(rows)
+            wanted = chosen.kept_keys(query)
             for r in kept:
-                value = found.get((group_key(rows[r], len(query.keys)), i))
+                key = group_key(rows[r], query)
+                value = found.get((key, i)) if key in wanted else None
                 column[r] = value if value is not None else quantile_value(
                     query, plan, i, [], [], rng)
             values.append(column)

@@ -210,8 +210,16 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
         return f"WITH {with_list} SELECT {', '.join(finals)} FROM {relation}"
     key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
     key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
-    return (f"WITH {with_list} SELECT {', '.join([*key_cols, *key_text, *finals])} "
+    columns = [*key_cols, *key_text, *_key_hashes(query), *finals]
+    return (f"WITH {with_list} SELECT {', '.join(columns)} "
             f"FROM {relation} WHERE {kept} GROUP BY {', '.join(key_cols)}")
+
+
+def _key_hashes(query: AnalyzedQuery) -> list[str]:
+    """The match columns of hashed keys (`Key.hashed`): the hash of the value by its type's
+    own hash function, which equal values share whatever their texts."""
+    return [f"hash_array_extended(ARRAY[dp_k{i}], 0) AS dp_h{i}"
+            for i, k in enumerate(query.keys) if k.hashed]
 
 
 def _tree_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
@@ -239,10 +247,11 @@ def _tree_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int,
              f"GROUP BY {', '.join(str(n) for n in range(1, len(key_cols) + 3))}")
     key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
     order = [f'dp_k{i}::text COLLATE "C"' for i in range(len(query.keys))]
+    columns = [*key_text, *_key_hashes(query), "dp_agg"]
     return (f"WITH {with_list}, dp_nodes AS ({nodes}) "
             # codes and counts as big-endian int4 / int8 bytes (`release.tree_arrays`): a tree
             # of 70k nodes is 840 kB instead of Python lists of ten times that
-            f"SELECT {', '.join([*key_text, 'dp_agg'])}, string_agg(int4send(dp_code), ''::bytea "
+            f"SELECT {', '.join(columns)}, string_agg(int4send(dp_code), ''::bytea "
             "ORDER BY dp_code) AS dp_codes, string_agg(int8send(dp_n), ''::bytea ORDER BY dp_code) "
             "AS dp_counts FROM dp_nodes "
             f"GROUP BY {', '.join([*key_cols, 'dp_agg'])} "
@@ -316,11 +325,14 @@ def _probe_sql(query: AnalyzedQuery, exprs: dict[str, Any],
 
 
 def argument_probe_sql(query: AnalyzedQuery) -> str | None:
-    """A query whose result columns have the types of the aggregates' arguments (a{i}) and of
-    the deferred casts' arguments (c{i}, for `check_casts`): one statement to prepare."""
+    """A query whose result columns have the types of the aggregates' arguments (a{i}), of
+    the deferred casts' arguments (c{i}, for `check_casts`) and, for queries with quantiles,
+    of the keys (k{i}): one statement to prepare."""
     exprs = {f"a{i}": a.arg for i, a in enumerate(query.aggregates)
              if a.arg is not None and a.kind is not AggKind.COUNT}
     exprs.update((f"c{i}", c.arg) for i, c in enumerate(query.casts) if c.scope is None)
+    if query.has_quantiles:  # (k{i}): whether trees and rows can be matched by key text
+        exprs.update((f"k{i}", k.expr) for i, k in enumerate(query.keys))
     inner = {f"c{i}": (c.arg, c.scope) for i, c in enumerate(query.casts) if c.scope is not None}
     return _probe_sql(query, exprs, inner)
 

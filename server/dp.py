@@ -104,6 +104,11 @@ _SPLIT_KEY_OIDS = frozenset({16, 18, 19, 20, 21, 23, 25, 1042, 1043, 1082, 1083,
 timestamp(tz), uuid): the rows of several uid ranges add up by their key texts. Not numeric
 (1.0 = 1.00) nor floats (0 = -0), whose equal values can print differently."""
 _TEXT_KEY_OIDS = frozenset({18, 19, 25, 1042, 1043})
+_HASHED_KEY_OIDS = frozenset({700, 701, 1021, 1022, 1186, 1187, 1231, 1700, 3802, 3807, 3906,
+                              3907, 4532, 6151})
+"""Group-key types whose equal values can print differently and that have a hash function
+(float4/8, interval ('1 day' = '24 hours'), numeric, jsonb, numrange, nummultirange and their
+arrays): a group's row and its quantile trees are matched by the hash (`Key.hashed`)."""
 _STATS_SECONDS = 300.0
 """How long a uid column's histogram (for splitting pushdowns) is reused before it is read again."""
 _SAMPLE_ROWS = 20_000
@@ -333,9 +338,12 @@ class DPService:
             probe = argument_probe_sql(query)
             arg_types: dict[int, str] = {}
             if probe is not None:
-                types = {a.name: a.type.name for a in (await conn.prepare(probe)).get_attributes()}
+                attrs = (await conn.prepare(probe)).get_attributes()
+                types = {a.name: a.type.name for a in attrs}
                 arg_types = {int(name[1:]): t for name, t in types.items() if name[0] == "a"}
                 check_casts(query.casts, [types[f"c{i}"] for i in range(len(query.casts))])
+                query = query.with_hashed_keys(await self._hashed_keys(
+                    [a.type.oid for a in attrs if a.name[0] == "k"], conn))
             pd = pushdown(query, plan, arg_types)
             statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
         except asyncpg.PostgresError as e:
@@ -362,6 +370,22 @@ class DPService:
         prepared.columns = list(result.get_attributes())
         return prepared
 
+    async def _hashed_keys(self, key_oids: list[int], conn: Any) -> list[int]:
+        """Which keys (of a query with quantiles, by type) match a group's row with its trees
+        by hash rather than text (`Key.hashed`)."""
+        if any(o in _TEXT_KEY_OIDS for o in key_oids) and await self._has_nondeterministic(conn):
+            hashed = _HASHED_KEY_OIDS | _TEXT_KEY_OIDS  # 'a' = 'A' may be a group
+        else:
+            hashed = _HASHED_KEY_OIDS
+        return [i for i, o in enumerate(key_oids) if o in hashed]
+
+    async def _has_nondeterministic(self, conn: Any) -> bool:
+        """Whether the database has a nondeterministic collation (read once)."""
+        if self._nondeterministic is None:
+            self._nondeterministic = bool(await conn.fetchval(
+                "SELECT EXISTS (SELECT FROM pg_collation WHERE NOT collisdeterministic)"))
+        return self._nondeterministic
+
     async def _split(self, prepared: Prepared, conn: Any) -> None:
         """Sets how the pushdown may be split by uid ranges (`prepared.split`, `.ranged`,
         `.split_ranges`): only over a large table whose uid could be sampled, with group keys
@@ -376,12 +400,10 @@ class DPService:
                 and conn.get_settings().server_encoding not in _CODE_POINT_ORDER):
             return
         try:
-            if any(o in _TEXT_KEY_OIDS for o in prepared.key_oids):
-                if self._nondeterministic is None:  # such a collation makes 'a' = 'A' a group
-                    self._nondeterministic = bool(await conn.fetchval(
-                        "SELECT EXISTS (SELECT FROM pg_collation WHERE NOT collisdeterministic)"))
-                if self._nondeterministic:
-                    return
+            # a nondeterministic collation makes 'a' = 'A' a group
+            if any(o in _TEXT_KEY_OIDS for o in prepared.key_oids) and \
+                    await self._has_nondeterministic(conn):
+                return
             now = time.monotonic()
             cached = self._histograms.get(table.name)
             if cached is None or cached[0] < now:
@@ -610,7 +632,7 @@ class DPService:
             selection = select(query, plan, rows, rng)
             quantiles: dict[tuple[GroupKey, int], float] = {}
             if "trees" in statements:
-                wanted, keys = selection.kept_keys(len(query.keys)), len(query.keys)
+                wanted, keys = selection.kept_keys(query), len(query.keys)
                 # streamed: each row is one group's whole tree (up to 69,904 nodes) and only
                 # its answer is kept; split, the ranges' streams are merged a group at a time
                 if ranges:
@@ -622,7 +644,7 @@ class DPService:
                     trees = _tree_stream(await statements["trees"].cursor(timeout=timeout + 5),
                                          timeout)
                 async for r in trees:
-                    if group_key(r, keys) in wanted:
+                    if group_key(r, query) in wanted:
                         key, value = tree_answer(query, plan, r, rng)
                         quantiles[key] = value
         self.metrics.pushdown_seconds.observe(time.perf_counter() - started)

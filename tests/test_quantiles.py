@@ -198,6 +198,47 @@ def test_release_merges_tree_answers_by_group() -> None:
     assert medians["a"] == pytest.approx(10.0, abs=0.05) and medians["b"] == pytest.approx(90.0, abs=0.05)
 
 
+def test_hashed_keys_match_trees_by_hash_and_never_share_a_tree() -> None:
+    query, plan, _ = build("SELECT WITH ANONYMIZATION OPTIONS(epsilon=1000) duration, ANON_COUNT(*) AS n, "
+                           "ANON_MEDIAN(duration, 0, 100) AS m FROM visits GROUP BY duration")
+    query = query.with_hashed_keys([0])
+    assert query.keys[0].hashed
+    # the trees printed 1.0 as "1.00" and -0 as "0": the same groups by their hashes
+    rows = [{"dp_k0": k, "dp_t0": t, "dp_h0": h, "dp_users": 5000}
+            for k, t, h in ((1, "1.0", 11), (0, "-0", 22), (7, "7", 33), (8, "8", 33))]
+    trees = []
+    for t, h, v in (("1.00", 11, 10.0), ("0", 22, 90.0), ("7", 33, 50.0), ("8", 33, 50.0)):
+        codes, counts = tree_codes(np.full(5000, v), 0, 100)
+        trees.append({"dp_t0": t, "dp_h0": h, "dp_agg": 1, "dp_codes": codes.tolist(),
+                      "dp_counts": counts.tolist()})
+    chosen = select(query, plan, rows, secure_rng())
+    assert chosen.kept_keys(query) == {(11,), (22,)}  # 33 is two groups': neither is matched
+    found = tree_values(query, plan, trees)
+    assert found[((33,), 1)] == pytest.approx(50.0, abs=0.05)
+    found[((33,), 1)] = 1234.5  # not a value any tree could give: it must not be released
+    out = release(query, plan, rows, quantiles=found, selection=chosen)
+    medians = {r[0]: r[2] for r in out.rows}
+    assert medians["1.0"] == pytest.approx(10.0, abs=0.05)
+    assert medians["-0"] == pytest.approx(90.0, abs=0.05)
+    assert 0 <= medians["7"] <= 100 and 0 <= medians["8"] <= 100  # an empty tree's answers
+
+
+def test_hashed_keys_have_a_hash_column_in_main_and_trees() -> None:
+    from dp_core.rewrite import argument_probe_sql, pushdown
+
+    query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_MEDIAN(duration, 0, 100) AS m "
+                           "FROM visits GROUP BY browser")
+    assert "AS k0" in (argument_probe_sql(query) or "")  # the keys' types are probed
+    plain = pushdown(query, plan, {}, 1)
+    assert "dp_h0" not in (plain.main or "") + (plain.trees or "")
+    hashed = pushdown(query.with_hashed_keys([0]), plan, {}, 1)
+    for sql in (hashed.main, hashed.trees):
+        assert "hash_array_extended(ARRAY[dp_k0], 0) AS dp_h0" in (sql or ""), sql
+    query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_SUM(duration, 0, 100) AS m "
+                           "FROM visits GROUP BY browser")
+    assert "k0" not in (argument_probe_sql(query) or "")  # no trees: text is all it needs
+
+
 def test_partition_selection_comes_first_and_release_keeps_its_choice() -> None:
     # the server walks only the kept groups' trees: selection must be decided from the main
     # rows alone, and release must then keep exactly those groups with their tree answers
@@ -205,7 +246,7 @@ def test_partition_selection_comes_first_and_release_keeps_its_choice() -> None:
                            "ANON_MEDIAN(duration, 0, 100) AS m FROM visits GROUP BY browser")
     rows = [{"dp_k0": k, "dp_t0": k, "dp_users": n} for k, n in (("big", 5000), ("tiny", 1))]
     chosen = select(query, plan, rows, secure_rng())
-    assert chosen.kept_keys(1) == {("big",)}  # τ is well above 1 user
+    assert chosen.kept_keys(query) == {("big",)}  # τ is well above 1 user
     codes, counts = tree_codes(np.full(5000, 30.0), 0, 100)
     big = {"dp_t0": "big", "dp_agg": 1, "dp_codes": codes.tolist(), "dp_counts": counts.tolist()}
     out = release(query, plan, rows, quantiles=tree_values(query, plan, [big]), selection=chosen)
