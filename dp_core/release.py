@@ -208,11 +208,11 @@ def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str,
     chosen = selection if selection is not None else select(query, plan, rows, rng)
     rows, noisy, kept = chosen.rows, chosen.noisy, chosen.kept
     values: list[list[Any]] = []
+    found = quantiles or {}
+    wanted = chosen.kept_keys(query) if query.has_quantiles else set()
     for i, agg in enumerate(query.aggregates):
         if agg.kind is AggKind.QUANTILE:
-            found = quantiles or {}
             column: list[Any] = [None] * len(rows)
-            wanted = chosen.kept_keys(query)
             for r in kept:
                 key = group_key(rows[r], query)
                 value = found.get((key, i)) if key in wanted else None
