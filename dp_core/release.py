@@ -160,16 +160,20 @@ class Selection:
     noisy: dict[str, NDArray[np.float64]]
     kept: list[int]
     """Indexes into `rows` of the released groups, in order."""
+    matched: frozenset[GroupKey] = frozenset()
+    """For a query with quantiles, the kept groups' match keys (`group_key`) but for any two
+    groups share (two hashed keys' hashes that collide): those groups get an empty tree's
+    answer, never another group's."""
 
-    def kept_keys(self, query: AnalyzedQuery) -> set[GroupKey]:
-        """The kept groups' match keys, but for any two groups share (two hashed keys' hashes
-        that collide): those groups get an empty tree's answer, never another group's."""
-        seen: set[GroupKey] = set()
-        shared: set[GroupKey] = set()
-        for r in self.kept:
-            key = group_key(self.rows[r], query)
-            (shared if key in seen else seen).add(key)
-        return seen - shared
+
+def _matched(rows: Sequence[Mapping[str, Any]], kept: list[int],
+             query: AnalyzedQuery) -> frozenset[GroupKey]:
+    seen: set[GroupKey] = set()
+    shared: set[GroupKey] = set()
+    for r in kept:
+        key = group_key(rows[r], query)
+        (shared if key in seen else seen).add(key)
+    return frozenset(seen - shared)
 
 
 def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, Any]],
@@ -191,7 +195,9 @@ def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, 
     keep = np.ones(len(rows), dtype=bool)
     if plan.threshold is not None and plan.tau is not None:
         keep = noisy[plan.threshold.name] >= plan.tau
-    return Selection(rows, noisy, [int(x) for x in np.flatnonzero(keep)])
+    kept = [int(x) for x in np.flatnonzero(keep)]
+    matched = _matched(rows, kept, query) if query.has_quantiles else frozenset()
+    return Selection(rows, noisy, kept, matched)
 
 
 def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, Any]],
@@ -208,8 +214,7 @@ def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str,
     chosen = selection if selection is not None else select(query, plan, rows, rng)
     rows, noisy, kept = chosen.rows, chosen.noisy, chosen.kept
     values: list[list[Any]] = []
-    found = quantiles or {}
-    wanted = chosen.kept_keys(query) if query.has_quantiles else set()
+    found, wanted = quantiles or {}, chosen.matched
     for i, agg in enumerate(query.aggregates):
         if agg.kind is AggKind.QUANTILE:
             column: list[Any] = [None] * len(rows)

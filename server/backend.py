@@ -207,10 +207,7 @@ class BackendLink(asyncio.Protocol):
                     self.tx_status = _BYTES[buf[pos + 5]]
                     started = self.cycles.popleft()
                     if started is not None:
-                        if self.log_cycles and self.on_cycle is not None:
-                            self.on_cycle(started, None)
-                        elif self.counter is not None:
-                            self.counter.pass_through_ok += 1
+                        self._cycle_done(started, None)
                 else:
                     if not self._track(_BYTES[tag], buf, pos, end):
                         out.append(buf[keep_from:pos])
@@ -290,6 +287,7 @@ class BackendLink(asyncio.Protocol):
         return relay
 
     def _cycle_done(self, started: float, sqlstate: str | None) -> None:
+        """A client cycle that did pass-through work ended: count it or report it."""
         if sqlstate is None and not self.log_cycles:
             if self.counter is not None:
                 self.counter.pass_through_ok += 1

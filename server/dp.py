@@ -583,10 +583,7 @@ class DPService:
         found: dict[int, FoundBounds] = {}
         rng = secure_rng()
         async with contextlib.AsyncExitStack() as stack:
-            await stack.enter_async_context(conn.transaction(readonly=True,
-                                                             isolation="repeatable_read"))
-            # enforced by Postgres for each statement (the ledger's have none)
-            await conn.execute(f"SET LOCAL statement_timeout = {int(timeout * 1000)}")
+            await self._begin(conn, stack)
             ranges, conns = await self._split_run(prepared, conn, stack)
             ranged = prepared.ranged
             shards = [ranged.of(r).statements() for r in ranges] if ranged else []
@@ -632,7 +629,7 @@ class DPService:
             selection = select(query, plan, rows, rng)
             quantiles: dict[tuple[GroupKey, int], float] = {}
             if "trees" in statements:
-                wanted, keys = selection.kept_keys(query), len(query.keys)
+                wanted, keys = selection.matched, len(query.keys)
                 # streamed: each row is one group's whole tree (up to 69,904 nodes) and only
                 # its answer is kept; split, the ranges' streams are merged a group at a time
                 if ranges:
@@ -651,6 +648,17 @@ class DPService:
         if ranges:
             self.metrics.pushdown_split.labels(str(len(ranges))).inc()
         return _Run(query, plan, rows, quantiles, found, selection)
+
+    async def _begin(self, conn: Any, stack: contextlib.AsyncExitStack,
+                     snapshot: str | None = None) -> None:
+        """Start a pushdown's read-only transaction on `conn` (in `snapshot`, exported by the
+        first connection of a split run), ended by `stack`."""
+        await stack.enter_async_context(conn.transaction(readonly=True, isolation="repeatable_read"))
+        if snapshot is not None:
+            await conn.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
+        # enforced by Postgres for each statement (the ledger's have none)
+        timeout = self.config.backend.statement_timeout
+        await conn.execute(f"SET LOCAL statement_timeout = {int(timeout * 1000)}")
 
     async def _split_run(self, prepared: Prepared, conn: Any,
                          stack: contextlib.AsyncExitStack) -> tuple[list[UidRange], list[Any]]:
@@ -674,10 +682,7 @@ class DPService:
             except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError):
                 break
             stack.push_async_callback(pool.release, other)
-            await stack.enter_async_context(other.transaction(readonly=True,
-                                                              isolation="repeatable_read"))
-            await other.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
-            await other.execute(f"SET LOCAL statement_timeout = {int(b.statement_timeout * 1000)}")
+            await self._begin(other, stack, snapshot)
             conns.append(other)
         if len(conns) < len(ranges):
             ranges = uid_ranges(split.histogram, len(conns))

@@ -251,7 +251,7 @@ class Session:
         limit = self.frames.max_size
         plain = self._plain
         local = bool(self.local_statements or self.local_portals)
-        pending, cycles = link.pending, link.cycles
+        pending = link.pending
         kinds, unpack = _FAST_KINDS, _LENGTH.unpack_from
         unsynced: list[backend.Pending] = []
         """Kinds of the frames forwarded since the last Sync of this run."""
@@ -270,12 +270,11 @@ class Session:
                     pending.extend(unsynced)
                     unsynced.clear()
                 pending.append(kind)
-                cycles.append(now)  # `BackendLink.note_cycle`, inline
+                link.note_cycle(tag, now)
             elif tag == _S:
                 unsynced.clear()
                 pending.append(kind)
-                cycles.append(link.batch_started)  # `BackendLink.note_cycle`, inline
-                link.batch_started = None
+                link.note_cycle(tag, now)
             elif tag == _P:
                 name_end = data.find(b"\0", pos + 5, end)
                 sql_end = data.find(b"\0", name_end + 1, end) if name_end >= 0 else -1
@@ -287,8 +286,8 @@ class Session:
                 break  # names may be local: let the general path look
             elif kind is not None:  # Bind, Describe, Execute, Close (a Flush awaits nothing)
                 unsynced.append(kind)
-                if tag == _E and link.batch_started is None:
-                    link.batch_started = now
+                if tag == _E:
+                    link.note_cycle(tag, now)
             pos = end
         if unsynced:
             pending.extend(unsynced)

@@ -212,7 +212,7 @@ def test_hashed_keys_match_trees_by_hash_and_never_share_a_tree() -> None:
         trees.append({"dp_t0": t, "dp_h0": h, "dp_agg": 1, "dp_codes": codes.tolist(),
                       "dp_counts": counts.tolist()})
     chosen = select(query, plan, rows, secure_rng())
-    assert chosen.kept_keys(query) == {(11,), (22,)}  # 33 is two groups': neither is matched
+    assert chosen.matched == {(11,), (22,)}  # 33 is two groups': neither is matched
     found = tree_values(query, plan, trees)
     assert found[((33,), 1)] == pytest.approx(50.0, abs=0.05)
     found[((33,), 1)] = 1234.5  # not a value any tree could give: it must not be released
@@ -246,7 +246,7 @@ def test_partition_selection_comes_first_and_release_keeps_its_choice() -> None:
                            "ANON_MEDIAN(duration, 0, 100) AS m FROM visits GROUP BY browser")
     rows = [{"dp_k0": k, "dp_t0": k, "dp_users": n} for k, n in (("big", 5000), ("tiny", 1))]
     chosen = select(query, plan, rows, secure_rng())
-    assert chosen.kept_keys(query) == {("big",)}  # τ is well above 1 user
+    assert chosen.matched == {("big",)}  # τ is well above 1 user
     codes, counts = tree_codes(np.full(5000, 30.0), 0, 100)
     big = {"dp_t0": "big", "dp_agg": 1, "dp_codes": codes.tolist(), "dp_counts": counts.tolist()}
     out = release(query, plan, rows, quantiles=tree_values(query, plan, [big]), selection=chosen)
