@@ -102,6 +102,22 @@ def test_default_mode_logs_what_the_proxy_answers_and_failures_only(
         ("local", None), ("pass_through", "22012")]
 
 
+def test_reload_to_all_logs_an_open_sessions_pass_through(
+        loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
+    with _proxy_logging(loop_thread, demo_config, backend, StatementLog.DP) as (px, records), \
+            psycopg.connect(px.dsn(), autocommit=True) as conn:
+        conn.execute("SELECT 1").fetchall()
+        assert records == []
+        loop_thread.run(px.server.reload(px.server.config.model_copy(
+            update={"log": LogConfig(statements=StatementLog.ALL)})))
+        conn.execute("SELECT 2").fetchall()
+        assert [(f["kind"], f["sqlstate"]) for f in _fields(records)] == [("pass_through", None)]
+        loop_thread.run(px.server.reload(px.server.config.model_copy(
+            update={"log": LogConfig(statements=StatementLog.DP)})))
+        conn.execute("SELECT 3").fetchall()
+        assert len(records) == 1
+
+
 def test_none_logs_nothing(loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
     with _proxy_logging(loop_thread, demo_config, backend, StatementLog.NONE) as (px, records), \
             psycopg.connect(px.dsn(), autocommit=True) as conn:
