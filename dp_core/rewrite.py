@@ -21,6 +21,7 @@ fails on NaN or infinities.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,10 +138,49 @@ def _present(i: int, agg: Aggregate) -> str:
     return f"dp_s{i}" if agg.kind in _MEANS else f"dp_p{i}"
 
 
+Prefilter = tuple[str, ...]
+"""Type names of the uid and of each key (in order), for `_kept_rows` to pick a user's groups
+from its rows before aggregating them (`prefilter_types`)."""
+
+_TYPED_HASHES: dict[str, tuple[str, str]] = {
+    # type: (its own extended hash function, which equal values share; the value a NULL
+    # hashes as). Only types whose hash is cheap: `hash_array_extended` works for any
+    # hashable type but costs more per row than the prefilter saves.
+    "text": ("hashtextextended", "''"),
+    "varchar": ("hashtextextended", "''"),
+    "bpchar": ("hashbpcharextended", "''"),
+    "int2": ("hashint2extended", "0"),
+    "int4": ("hashint4extended", "0"),
+    "int8": ("hashint8extended", "0"),
+    "numeric": ("hash_numeric_extended", "0"),
+    "float4": ("hashfloat4extended", "0"),
+    "float8": ("hashfloat8extended", "0"),
+    "uuid": ("uuid_hash_extended", "'00000000-0000-0000-0000-000000000000'"),
+}
+
+
+def prefilter_types(uid_type: str, key_types: Sequence[str]) -> Prefilter | None:
+    """The prefilter for a query whose uid and keys have these types (pg_type names), or None
+    when one has no cheap hash that equal values share (`_TYPED_HASHES`)."""
+    types = (uid_type, *key_types)
+    return types if key_types and all(t in _TYPED_HASHES for t in types) else None
+
+
+def _typed_hash(expr: str, type_name: str, seed: str) -> str:
+    fn, null = _TYPED_HASHES[type_name]
+    return f"{fn}(COALESCE({expr}, ({null})::{type_name}), {seed})"
+
+
 def _kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
-               order_seed: int) -> tuple[str, str, str]:
-    """(WITH-list entries, relation, condition): the per-user rows each user keeps (≤ C_u groups)."""
+               order_seed: int, prefilter: Prefilter | None = None) -> tuple[str, str, str]:
+    """(WITH-list entries, relation, condition): the per-user rows each user keeps (≤ C_u groups).
+
+    With `prefilter`, a user's rows outside its kept groups are dropped before they are
+    aggregated (`_prefiltered_rows`): the same mechanism, much cheaper where users have many
+    more groups than C_u, dearer where they have few (a window over every row)."""
     keys = [f"{_PH}k{i} AS dp_k{i}" for i in range(len(query.keys))]
+    if prefilter is not None and query.keys:
+        return _prefiltered_rows(query, plan, partials, order_seed, prefilter)
     # the user first: rows read in user order (an index on the uid column, or a table
     # clustered by user) then group with small per-user sorts, and the groups come out in
     # the order the window below partitions by, so it sorts nothing but each user's groups
@@ -165,8 +205,57 @@ def _kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
             f"dp_rn <= {int(plan.max_groups_contributed)}")
 
 
+_ARG_PLACEHOLDER = re.compile(rf"\b{_PH}a(\d+)\b")
+
+
+def _prefiltered_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
+                      order_seed: int, types: Prefilter) -> tuple[str, str, str]:
+    """`_kept_rows` picking each user's groups from its rows:
+
+        dp_rows AS (SELECT keys, uid, arguments, h AS dp_o,
+                    dense_rank() OVER (PARTITION BY uid ORDER BY h, keys) AS dp_r FROM ...)
+        dp_per_user AS (SELECT ..., partials FROM dp_rows WHERE dp_r <= C_u
+                        GROUP BY uid, dp_o, keys)
+
+    where h is a keyed hash of (uid, keys) by each type's own hash function, so that rows of
+    one group (equal keys, whatever their texts: numeric 1.0 = 1.00) have one h. A user's
+    rows are ranked by (h, keys): the C_u smallest distinct (h, keys) are C_u groups (a hash
+    tie between groups is broken by the keys), and grouping by (uid, h, keys) makes one row
+    per user and group, in the order the rows were ranked in (no second sort). Postgres
+    stops ranking a user's rows at the first beyond C_u.
+    """
+    n = len(query.keys)
+    if len(types) != n + 1:
+        raise InternalError("a prefilter needs the types of the uid and of every key")
+    seed = str(int(order_seed))
+    h = _typed_hash(f"{_PH}uid", types[0], seed)
+    for i in range(n):
+        h = _typed_hash(f"{_PH}k{i}", types[i + 1], h)
+    args = sorted({int(m) for p in partials for m in _ARG_PLACEHOLDER.findall(p)})
+    cols = [*(f"{_PH}k{i} AS dp_k{i}" for i in range(n)), f"{_PH}uid AS dp_uid",
+            *(f"{_PH}a{i} AS dp_a{i}" for i in args), f"{h} AS dp_o",
+            f"dense_rank() OVER (PARTITION BY {_PH}uid ORDER BY "
+            f"{', '.join([h, *(f'{_PH}k{i}' for i in range(n))])}) AS dp_r"]
+    rows = f"SELECT {', '.join(cols)} FROM {_PH}from WHERE {_PH}where"
+    keys = [f"dp_k{i}" for i in range(n)]
+    own = [_ARG_PLACEHOLDER.sub(r"dp_a\1", p) for p in partials]
+    per_user = (f"SELECT {', '.join([*keys, 'dp_uid', *own])} FROM dp_rows "
+                f"WHERE dp_r <= {int(plan.max_groups_contributed)} "
+                f"GROUP BY {', '.join(['dp_uid', 'dp_o', *keys])}")
+    return f"dp_rows AS ({rows}), dp_per_user AS ({per_user})", "dp_per_user", "TRUE"
+
+
+def groups_template(query: AnalyzedQuery) -> str:
+    """How many (user, group) pairs and users there are: what `_kept_rows` chooses by."""
+    keys = [f"{_PH}k{i} AS dp_k{i}" for i in range(len(query.keys))]
+    group_by = ", ".join(str(n) for n in range(1, len(keys) + 2))
+    return (f"WITH dp_per_user AS (SELECT {', '.join([f'{_PH}uid AS dp_uid', *keys])} "
+            f"FROM {_PH}from WHERE {_PH}where GROUP BY {group_by}) "
+            "SELECT count(*) AS dp_groups, count(DISTINCT dp_uid) AS dp_users FROM dp_per_user")
+
+
 def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
-              order_seed: int) -> str | None:
+              order_seed: int, prefilter: Prefilter | None = None) -> str | None:
     partials = [_partial(i, agg, arg_types.get(i)) for i, agg in enumerate(query.aggregates)
                 if not reads_user_count(agg) and agg.kind is not AggKind.QUANTILE]
     finals = []
@@ -199,7 +288,7 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
             raise InternalError()
     if not finals:
         return None  # a global query of quantiles only: the tree statement answers it
-    with_list, relation, kept = _kept_rows(query, plan, partials, order_seed)
+    with_list, relation, kept = _kept_rows(query, plan, partials, order_seed, prefilter)
     if means:
         # OFFSET 0 keeps the subquery from being flattened, which would copy each mean into
         # every expression that uses it and divide several times per row
@@ -223,13 +312,13 @@ def _key_hashes(query: AnalyzedQuery) -> list[str]:
 
 
 def _tree_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
-                   order_seed: int) -> str | None:
+                   order_seed: int, prefilter: Prefilter | None = None) -> str | None:
     """One row per group and quantile: the codes and user counts of the tree's non-empty nodes."""
     indexes = [i for i, a in enumerate(query.aggregates) if a.kind is AggKind.QUANTILE]
     if not indexes:
         return None
     partials = [_partial(i, query.aggregates[i], arg_types.get(i)) for i in indexes]
-    with_list, relation, kept = _kept_rows(query, plan, partials, order_seed)
+    with_list, relation, kept = _kept_rows(query, plan, partials, order_seed, prefilter)
     key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
     leaves = []
     for i in indexes:
@@ -261,13 +350,13 @@ def _tree_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int,
 
 
 def _bounds_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
-                     order_seed: int) -> str | None:
+                     order_seed: int, prefilter: Prefilter | None = None) -> str | None:
     """APPROX_BOUNDS: per aggregate without bounds, the users per log-scale bin (all groups)."""
     indexes = sorted(plan.auto_bounds)
     if not indexes:
         return None
     partials = [_partial(i, query.aggregates[i], arg_types.get(i)) for i in indexes]
-    with_list, relation, kept = _kept_rows(query, plan, partials, order_seed)
+    with_list, relation, kept = _kept_rows(query, plan, partials, order_seed, prefilter)
     edges = ", ".join(str(e) for e in EDGES)
     aggs = query.aggregates
     bins = [f"SELECT {i} AS dp_agg, width_bucket(({_value(i, aggs[i], arg_types.get(i))})::numeric, "
@@ -355,18 +444,22 @@ def uid_ranges(histogram: Sequence[str], n: int) -> list[UidRange]:
     return [(bounds[i], bounds[i + 1]) for i in range(len(cuts) + 1)]
 
 
-def _range_uids(query: AnalyzedQuery) -> list[Any]:
-    """The uid columns a range of users is tested on: the query's uid, and where the FROM
-    clause has no outer join, every protected FROM item's (all equal in each row, as the
-    analysis requires; Postgres infers equalities from `a.uid = b.uid` but not ranges, so each
-    table is read for its range alone instead of whole in every range)."""
+def _has_outer_join(query: AnalyzedQuery) -> bool:
     def outer(node: Any) -> bool:
         if isinstance(node, ast.JoinExpr):
             return node.jointype is not JoinType.JOIN_INNER or outer(node.larg) or outer(node.rarg)
         return False
 
+    return any(outer(item) for item in query.from_clause)
+
+
+def _range_uids(query: AnalyzedQuery) -> list[Any]:
+    """The uid columns a range of users is tested on: the query's uid, and where the FROM
+    clause has no outer join, every protected FROM item's (all equal in each row, as the
+    analysis requires; Postgres infers equalities from `a.uid = b.uid` but not ranges, so each
+    table is read for its range alone instead of whole in every range)."""
     uids = [query.uid]
-    if any(outer(item) for item in query.from_clause):
+    if _has_outer_join(query):
         return uids
     for t in query.tables:
         ref = ast.ColumnRef(fields=(ast.String(sval=t.alias), ast.String(sval=t.uid_column)))
@@ -381,7 +474,11 @@ def _uid_in(query: AnalyzedQuery, token: str) -> Any:
     range's own test (`uids` from `_range_uids`, uid the first):
 
         (AND over uids of ((u >= lower OR no_lower) AND (u < upper OR no_upper)))
-        OR (uid IS NULL AND no_lower)
+        OR (uid IS NULL AND nulls)
+
+    where `nulls` is true for the lowest range only, and only where the uid can be NULL: the
+    OR makes Postgres read the whole uid index for that range (an index condition cannot say
+    `< upper OR IS NULL`), so it is folded away where no NULL can be there.
     """
     def mark(name: str) -> Any:
         return ast.A_Const(val=ast.String(sval=f"dp_range_{name}_{token}"))
@@ -401,12 +498,13 @@ def _uid_in(query: AnalyzedQuery, token: str) -> Any:
                            either(compare(u, "<", "upper"), mark("no_upper"))])
                      for u in _range_uids(query)])
     is_null = ast.NullTest(arg=copy.deepcopy(query.uid), nulltesttype=NullTestType.IS_NULL)
-    return either(in_range, both([is_null, mark("no_lower")]))
+    return either(in_range, both([is_null, mark("nulls")]))
 
 
-def _fill(sql: str, token: str, uid_range: UidRange) -> str:
+def _fill(sql: str, token: str, uid_range: UidRange, null_uids: bool = True) -> str:
     """`sql` with the marks of `_uid_in` replaced by `uid_range`'s bounds (an open end's
-    comparison gets the other bound, a valid value that its `OR TRUE` ignores)."""
+    comparison gets the other bound, a valid value that its `OR TRUE` ignores); the lowest
+    range holds the NULL uid unless `null_uids` is false (none can be there)."""
     lower, upper = uid_range
     some_lower = lower if lower is not None else upper
     some_upper = upper if upper is not None else lower
@@ -418,7 +516,8 @@ def _fill(sql: str, token: str, uid_range: UidRange) -> str:
 
     marks = {"lower": literal(some_lower), "upper": literal(some_upper),
              "no_lower": "TRUE" if lower is None else "FALSE",
-             "no_upper": "TRUE" if upper is None else "FALSE"}
+             "no_upper": "TRUE" if upper is None else "FALSE",
+             "nulls": "TRUE" if lower is None and null_uids else "FALSE"}
     for name, value in marks.items():
         sql = sql.replace(f"'dp_range_{name}_{token}'", value)
     return sql
@@ -452,6 +551,9 @@ class Pushdown:
     bounds: str | None
     """APPROX_BOUNDS: users per log-scale bin and aggregate (run first, when present)."""
     order_seed: int
+    groups: str | None = None
+    """How many (user, group) pairs and users there are (`groups_template`; grouped queries):
+    not part of the answer, run on a slice of users to choose `Prefilter`."""
 
     def statements(self) -> dict[str, str]:
         """The statements there are, by name, in the order they run."""
@@ -460,7 +562,8 @@ class Pushdown:
 
 
 def pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None = None,
-             order_seed: int | None = None, uid_range: UidRange | None = None) -> Pushdown:
+             order_seed: int | None = None, uid_range: UidRange | None = None,
+             prefilter: Prefilter | None = None) -> Pushdown:
     """The pushdown statements for `plan`.
 
     `arg_types` maps aggregate indexes to their argument's type name (from
@@ -470,11 +573,12 @@ def pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] 
     bounds get placeholder bounds [0, 1] in `main` and `trees` (prepared only,
     for their types; run them from `pushdown` with the found bounds).
     With `uid_range`, the statements read only the users in that range (see
-    `RangedPushdown`).
+    `RangedPushdown`). With `prefilter`, users' rows outside their kept groups are dropped
+    before aggregating (`_prefiltered_rows`).
     """
     if uid_range is not None:
-        return ranged_pushdown(query, plan, arg_types, order_seed).of(uid_range)
-    return _pushdown(query, plan, arg_types, order_seed, None)
+        return ranged_pushdown(query, plan, arg_types, order_seed, prefilter).of(uid_range)
+    return _pushdown(query, plan, arg_types, order_seed, None, prefilter)
 
 
 @dataclass(frozen=True)
@@ -488,39 +592,47 @@ class RangedPushdown:
 
     marked: Pushdown
     token: str
+    null_uids: bool = True
+    """Whether the query's uid can be NULL (the lowest range then holds it)."""
 
     def of(self, uid_range: UidRange) -> Pushdown:
         """The statements that read only the users in `uid_range`."""
         def fill(sql: str | None) -> str | None:
-            return None if sql is None else _fill(sql, self.token, uid_range)
+            return None if sql is None else _fill(sql, self.token, uid_range, self.null_uids)
 
         m = self.marked
-        return Pushdown(fill(m.main), fill(m.trees), fill(m.bounds), m.order_seed)
+        return Pushdown(fill(m.main), fill(m.trees), fill(m.bounds), m.order_seed, fill(m.groups))
 
 
 def ranged_pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None,
-                    order_seed: int | None) -> RangedPushdown:
+                    order_seed: int | None, prefilter: Prefilter | None = None,
+                    uid_not_null: bool = False) -> RangedPushdown:
+    """The pushdown for any uid range (`RangedPushdown.of`). `uid_not_null`: the uid column
+    is declared NOT NULL (so the query's uid is never NULL unless an outer join makes it)."""
     import secrets
 
     token = secrets.token_hex(8)
-    return RangedPushdown(_pushdown(query, plan, arg_types, order_seed, token), token)
+    return RangedPushdown(_pushdown(query, plan, arg_types, order_seed, token, prefilter), token,
+                          not uid_not_null or _has_outer_join(query))
 
 
 def _pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None,
-              order_seed: int | None, token: str | None) -> Pushdown:
+              order_seed: int | None, token: str | None,
+              prefilter: Prefilter | None = None) -> Pushdown:
     import secrets
 
     seed = secrets.randbits(62) if order_seed is None else order_seed
     types = arg_types or {}
-    bounds_sql = _bounds_template(query, plan, types, seed)
+    bounds_sql = _bounds_template(query, plan, types, seed, prefilter)
     # the statements' shape needs only the plan's quantity names, which bounds do not change
     query = query.with_bounds({i: Bounds(0.0, 1.0) for i, a in enumerate(query.aggregates)
                                if a.bounds is None})
-    main = _template(query, plan, types, seed)
-    trees = _tree_template(query, plan, types, seed)
+    main = _template(query, plan, types, seed, prefilter)
+    trees = _tree_template(query, plan, types, seed, prefilter)
     return Pushdown(_build(main, query, token) if main else None,
                     _build(trees, query, token) if trees else None,
-                    _build(bounds_sql, query, token) if bounds_sql else None, seed)
+                    _build(bounds_sql, query, token) if bounds_sql else None, seed,
+                    _build(groups_template(query), query, token) if query.keys else None)
 
 
 def pushdown_sql(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None = None,

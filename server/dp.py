@@ -65,6 +65,7 @@ from dp_core.release import (
     tree_order,
 )
 from dp_core.rewrite import (
+    Prefilter,
     Pushdown,
     RangedPushdown,
     TypeRef,
@@ -186,6 +187,10 @@ class UidSplit:
     """Percentiles 0, 1, ..., 100 of the uid column in a sample of the table, as text
     (ascending in the column's order). `pg_stats` would have them, but Postgres hides it for
     tables with row-level security, as protected tables are."""
+    uid_type: str = ""
+    """The uid column's type (pg_type name)."""
+    uid_not_null: bool = False
+    """The uid column is declared NOT NULL."""
 
 
 async def _tree_stream(cursor: Any, timeout: float, streams: int = 1) -> AsyncIterator[Any]:
@@ -257,6 +262,11 @@ class Prepared:
     """The pushdown for any uid range, when `split`."""
     split_ranges: int = 1
     """How many uid ranges `split` gives at most (by the configured number of pushdowns)."""
+    prefilter: Prefilter | None = None
+    """Whether (and with which types) `ranged` picks users' groups from their rows before
+    aggregating them (`_choose_prefilter`)."""
+    groups_per_user: float | None = None
+    """(user, group) pairs per user in the slice of users that chose `prefilter`."""
 
     @property
     def sql(self) -> list[str]:
@@ -422,7 +432,8 @@ class DPService:
             if len(ranges) < 2:
                 return
             ranged = ranged_pushdown(prepared.query, prepared.plan, prepared.arg_types,
-                                     prepared.pushdown.order_seed)
+                                     prepared.pushdown.order_seed,
+                                     uid_not_null=split.uid_not_null)
             await conn.prepare(next(iter(ranged.of(ranges[len(ranges) // 2]).statements().values())))
         except asyncpg.PostgresError as e:
             log.warning("a DP pushdown will not be split by uid: %s", e)
@@ -443,7 +454,12 @@ class DPService:
             f"))::text[] FROM {name} TABLESAMPLE SYSTEM ($2)", _PERCENTILES, percent)
         if not bounds or any(b is None for b in bounds):
             return None
-        return UidSplit(table.name, table.uid_column, int(rows), tuple(bounds))
+        column = await conn.fetchrow(
+            "SELECT t.typname, a.attnotnull FROM pg_attribute a JOIN pg_type t ON t.oid = "
+            "a.atttypid WHERE a.attrelid = $1::regclass AND a.attname = $2", name,
+            table.uid_column)
+        return UidSplit(table.name, table.uid_column, int(rows), tuple(bounds),
+                        str(column["typname"]), bool(column["attnotnull"]))
 
     async def _type_name(self, oid: int) -> TypeRef:
         if oid not in self._type_names:
@@ -617,7 +633,10 @@ class DPService:
                     raise InternalError("the plan's cost changed with its bounds (this is a bug)")
                 seed = prepared.pushdown.order_seed
                 if ranges:  # the ranges run every statement: their names are all that is used
-                    ranged = ranged_pushdown(query, plan, prepared.arg_types, seed)
+                    ranged = ranged_pushdown(query, plan, prepared.arg_types, seed,
+                                             prepared.prefilter,
+                                             prepared.split is not None
+                                             and prepared.split.uid_not_null)
                     shards = [ranged.of(r).statements() for r in ranges]
                     statements = dict.fromkeys(n for n in shards[0] if n != "bounds")
                 else:

@@ -13,7 +13,7 @@ from pglast import parse_sql
 
 from config import Config
 from dp_core.release import add_rows, add_trees, tree_arrays, tree_order
-from dp_core.rewrite import pushdown, uid_ranges
+from dp_core.rewrite import pushdown, ranged_pushdown, uid_ranges
 
 from .conftest import Backend, LoopThread, running_proxy
 from .test_dp_engine import GOLDEN, GOLDEN_CASES, build
@@ -62,6 +62,24 @@ def test_a_range_restricts_the_per_user_rows_of_every_statement() -> None:
                                    "FALSE)) OR (purchases.uid IS NULL AND TRUE)") in lowest
     quoted = pushdown(query, plan, order_seed=1, uid_range=("it's", None)).main
     assert quoted is not None and "purchases.uid < 'it''s' OR TRUE" in quoted
+
+
+def test_the_lowest_range_tests_for_a_null_uid_only_where_there_can_be_one() -> None:
+    """`uid < upper OR uid IS NULL` cannot be an index condition: Postgres would read the whole
+    uid index for the lowest range. A NOT NULL uid column drops the NULL test, unless an
+    outer join can make the query's uid NULL."""
+    def lowest(sql: str, uid_not_null: bool) -> str:
+        query, plan, _ = build(sql)
+        main = ranged_pushdown(query, plan, None, 1, uid_not_null=uid_not_null).of((None, "5")).main
+        assert main is not None
+        return main
+
+    inner = "SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits GROUP BY browser"
+    assert "(visits.uid IS NULL AND TRUE)" in lowest(inner, uid_not_null=False)
+    assert "(visits.uid IS NULL AND FALSE)" in lowest(inner, uid_not_null=True)
+    outer = ("SELECT WITH ANONYMIZATION v.browser, ANON_COUNT(*) FROM purchases p "
+             "LEFT JOIN visits v ON v.uid = p.uid GROUP BY v.browser")
+    assert "IS NULL AND TRUE)" in lowest(outer, uid_not_null=True)
 
 
 def test_trees_add_up_node_by_node_and_merge_as_streams() -> None:
