@@ -674,8 +674,11 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         keys.append(Key(totalize(val, "GROUP BY key"), name))
         outputs.append(OutputColumn(name, key=len(keys) - 1, source=val))
         select.append(SelectItem(name, column=len(outputs) - 1))
+    selected = [(o.source, o.name) for o in outputs if o.key is not None]
     for g in group_exprs:
-        if not any(_same(g, k.expr) or _is_ref_to(g, k.output_name) for k in keys):
+        # (against the selected expressions as written: the keys are totalised, `x % 2`
+        # became `x % NULLIF(2, 0)`, and would not match `GROUP BY x % 2` or `GROUP BY 1`)
+        if not any(_same(g, source) or _is_ref_to(g, name) for source, name in selected):
             # a GROUP BY key that is not selected still partitions the result
             keys.append(Key(totalize(g, "GROUP BY key"), f"__key{len(keys)}"))
     if not aggregates:

@@ -161,9 +161,13 @@ _TYPED_HASHES: dict[str, tuple[str, str]] = {
 
 def prefilter_types(uid_type: str, key_types: Sequence[str]) -> Prefilter | None:
     """The prefilter for a query whose uid and keys have these types (pg_type names), or None
-    when one has no cheap hash that equal values share (`_TYPED_HASHES`)."""
+    when one has no cheap hash that equal values share (`_TYPED_HASHES`; keys also need a
+    `min` aggregate, which uuid lacks)."""
     types = (uid_type, *key_types)
-    return types if key_types and all(t in _TYPED_HASHES for t in types) else None
+    if not key_types or uid_type not in _TYPED_HASHES or any(
+            t not in _TYPED_HASHES or t == "uuid" for t in key_types):
+        return None
+    return types
 
 
 def _typed_hash(expr: str, type_name: str, seed: str) -> str:
@@ -213,16 +217,20 @@ def _prefiltered_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[st
     """`_kept_rows` picking each user's groups from its rows:
 
         dp_rows AS (SELECT keys, uid, arguments, h AS dp_o,
-                    dense_rank() OVER (PARTITION BY uid ORDER BY h, keys) AS dp_r FROM ...)
-        dp_per_user AS (SELECT ..., partials FROM dp_rows WHERE dp_r <= C_u
-                        GROUP BY uid, dp_o, keys)
+                    dense_rank() OVER (PARTITION BY uid ORDER BY h) AS dp_r FROM ...)
+        dp_per_user AS (SELECT min(key) AS key, uid, partials FROM dp_rows
+                        WHERE dp_r <= C_u GROUP BY uid, dp_o)
 
-    where h is a keyed hash of (uid, keys) by each type's own hash function, so that rows of
-    one group (equal keys, whatever their texts: numeric 1.0 = 1.00) have one h. A user's
-    rows are ranked by (h, keys): the C_u smallest distinct (h, keys) are C_u groups (a hash
-    tie between groups is broken by the keys), and grouping by (uid, h, keys) makes one row
-    per user and group, in the order the rows were ranked in (no second sort). Postgres
-    stops ranking a user's rows at the first beyond C_u.
+    where h is a keyed hash of (uid, keys) by each type's own hash function, so that all rows
+    of one group (equal keys, whatever their texts: numeric 1.0 = 1.00) have one h. A user's
+    rows with its C_u smallest h make at most C_u per-user rows, one per h, and never two in
+    one group (equal keys have equal h); the rows come out of the window in (uid, h) order,
+    so grouping them sorts nothing, and Postgres stops ranking a user's rows at the first
+    beyond C_u. A hash tie between two groups of one user (about 2^-64 a pair) makes one
+    per-user row of both, labelled with the smaller key: still one row, clamped as any.
+    With several keys a tie could label a row with a third group the user also has: there
+    the rows are ranked by (h, keys) and grouped by (uid, h, keys), which is exact at the
+    cost of sorting by the keys too.
     """
     n = len(query.keys)
     if len(types) != n + 1:
@@ -231,17 +239,23 @@ def _prefiltered_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[st
     h = _typed_hash(f"{_PH}uid", types[0], seed)
     for i in range(n):
         h = _typed_hash(f"{_PH}k{i}", types[i + 1], h)
-    args = sorted({int(m) for p in partials for m in _ARG_PLACEHOLDER.findall(p)})
+    # each argument once (ANON_SUM(x) and ANON_AVG(x) read one column, whose sums Postgres
+    # then computes once)
+    same: dict[int, int] = {}
+    for i in sorted({int(m) for p in partials for m in _ARG_PLACEHOLDER.findall(p)}):
+        arg = query.aggregates[i].arg
+        same[i] = next((j for j in same.values() if query.aggregates[j].arg == arg), i)
+    order = [h] if n == 1 else [h, *(f"{_PH}k{i}" for i in range(n))]
     cols = [*(f"{_PH}k{i} AS dp_k{i}" for i in range(n)), f"{_PH}uid AS dp_uid",
-            *(f"{_PH}a{i} AS dp_a{i}" for i in args), f"{h} AS dp_o",
-            f"dense_rank() OVER (PARTITION BY {_PH}uid ORDER BY "
-            f"{', '.join([h, *(f'{_PH}k{i}' for i in range(n))])}) AS dp_r"]
+            *(f"{_PH}a{i} AS dp_a{i}" for i in sorted(set(same.values()))), f"{h} AS dp_o",
+            f"dense_rank() OVER (PARTITION BY {_PH}uid ORDER BY {', '.join(order)}) AS dp_r"]
     rows = f"SELECT {', '.join(cols)} FROM {_PH}from WHERE {_PH}where"
     keys = [f"dp_k{i}" for i in range(n)]
-    own = [_ARG_PLACEHOLDER.sub(r"dp_a\1", p) for p in partials]
-    per_user = (f"SELECT {', '.join([*keys, 'dp_uid', *own])} FROM dp_rows "
+    labels = ["min(dp_k0) AS dp_k0"] if n == 1 else keys
+    own = [_ARG_PLACEHOLDER.sub(lambda m: f"dp_a{same[int(m[1])]}", p) for p in partials]
+    per_user = (f"SELECT {', '.join([*labels, 'dp_uid', *own])} FROM dp_rows "
                 f"WHERE dp_r <= {int(plan.max_groups_contributed)} "
-                f"GROUP BY {', '.join(['dp_uid', 'dp_o', *keys])}")
+                f"GROUP BY {', '.join(['dp_uid', 'dp_o', *([] if n == 1 else keys)])}")
     return f"dp_rows AS ({rows}), dp_per_user AS ({per_user})", "dp_per_user", "TRUE"
 
 

@@ -143,6 +143,19 @@ def test_expressions_over_dp_aggregates_are_post_processing() -> None:
     assert "dp_c1 / GREATEST(dp_c2, 1) AS per_user" in sql
 
 
+def test_a_selected_key_grouped_by_position_or_expression_is_one_key() -> None:
+    """A key the analysis rewrites (x % 2 becomes x % NULLIF(2, 0)) is still the key that
+    `GROUP BY 1` or `GROUP BY x % 2` names, not a second, hidden one."""
+    for group_by in ("1", "k", "duration % 2"):
+        query, _, sql = build("SELECT WITH ANONYMIZATION duration % 2 AS k, ANON_COUNT(*) "
+                              f"FROM visits GROUP BY {group_by}")
+        assert [k.output_name for k in query.keys] == ["k"], group_by
+        assert "dp_k1" not in sql
+    query, _, _ = build("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits "
+                        "GROUP BY browser, duration % 3")
+    assert [k.output_name for k in query.keys] == ["browser", "__key1"]
+
+
 def test_like_pattern_with_trailing_escape_is_a_syntax_error() -> None:
     with pytest.raises(SyntaxError_, match="escape character"):
         build("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE browser LIKE 'a\\'")
