@@ -491,9 +491,15 @@ class DPService:
         if ratio is None or ratio < _PREFILTER_GROUPS_PER_USER or \
                 plan.max_groups_contributed > _PREFILTER_KEPT_SHARE * ratio:
             return
-        prepared.prefilter = types
-        prepared.ranged = ranged_pushdown(query, plan, prepared.arg_types,
-                                          prepared.pushdown.order_seed, types, split.uid_not_null)
+        pre = ranged_pushdown(query, plan, prepared.arg_types, prepared.pushdown.order_seed,
+                              types, split.uid_not_null)
+        try:  # before any charge: a statement that cannot be planned is not chosen
+            for sql in pre.of(slices[len(slices) // 2]).statements().values():
+                await conn.prepare(sql)
+        except asyncpg.PostgresError as e:
+            log.warning("a DP pushdown will not be prefiltered: %s", e)
+            return
+        prepared.prefilter, prepared.ranged = types, pre
 
     async def _uid_histogram(self, table: TableRef, conn: Any) -> UidSplit | None:
         schema = self.policy[table.name].schema
