@@ -113,10 +113,16 @@ def _terminate_with_parent() -> None:
 
 
 def pushdown_statements(explain_rows: list[asyncpg.Record]) -> list[str]:
-    """The pushdown statements listed at the end of a DP EXPLAIN."""
+    """The (unsplit) pushdown statements a DP EXPLAIN lists: the indented lines under
+    "Pushdown SQL"."""
     lines = [r[0] for r in explain_rows]
     start = next(i for i, ln in enumerate(lines) if ln.startswith("Pushdown SQL"))
-    return [ln.strip() for ln in lines[start + 1:]]
+    out = []
+    for ln in lines[start + 1:]:
+        if not ln.startswith("  "):
+            break
+        out.append(ln.strip())
+    return out
 
 
 def _status_mib(pid: int, field: str) -> float:

@@ -259,8 +259,20 @@ def _prefiltered_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[st
     return f"dp_rows AS ({rows}), dp_per_user AS ({per_user})", "dp_per_user", "TRUE"
 
 
-def groups_template(query: AnalyzedQuery) -> str:
-    """How many (user, group) pairs and users there are: what `_kept_rows` chooses by."""
+def groups_sql(query: AnalyzedQuery, uid_range: UidRange | None = None,
+               uid_not_null: bool = False) -> str:
+    """How many (user, group) pairs and users there are (of the users in `uid_range`; see
+    `ranged_pushdown` for `uid_not_null`): what a `Prefilter` is chosen by."""
+    if uid_range is None:
+        return _build(_groups_template(query), query)
+    import secrets
+
+    token = secrets.token_hex(8)
+    return _fill(_build(_groups_template(query), query, token), token, uid_range,
+                 not uid_not_null or _has_outer_join(query))
+
+
+def _groups_template(query: AnalyzedQuery) -> str:
     keys = [f"{_PH}k{i} AS dp_k{i}" for i in range(len(query.keys))]
     group_by = ", ".join(str(n) for n in range(1, len(keys) + 2))
     return (f"WITH dp_per_user AS (SELECT {', '.join([f'{_PH}uid AS dp_uid', *keys])} "
@@ -565,9 +577,6 @@ class Pushdown:
     bounds: str | None
     """APPROX_BOUNDS: users per log-scale bin and aggregate (run first, when present)."""
     order_seed: int
-    groups: str | None = None
-    """How many (user, group) pairs and users there are (`groups_template`; grouped queries):
-    not part of the answer, run on a slice of users to choose `Prefilter`."""
 
     def statements(self) -> dict[str, str]:
         """The statements there are, by name, in the order they run."""
@@ -615,7 +624,7 @@ class RangedPushdown:
             return None if sql is None else _fill(sql, self.token, uid_range, self.null_uids)
 
         m = self.marked
-        return Pushdown(fill(m.main), fill(m.trees), fill(m.bounds), m.order_seed, fill(m.groups))
+        return Pushdown(fill(m.main), fill(m.trees), fill(m.bounds), m.order_seed)
 
 
 def ranged_pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None,
@@ -645,8 +654,7 @@ def _pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
     trees = _tree_template(query, plan, types, seed, prefilter)
     return Pushdown(_build(main, query, token) if main else None,
                     _build(trees, query, token) if trees else None,
-                    _build(bounds_sql, query, token) if bounds_sql else None, seed,
-                    _build(groups_template(query), query, token) if query.keys else None)
+                    _build(bounds_sql, query, token) if bounds_sql else None, seed)
 
 
 def pushdown_sql(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None = None,

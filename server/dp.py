@@ -71,6 +71,7 @@ from dp_core.rewrite import (
     TypeRef,
     UidRange,
     argument_probe_sql,
+    groups_sql,
     prefilter_types,
     pushdown,
     ranged_pushdown,
@@ -275,7 +276,7 @@ class Prepared:
     """How many uid ranges `split` gives at most (by the configured number of pushdowns)."""
     prefilter: Prefilter | None = None
     """Whether (and with which types) `ranged` picks users' groups from their rows before
-    aggregating them (`_choose_prefilter`)."""
+    aggregating them (`DPService._prefilter`)."""
     groups_per_user: float | None = None
     """(user, group) pairs per user in the slice of users that chose `prefilter`."""
 
@@ -439,46 +440,59 @@ class DPService:
             split = cached[1]
             if split is None or split.rows < b.pushdown_split_min_rows:
                 return
-            # the ranges' bounds are the column's own values as text: checked here, before
-            # any charge, that Postgres takes them for the query's uid
             ranges = uid_ranges(split.histogram, b.pushdown_split)
             if len(ranges) < 2:
                 return
-            ranged = ranged_pushdown(prepared.query, prepared.plan, prepared.arg_types,
-                                     prepared.pushdown.order_seed,
-                                     uid_not_null=split.uid_not_null)
-            await conn.prepare(next(iter(ranged.of(ranges[len(ranges) // 2]).statements().values())))
+            prefilter = await self._prefilter(prepared, split, conn)
+            # the ranges' bounds are the column's own values as text: checked here, before
+            # any charge, that Postgres takes them for the query's uid (and that it plans
+            # each statement)
+            while True:
+                ranged = ranged_pushdown(prepared.query, prepared.plan, prepared.arg_types,
+                                         prepared.pushdown.order_seed, prefilter,
+                                         split.uid_not_null)
+                try:
+                    for sql in ranged.of(ranges[len(ranges) // 2]).statements().values():
+                        await conn.prepare(sql)
+                    break
+                except asyncpg.PostgresError as e:
+                    if prefilter is None:
+                        raise
+                    log.warning("a DP pushdown will not be prefiltered: %s", e)
+                    prefilter = None
         except asyncpg.PostgresError as e:
             log.warning("a DP pushdown will not be split by uid: %s", e)
             return
         prepared.split, prepared.ranged, prepared.split_ranges = split, ranged, len(ranges)
-        await self._choose_prefilter(prepared, conn)
+        prepared.prefilter = prefilter
 
-    async def _choose_prefilter(self, prepared: Prepared, conn: Any) -> None:
-        """Makes the split pushdown pick users' groups from their rows before aggregating them
-        (`Prefilter`) where that is faster: users with many groups, few of which they keep.
-        Counted on a slice of about 2% of the users (remembered for _STATS_SECONDS); where
-        the pushdown runs unsplit (no pool connection free) it stays as it is.
+    async def _prefilter(self, prepared: Prepared, split: UidSplit, conn: Any) -> Prefilter | None:
+        """Whether the split pushdown picks users' groups from their rows before aggregating
+        them (`Prefilter`): where that is faster, for users with many groups, few of which
+        they keep. Counted on a slice of about 2% of the users (remembered for
+        _STATS_SECONDS); where the pushdown runs unsplit (no pool connection free) it stays
+        as it is. Sets `prepared.groups_per_user`.
 
         The answer does not depend on the choice: either way each user keeps C_u of its
         groups chosen by a keyed hash with a fresh key, and the statements of one answer
         all run split or all unsplit, so they keep the same groups."""
-        split, ranged, query, plan = prepared.split, prepared.ranged, prepared.query, prepared.plan
-        if split is None or ranged is None or not query.keys or any(
-                schema != "pg_catalog" for schema, _ in prepared.key_types):
-            return
+        query, plan = prepared.query, prepared.plan
+        if not query.keys or any(schema != "pg_catalog" for schema, _ in prepared.key_types):
+            return None
         types = prefilter_types(split.uid_type, [name for _, name in prepared.key_types])
         slices = uid_ranges(split.histogram, _GROUPS_SLICES)
         if types is None or len(slices) < 3:
-            return
-        sql = ranged.of(slices[len(slices) // 2]).groups
-        if sql is None:
-            return
+            return None
+        middle = slices[len(slices) // 2]
+        # by the query (its statements but their order seed) and the slice
+        seed = str(prepared.pushdown.order_seed)
+        key = "\n".join([*(sql.replace(seed, "") for sql in prepared.sql), repr(middle)])
         now = time.monotonic()
-        cached = self._groups_per_user.get(sql)
+        cached = self._groups_per_user.get(key)
         if cached is None or cached[0] < now:
             try:
-                row = await conn.fetchrow(sql, timeout=_GROUPS_TIMEOUT)
+                row = await conn.fetchrow(groups_sql(query, middle, split.uid_not_null),
+                                          timeout=_GROUPS_TIMEOUT)
             except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as e:
                 log.warning("could not count the groups per user of a DP pushdown: %s", e)
                 row = None
@@ -486,20 +500,12 @@ class DPService:
             if len(self._groups_per_user) >= 1000:
                 self._groups_per_user = {k: v for k, v in self._groups_per_user.items()
                                          if v[0] >= now}
-            cached = self._groups_per_user[sql] = (now + _STATS_SECONDS, ratio)
+            cached = self._groups_per_user[key] = (now + _STATS_SECONDS, ratio)
         ratio = prepared.groups_per_user = cached[1]
         if ratio is None or ratio < _PREFILTER_GROUPS_PER_USER or \
                 plan.max_groups_contributed > _PREFILTER_KEPT_SHARE * ratio:
-            return
-        pre = ranged_pushdown(query, plan, prepared.arg_types, prepared.pushdown.order_seed,
-                              types, split.uid_not_null)
-        try:  # before any charge: a statement that cannot be planned is not chosen
-            for sql in pre.of(slices[len(slices) // 2]).statements().values():
-                await conn.prepare(sql)
-        except asyncpg.PostgresError as e:
-            log.warning("a DP pushdown will not be prefiltered: %s", e)
-            return
-        prepared.prefilter, prepared.ranged = types, pre
+            return None
+        return types
 
     async def _uid_histogram(self, table: TableRef, conn: Any) -> UidSplit | None:
         schema = self.policy[table.name].schema
