@@ -538,7 +538,8 @@ def _fill(sql: str, token: str, uid_range: UidRange, null_uids: bool = True) -> 
         raise InternalError("a uid range needs a bound")
 
     def literal(value: str) -> str:
-        return str(RawStream()(ast.A_Const(val=ast.String(sval=value))))
+        # as pglast prints a string constant (standard_conforming_strings)
+        return "'" + value.replace("'", "''") + "'"
 
     marks = {"lower": literal(some_lower), "upper": literal(some_upper),
              "no_lower": "TRUE" if lower is None else "FALSE",

@@ -10,7 +10,8 @@ from typing import Any
 import asyncpg
 import psycopg
 import pytest
-from pglast import parse_sql
+from pglast import ast, parse_sql
+from pglast.stream import RawStream
 
 from config import Config
 from dp_core.release import add_rows, add_trees, tree_arrays, tree_order
@@ -70,6 +71,10 @@ def test_a_range_restricts_the_per_user_rows_of_every_statement() -> None:
                                    "FALSE)) OR (purchases.uid IS NULL AND TRUE)") in lowest
     quoted = pushdown(query, plan, order_seed=1, uid_range=("it's", None)).main
     assert quoted is not None and "purchases.uid < 'it''s' OR TRUE" in quoted
+    for value in ("a\\b", "''", "é ✓", "x' OR '1'='1"):  # bounds print as pglast prints them
+        sql = pushdown(query, plan, order_seed=1, uid_range=(value, None)).main
+        assert sql is not None
+        assert f"purchases.uid >= {RawStream()(ast.A_Const(val=ast.String(sval=value)))} OR" in sql
 
 
 def test_the_lowest_range_tests_for_a_null_uid_only_where_there_can_be_one() -> None:
