@@ -33,6 +33,16 @@ class BackendError(Exception):
         self.fields = fields
 
 
+class NonStandardStrings(Exception):
+    """The session turned standard_conforming_strings off: the proxy reads SQL as Postgres
+    does only with it on ('a\\' is a string there, the start of one with an escaped quote
+    otherwise), so the session cannot go on (whatever turned it off: SET, set_config, a
+    function, a role's or database's default, a startup option)."""
+
+    def __init__(self) -> None:
+        super().__init__("standard_conforming_strings was turned off")
+
+
 class Pending(Enum):
     """What a forwarded client message is waiting for."""
 
@@ -212,6 +222,8 @@ class BackendLink(asyncio.Protocol):
                     if not self._track(_BYTES[tag], buf, pos, end):
                         out.append(buf[keep_from:pos])
                         keep_from = end
+                    if self.closed:
+                        return  # (nothing more goes to the client)
                     head = pending[0] if pending else None
             pos = end
         if head is None and self._drained is not None:
@@ -279,6 +291,9 @@ class BackendLink(asyncio.Protocol):
                 msg = p.decode_backend(tag, buf[start + 5 : end])
                 assert isinstance(msg, p.ParameterStatus)
                 self.parameters[msg.name] = msg.value
+                if msg.name == "standard_conforming_strings" and msg.value != "on":
+                    self._lose(NonStandardStrings())
+                    return False
         elif head is not None and head is _INTERNAL_COMPLETES.get(tag):
             pending.popleft()
             relay = False

@@ -130,6 +130,16 @@ def notice_response(message: str, detail: str | None = None) -> p.NoticeResponse
     return p.NoticeResponse(tuple(fields))
 
 
+def _non_standard_strings() -> DPError:
+    err = DPError("dp-proxy needs standard_conforming_strings = on",
+                  detail="it reads string literals as Postgres does with that setting; with "
+                         "it off, 'a\\' would mean something else to Postgres",
+                  hint="leave standard_conforming_strings at its default, on")
+    err.sqlstate = "0A000"
+    err.severity = "FATAL"
+    return err
+
+
 class ClientProtocol(asyncio.Protocol):
     """The asyncio protocol of one client connection; all logic is in Session."""
 
@@ -491,6 +501,9 @@ class Session:
         except (OSError, backend.BackendError, TimeoutError) as e:
             log.warning("session %s: backend connection failed: %s", self.process_id, e)
             raise ConnectionFailure("could not connect to the backend database") from None
+        if self.link.parameters.get("standard_conforming_strings") != "on":
+            self.link.close()
+            raise _non_standard_strings()
         # relayed bytes go straight to the transport: it no longer changes (TLS is set up)
         self.link.target = backend.RelayTarget(self.transport.write, self._backend_lost)
         self.link.on_cycle = functools.partial(self.statement_done, "pass_through")
@@ -549,7 +562,11 @@ class Session:
         self.send(p.Authentication(p.AUTH_SASL_FINAL, server_final), p.Authentication(p.AUTH_OK))
 
     def _backend_lost(self, exc: Exception | None) -> None:
-        if self.state is not State.CLOSED:
+        if self.state is _CLOSED:
+            return
+        if isinstance(exc, backend.NonStandardStrings):
+            self.fatal(_non_standard_strings())
+        else:
             self.fatal(ConnectionFailure("the connection to the backend database was lost"))
 
     # ------------------------------------------------------------------ routing

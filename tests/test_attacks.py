@@ -9,9 +9,11 @@ new one must answer a pass-through query and a DP query.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import asyncpg
 import psycopg
 import pytest
 
@@ -132,6 +134,13 @@ CASES = [
          "OPTIONS(max_groups_contributed=1000000000) ANON_COUNT(*) FROM visits", "22023"),
     Case("two DP clauses", "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM (SELECT WITH "
          "ANONYMIZATION ANON_COUNT(*) FROM visits) s", "42501"),
+    # --- string literals read otherwise than the proxy reads them: the session ends
+    Case("standard_conforming_strings off", "SET standard_conforming_strings = off", "0A000"),
+    Case("standard_conforming_strings off by set_config",
+         "SELECT set_config('standard_conforming_' || 'strings', 'off', false)", "0A000"),
+    Case("standard_conforming_strings off in a transaction",
+         ("BEGIN", "SET LOCAL standard_conforming_strings = off"), "0A000"),
+    Case("standard_conforming_strings on", "SET standard_conforming_strings = on", None),
     # --- several statements in one Query
     Case("pass-through then a raw read", "SELECT 1; SELECT * FROM visits", "42501"),
     Case("DP then a raw read", DP_COUNT + "; SELECT * FROM visits", "42501"),
@@ -184,6 +193,23 @@ def test_attack(proxy_module: Proxy, case: Case) -> None:
         _healthy(proxy_module, conn)
     finally:
         conn.close()
+
+
+def test_a_login_with_standard_conforming_strings_off_is_refused(proxy_module: Proxy) -> None:
+    async def login() -> asyncpg.PostgresError:
+        try:
+            conn = await asyncpg.connect(
+                host=proxy_module.host, port=proxy_module.port, user="alice", password="alice",
+                database=TEST_DATABASE, ssl=False,
+                server_settings={"standard_conforming_strings": "off"})
+        except asyncpg.PostgresError as e:
+            return e
+        await conn.close()
+        raise AssertionError("login succeeded")
+
+    refused = asyncio.run(login())
+    assert refused.sqlstate == "0A000" and "standard_conforming_strings" in str(refused)
+    _healthy(proxy_module, None)
 
 
 def test_reltuples_is_a_documented_residual(proxy_module: Proxy) -> None:
