@@ -673,24 +673,24 @@ TypeRef = tuple[str, str]
 """(schema, type name) of a result column, e.g. ("pg_catalog", "int8")."""
 
 
-def _type_name(t: TypeRef) -> Any:
-    return ast.TypeName(names=(ast.String(sval=t[0]), ast.String(sval=t[1])))
+def _quoted(text: str) -> str:
+    """A string constant as pglast prints one (the proxy keeps standard_conforming_strings on
+    in every session it relays)."""
+    return "'" + text.replace("'", "''") + "'"
 
 
-def _literal(value: str | int | float | None, t: TypeRef) -> Any:
-    const: Any
+def _value_sql(value: str | int | float | None, t: TypeRef) -> str:
+    """A released value as a constant of its column's type, for the result's VALUES list
+    (printed directly: building and printing an AST for each value took most of an answer's
+    Python time for a few hundred groups)."""
+    typ = ".".join('"' + part.replace('"', '""') + '"' for part in t)
     if value is None:
-        # NULL through text: pglast prints a cast of a bare constant as a typed literal
-        # (`char 'x'`), and `char NULL` is not SQL
-        const = ast.TypeCast(arg=ast.A_Const(isnull=True), typeName=ast.TypeName(
-            names=(ast.String(sval="pg_catalog"), ast.String(sval="text"))))
-    elif isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(value, int):
-        const = ast.A_Const(val=ast.String(sval=str(value)))
-    else:
+        return f"CAST(NULL AS {typ})"
+    if isinstance(value, float) and not isinstance(value, bool):
         if value != value or value in (float("inf"), float("-inf")):
             raise InternalError()
-        const = ast.A_Const(val=ast.String(sval=repr(value)))
-    return ast.TypeCast(arg=const, typeName=_type_name(t))
+        return f"CAST({_quoted(repr(value))} AS {typ})"
+    return f"CAST({_quoted(str(value))} AS {typ})"
 
 
 def _result_ref(i: int) -> Any:
@@ -734,11 +734,17 @@ def result_sql(names: list[str], types: list[TypeRef],
     names, are applied to the (already noisy) values by Postgres, which also
     encodes the result in whatever format the client asked for.
     """
+    import secrets
+
     cols = tuple(ast.String(sval=f"dp_c{i}") for i in range(len(names)))
     empty = not rows
-    values = [[_literal(v, t) for v, t in zip(row, types, strict=True)] for row in rows] or [
-        [_literal(None, t) for t in types]]
-    inner = ast.SelectStmt(valuesLists=tuple(tuple(v) for v in values))
+    # the VALUES list is printed directly and put in place of a one-value list that nothing
+    # else in the statement can print as (a fresh mark)
+    mark = f"dp_values_{secrets.token_hex(8)}"
+    inner = ast.SelectStmt(valuesLists=((ast.A_Const(val=ast.String(sval=mark)),),))
+    values = ", ".join(
+        "(" + ", ".join(_value_sql(v, t) for v, t in zip(row, types, strict=True)) + ")"
+        for row in rows) or "(" + ", ".join(_value_sql(None, t) for t in types) + ")"
     mapper = _ToResultColumns(list(sources or []), names)
     targets = []
     for name, what in visible or [(n, i) for i, n in enumerate(names)]:
@@ -770,4 +776,8 @@ def result_sql(names: list[str], types: list[TypeRef],
     stmt.limitOffset = copy.deepcopy(offset)
     if limit is not None or offset is not None:
         stmt.limitOption = 1  # LIMIT_OPTION_COUNT
-    return str(RawStream()(stmt))
+    printed = str(RawStream()(stmt))
+    placeholder = f"(VALUES ('{mark}'))"
+    if printed.count(placeholder) != 1:
+        raise InternalError("the result's VALUES list has no single place")
+    return printed.replace(placeholder, f"(VALUES {values})")

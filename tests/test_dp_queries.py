@@ -6,6 +6,7 @@ import asyncio
 import math
 import threading
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 
 import asyncpg
@@ -39,6 +40,37 @@ def spent(conn: psycopg.Connection) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------- answers and types
+
+
+def test_result_values_round_trip_through_postgres(backend: Backend) -> None:
+    """The result query gives back each released value, of its column's type, whatever the
+    text: quotes, backslashes, NULLs, -0, huge floats, padded char(n)."""
+    from dp_core.rewrite import result_sql
+
+    types = [("pg_catalog", "text"), ("pg_catalog", "int8"), ("pg_catalog", "float8"),
+             ("pg_catalog", "bpchar"), ("pg_catalog", "bool"), ("pg_catalog", "numeric")]
+    rows = [("it's", 1, 1.5, "US", True, "1.50"), (None, None, None, None, None, None),
+            ("a\\b\\", -(2**63), -0.0, "x ", False, "-0.0001"),
+            ("é ✓ \"q\"; --", 2**63 - 1, 1.7976931348623157e308, " y", True, "1e-30")]
+
+    async def go() -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            got = await conn.fetch(result_sql([f"c{i}" for i in range(6)], types, rows))
+            attrs = (await conn.prepare(result_sql([f"c{i}" for i in range(6)], types, rows))
+                     ).get_attributes()
+            assert [a.type.name for a in attrs] == ["text", "int8", "float8", "bpchar", "bool",
+                                                    "numeric"]
+            assert [tuple(r) for r in got] == [
+                ("it's", 1, 1.5, "US", True, Decimal("1.50")), (None,) * 6,
+                ("a\\b\\", -(2**63), -0.0, "x ", False, Decimal("-0.0001")),
+                ("é ✓ \"q\"; --", 2**63 - 1, 1.7976931348623157e308, " y", True,
+                 Decimal("1E-30"))]
+            assert await conn.fetch(result_sql(["c"], [("pg_catalog", "text")], [])) == []
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
 
 
 @pytest.mark.parametrize("binary", [False, True])
