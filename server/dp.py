@@ -19,7 +19,7 @@ import re
 import struct
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
@@ -242,6 +242,31 @@ def _ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+def _reads_uid(query: AnalyzedQuery) -> bool:
+    """Whether a group key reads a protected table's uid column (by name)."""
+    names = {t.uid_column for t in query.tables}
+    found = False
+
+    def walk(node: Any) -> None:
+        nonlocal found
+        if found:
+            return
+        if isinstance(node, ast.ColumnRef):
+            last = node.fields[-1] if node.fields else None
+            found = getattr(last, "sval", None) in names
+            return
+        if isinstance(node, ast.Node):
+            for slot in getattr(node, "__slots__", ()):
+                walk(getattr(node, slot))
+        elif isinstance(node, tuple):
+            for item in node:
+                walk(item)
+
+    for key in query.keys:
+        walk(key.expr)
+    return found
+
+
 def _uid_table(query: AnalyzedQuery) -> TableRef | None:
     """The protected base table whose uid column is the query's uid, if it is one."""
     uid = query.uid
@@ -277,8 +302,6 @@ class Prepared:
     prefilter: Prefilter | None = None
     """Whether (and with which types) `ranged` picks users' groups from their rows before
     aggregating them (`DPService._prefilter`)."""
-    groups_per_user: float | None = None
-    """(user, group) pairs per user in the slice of users that chose `prefilter`."""
 
     @property
     def sql(self) -> list[str]:
@@ -410,7 +433,7 @@ class DPService:
                 "SELECT EXISTS (SELECT FROM pg_collation WHERE NOT collisdeterministic)"))
         return self._nondeterministic
 
-    async def _split(self, prepared: Prepared, conn: Any) -> None:
+    async def _split(self, prepared: Prepared, conn: Any, choose_prefilter: bool = True) -> None:
         """Sets how the pushdown may be split by uid ranges (`prepared.split`, `.ranged`,
         `.split_ranges`): only over a large table whose uid could be sampled, with group keys
         whose texts rows can be added up by, and (for quantile trees, which merge as streams
@@ -443,7 +466,8 @@ class DPService:
             ranges = uid_ranges(split.histogram, b.pushdown_split)
             if len(ranges) < 2:
                 return
-            prefilter = await self._prefilter(prepared, split, conn)
+            prefilter = await self._prefilter(prepared, split, conn) if choose_prefilter \
+                else None
             # the ranges' bounds are the column's own values as text: checked here, before
             # any charge, that Postgres takes them for the query's uid (and that it plans
             # each statement)
@@ -471,13 +495,18 @@ class DPService:
         them (`Prefilter`): where that is faster, for users with many groups, few of which
         they keep. Counted on a slice of about 2% of the users (remembered for
         _STATS_SECONDS); where the pushdown runs unsplit (no pool connection free) it stays
-        as it is. Sets `prepared.groups_per_user`.
+        as it is.
 
         The answer does not depend on the choice: either way each user keeps C_u of its
         groups chosen by a keyed hash with a fresh key, and the statements of one answer
-        all run split or all unsplit, so they keep the same groups."""
+        all run split or all unsplit, so they keep the same groups. The choice shows only in
+        the time an answer takes (and the operators' metrics), never in EXPLAIN; the sample
+        ignores the query's WHERE clause and keys that read the uid get no prefilter, so
+        that no one user decides it: its effect on the average is its groups over the
+        slice's ~2% of the users."""
         query, plan = prepared.query, prepared.plan
-        if not query.keys or any(schema != "pg_catalog" for schema, _ in prepared.key_types):
+        if not query.keys or any(schema != "pg_catalog" for schema, _ in prepared.key_types) \
+                or _reads_uid(query):
             return None
         types = prefilter_types(split.uid_type, [name for _, name in prepared.key_types])
         slices = uid_ranges(split.histogram, _GROUPS_SLICES)
@@ -491,7 +520,8 @@ class DPService:
         cached = self._groups_per_user.get(key)
         if cached is None or cached[0] < now:
             try:
-                row = await conn.fetchrow(groups_sql(query, middle, split.uid_not_null),
+                row = await conn.fetchrow(groups_sql(replace(query, where=None), middle,
+                                                     split.uid_not_null),
                                           timeout=_GROUPS_TIMEOUT)
             except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as e:
                 log.warning("could not count the groups per user of a DP pushdown: %s", e)
@@ -501,7 +531,7 @@ class DPService:
                 self._groups_per_user = {k: v for k, v in self._groups_per_user.items()
                                          if v[0] >= now}
             cached = self._groups_per_user[key] = (now + _STATS_SECONDS, ratio)
-        ratio = prepared.groups_per_user = cached[1]
+        ratio = cached[1]
         if ratio is None or ratio < _PREFILTER_GROUPS_PER_USER or \
                 plan.max_groups_contributed > _PREFILTER_KEPT_SHARE * ratio:
             return None
@@ -620,7 +650,8 @@ class DPService:
     async def _answer(self, session: Session, st: Statement, bind: p.Bind | None,
                       param_types: Sequence[int], conn: Any) -> tuple[str, list[p.NoticeResponse]]:
         prepared = await self.prepare(session, st, bind, param_types, conn)
-        await self._split(prepared, conn)
+        # (EXPLAIN shows nothing that depends on the data: it does not choose a prefilter)
+        await self._split(prepared, conn, choose_prefilter=st.kind is StatementKind.DP_QUERY)
         plan = prepared.plan
         if st.kind is StatementKind.DP_EXPLAIN:
             lines = explain_lines(prepared)
@@ -732,7 +763,8 @@ class DPService:
                         quantiles[key] = value
         self.metrics.pushdown_seconds.observe(time.perf_counter() - started)
         if ranges:
-            self.metrics.pushdown_split.labels(str(len(ranges))).inc()
+            self.metrics.pushdown_split.labels(
+                str(len(ranges)), "yes" if prepared.prefilter else "no").inc()
         return _Run(query, plan, rows, quantiles, found, selection)
 
     async def _begin(self, conn: Any, stack: contextlib.AsyncExitStack,
@@ -985,19 +1017,12 @@ def explain_lines(prepared: Prepared) -> list[str]:
         lines.append(f"Split: up to {prepared.split_ranges} pushdowns at once over ranges of "
                      f"{sp.table}.{sp.uid_column} (about {sp.rows} rows), on free pool connections "
                      "in one snapshot; their rows and quantile trees add up")
-        gpu = prepared.groups_per_user
-        if prepared.prefilter is not None and gpu is not None:
-            lines.append(f"  each range drops a user's rows outside the groups it keeps before "
-                         f"aggregating them ({_g(gpu)} groups per user in a sample of users)")
-        elif gpu is not None:
-            lines.append(f"  each range aggregates per user, then keeps each user's groups "
-                         f"({_g(gpu)} groups per user in a sample of users)")
+        if prepared.query.keys:
+            lines.append("  where users have many groups each, the ranges may pick each user's "
+                         "groups from its rows before aggregating them (the same choice of "
+                         "groups; chosen when the query runs, on a sample of the users)")
     lines.append("Pushdown SQL (run as the pushdown role):")
     lines.extend("  " + sql for sql in prepared.sql)
-    if prepared.prefilter is not None and prepared.ranged is not None and prepared.split:
-        lowest = uid_ranges(prepared.split.histogram, prepared.split_ranges)[0]
-        lines.append("Split pushdown SQL, lowest uid range:")
-        lines.extend("  " + sql for sql in prepared.ranged.of(lowest).statements().values())
     return lines
 
 

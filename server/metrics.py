@@ -49,8 +49,9 @@ class Metrics:
                                           buckets=_LATENCY_BUCKETS, registry=r)
         self.pushdown_split = Counter(
             "dpproxy_pushdown_split",
-            "DP pushdowns run as several at once over ranges of the uid, by number of ranges",
-            ["ranges"], registry=r)
+            "DP pushdowns run as several at once over ranges of the uid, by number of ranges "
+            "and whether users' groups were picked from their rows before aggregating them",
+            ["ranges", "prefiltered"], registry=r)
 
     def statement(self, kind: str, ok: bool) -> Any:
         """The counter child for (kind, outcome), looked up once (it is on the pass-through path)."""
