@@ -487,7 +487,9 @@ class DPService:
         except asyncpg.PostgresError as e:
             log.warning("a DP pushdown will not be split by uid: %s", e)
             return
-        prepared.split, prepared.ranged, prepared.split_ranges = split, ranged, len(ranges)
+        # (the configured number, not len(ranges): fewer ranges would tell EXPLAIN's reader
+        # that a few users hold a large share of the rows)
+        prepared.split, prepared.ranged, prepared.split_ranges = split, ranged, b.pushdown_split
         prepared.prefilter = prefilter
 
     async def _prefilter(self, prepared: Prepared, split: UidSplit, conn: Any) -> Prefilter | None:
