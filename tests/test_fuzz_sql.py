@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from config import Config
+from server import dp
 
 from .conftest import Backend, LoopThread, Proxy, running_proxy
 from .test_dp_queries import reset, spent  # noqa: F401  (reset is a fixture)
@@ -151,10 +152,15 @@ def _query(rng: random.Random) -> tuple[str, bool]:
     return ("EXPLAIN " if rng.random() < 0.25 else "") + sql, name != "unprotected"
 
 
-@pytest.fixture
-def proxy(loop_thread: LoopThread, demo_config: Config, backend: Backend) -> Iterator[Proxy]:
+@pytest.fixture(params=["plain", "prefiltered"])
+def proxy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, loop_thread: LoopThread,
+          demo_config: Config, backend: Backend) -> Iterator[Proxy]:
     """The demo proxy, splitting every pushdown it can by uid ranges (also over small tables),
-    so that the fuzzer runs that path too."""
+    so that the fuzzer runs that path too; "prefiltered": every split pushdown whose types
+    allow it picks users' groups from their rows (whatever the groups per user)."""
+    if request.param == "prefiltered":
+        monkeypatch.setattr(dp, "_PREFILTER_GROUPS_PER_USER", 0.0)
+        monkeypatch.setattr(dp, "_PREFILTER_KEPT_SHARE", float("inf"))
     b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0})
     with running_proxy(loop_thread, demo_config.model_copy(update={"backend": b}), backend) as px:
         yield px
@@ -196,6 +202,10 @@ def test_random_dp_queries_are_answered_or_refused_cleanly(proxy: Proxy, reset: 
                 admin.execute("SELECT dp_reset_budget('alice')")
     # the generator must reach both sides, or it tests little
     assert answered >= ROUNDS // 10 and refused >= ROUNDS // 10, (answered, refused)
-    split = proxy.server.metrics.pushdown_split.collect()[0].samples
-    assert sum(x.value for x in split if x.name.endswith("_total")) > 0, "no pushdown was split"
+    split = [x for x in proxy.server.metrics.pushdown_split.collect()[0].samples
+             if x.name.endswith("_total")]
+    assert sum(x.value for x in split) > 0, "no pushdown was split"
+    if dp._PREFILTER_GROUPS_PER_USER == 0:
+        assert sum(x.value for x in split if x.labels["prefiltered"] == "yes") > 0, \
+            "no pushdown was prefiltered"
 
