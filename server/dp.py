@@ -19,7 +19,7 @@ import re
 import struct
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +127,8 @@ the prefilter takes 0.79-0.82x the time at 6.6 groups per user (C_u 1; 0.9x at C
 _GROUPS_SLICES = 50
 """(user, group) pairs per user are counted in the middle one of this many uid ranges."""
 _GROUPS_TIMEOUT = 10.0
+_GROUPS_MIN_USERS = 200
+"""A sample of fewer users (the query's WHERE picks a few) chooses no prefilter."""
 _SNAPSHOT = re.compile(r"^[0-9A-Fa-f-]+$")
 _CODE_POINT_ORDER = frozenset({"UTF8", "SQL_ASCII", "LATIN1"})
 """Server encodings whose byte order (COLLATE "C") is the code points' (Python's str order)."""
@@ -502,10 +504,10 @@ class DPService:
         The answer does not depend on the choice: either way each user keeps C_u of its
         groups chosen by a keyed hash with a fresh key, and the statements of one answer
         all run split or all unsplit, so they keep the same groups. The choice shows only in
-        the time an answer takes (and the operators' metrics), never in EXPLAIN; the sample
-        ignores the query's WHERE clause and keys that read the uid get no prefilter, so
-        that no one user decides it: its effect on the average is its groups over the
-        slice's ~2% of the users."""
+        the time an answer takes (and the operators' metrics), never in EXPLAIN; a sample
+        of fewer than _GROUPS_MIN_USERS users (a WHERE clause that picks a few) gets none,
+        and keys that read the uid get none, so that no one user decides it: its effect on
+        the average is its groups over the sample's users."""
         query, plan = prepared.query, prepared.plan
         if not query.keys or any(schema != "pg_catalog" for schema, _ in prepared.key_types) \
                 or _reads_uid(query):
@@ -522,13 +524,13 @@ class DPService:
         cached = self._groups_per_user.get(key)
         if cached is None or cached[0] < now:
             try:
-                row = await conn.fetchrow(groups_sql(replace(query, where=None), middle,
-                                                     split.uid_not_null),
+                row = await conn.fetchrow(groups_sql(query, middle, split.uid_not_null),
                                           timeout=_GROUPS_TIMEOUT)
             except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as e:
                 log.warning("could not count the groups per user of a DP pushdown: %s", e)
                 row = None
-            ratio = row["dp_groups"] / row["dp_users"] if row and row["dp_users"] else None
+            ratio = row["dp_groups"] / row["dp_users"] \
+                if row and row["dp_users"] >= _GROUPS_MIN_USERS else None
             if len(self._groups_per_user) >= 1000:
                 self._groups_per_user = {k: v for k, v in self._groups_per_user.items()
                                          if v[0] >= now}

@@ -269,11 +269,13 @@ def test_large_queries_run_split_through_the_proxy(loop_thread: LoopThread, demo
             rows = conn.execute(q).fetchall()
             assert rows and all(0 <= r[2] <= 3600 for r in rows)
             assert _prefiltered_counter(metrics.exposition().decode()) == before + 1
-            # few groups per user, or a key that reads the uid: aggregated per user first
-            for key in ("country", "CASE WHEN uid > 0 THEN duration ELSE -1 END"):
+            # few groups per user, a key that reads the uid, or a WHERE that leaves few users
+            # in the sample: aggregated per user first
+            for key, where in (("country", ""), ("CASE WHEN uid > 0 THEN duration ELSE -1 END", ""),
+                               ("duration", " WHERE uid % 20 = 0")):
                 before = _prefiltered_counter(metrics.exposition().decode())
                 conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) " + key +
-                             " AS k, ANON_COUNT(*) FROM visits GROUP BY 1").fetchall()
+                             " AS k, ANON_COUNT(*) FROM visits" + where + " GROUP BY 1").fetchall()
                 assert _prefiltered_counter(metrics.exposition().decode()) == before, key
             # char(n) keys are split: their text drops the blanks that equality ignores
             plan = "\n".join(r[0] for r in conn.execute(
