@@ -531,9 +531,9 @@ class DPService:
                 row = None
             ratio = row["dp_groups"] / row["dp_users"] \
                 if row and row["dp_users"] >= _GROUPS_MIN_USERS else None
-            if len(self._groups_per_user) >= 1000:
-                self._groups_per_user = {k: v for k, v in self._groups_per_user.items()
-                                         if v[0] >= now}
+            if len(self._groups_per_user) >= 1000:  # (bounded: fresh ones too, if need be)
+                fresh = {k: v for k, v in self._groups_per_user.items() if v[0] >= now}
+                self._groups_per_user = fresh if len(fresh) < 1000 else {}
             cached = self._groups_per_user[key] = (now + _STATS_SECONDS, ratio)
         ratio = cached[1]
         if ratio is None or ratio < _PREFILTER_GROUPS_PER_USER or \
