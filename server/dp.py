@@ -67,6 +67,7 @@ from dp_core.release import (
 from dp_core.rewrite import (
     Prefilter,
     Pushdown,
+    PushdownCache,
     RangedPushdown,
     TypeRef,
     UidRange,
@@ -124,10 +125,10 @@ where users have at least _PREFILTER_GROUPS_PER_USER groups on average and keep 
 _PREFILTER_KEPT_SHARE of them (C_u): measured on the bench's visits with 4 ranges at once,
 the prefilter takes 0.79-0.82x the time at 6.6 groups per user (C_u 1; 0.9x at C_u 2),
 1.15x at 4.0, 1.2x at 3.1, 1.5x at 2.0 and 2.3x at 1.0 (its window reads every row)."""
-_GROUPS_SLICES = 50
+_GROUPS_SLICES = 25
 """(user, group) pairs per user are counted in the middle one of this many uid ranges."""
 _GROUPS_TIMEOUT = 10.0
-_GROUPS_MIN_USERS = 200
+_GROUPS_MIN_USERS = 100
 """A sample of fewer users (the query's WHERE picks a few) chooses no prefilter."""
 _SNAPSHOT = re.compile(r"^[0-9A-Fa-f-]+$")
 _CODE_POINT_ORDER = frozenset({"UTF8", "SQL_ASCII", "LATIN1"})
@@ -304,6 +305,8 @@ class Prepared:
     prefilter: Prefilter | None = None
     """Whether (and with which types) `ranged` picks users' groups from their rows before
     aggregating them (`DPService._prefilter`)."""
+    cache_key: Any = None
+    """What the pushdown's statements depend on but the order seed (`PushdownCache`)."""
 
     @property
     def sql(self) -> list[str]:
@@ -349,6 +352,7 @@ class DPService:
         }
         self._type_names: dict[int, TypeRef] = {}
         self._histograms: dict[str, tuple[float, UidSplit | None]] = {}
+        self._pushdowns = PushdownCache()
         self._groups_per_user: dict[str, tuple[float, float | None]] = {}
         """(until when it holds, groups per user) by the statement that counted them."""
         self._nondeterministic: bool | None = None
@@ -393,7 +397,12 @@ class DPService:
                 check_casts(query.casts, [types[f"c{i}"] for i in range(len(query.casts))])
                 query = query.with_hashed_keys(await self._hashed_keys(
                     [a.type.oid for a in attrs if a.name[0] == "k"], conn))
-            pd = pushdown(query, plan, arg_types)
+            # what the statements depend on but the order seed (`PushdownCache`)
+            cache_key = (st.sql, bind.param_formats if bind else None,
+                         bind.params if bind else None, tuple(param_types), epsilon, delta,
+                         max_groups, noise, tuple(sorted(arg_types.items())),
+                         tuple(k.hashed for k in query.keys))
+            pd = self._pushdowns.pushdown(cache_key, query, plan, arg_types)
             statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
         except asyncpg.PostgresError as e:
             raise _planning_error(e) from None
@@ -409,7 +418,7 @@ class DPService:
             found = [t.oid for t in stmt.get_parameters()]
             param_oids = found if len(found) > len(param_oids) else param_oids
         prepared = Prepared(query, plan, pd, statements, arg_types, key_types, key_oids,
-                            param_oids)
+                            param_oids, cache_key=cache_key)
         # The result query (HAVING, ORDER BY and expressions over the released values), with
         # no rows: what it cannot use is refused here, before any charge, not after the run.
         try:
@@ -474,9 +483,9 @@ class DPService:
             # any charge, that Postgres takes them for the query's uid (and that it plans
             # each statement)
             while True:
-                ranged = ranged_pushdown(prepared.query, prepared.plan, prepared.arg_types,
-                                         prepared.pushdown.order_seed, prefilter,
-                                         split.uid_not_null)
+                ranged = self._pushdowns.ranged(
+                    prepared.cache_key, prepared.query, prepared.plan, prepared.arg_types,
+                    prepared.pushdown.order_seed, prefilter, split.uid_not_null)
                 try:
                     for sql in ranged.of(ranges[len(ranges) // 2]).statements().values():
                         await conn.prepare(sql)
@@ -497,7 +506,7 @@ class DPService:
     async def _prefilter(self, prepared: Prepared, split: UidSplit, conn: Any) -> Prefilter | None:
         """Whether the split pushdown picks users' groups from their rows before aggregating
         them (`Prefilter`): where that is faster, for users with many groups, few of which
-        they keep. Counted on a slice of about 2% of the users (remembered for
+        they keep. Counted on a slice of about 4% of the rows (remembered for
         _STATS_SECONDS); where the pushdown runs unsplit (no pool connection free) it stays
         as it is.
 

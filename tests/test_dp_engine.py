@@ -387,3 +387,44 @@ def test_configured_bounds_are_the_tables_not_an_inner_querys() -> None:
         assert plan.auto_bounds, sql
     query, _, _ = build("SELECT AVG(v.duration) FROM visits v")
     assert query.aggregates[0].bounds == Bounds(0, 3600)
+
+
+# ---------------------------------------------------------------------------- pushdown cache
+
+
+def test_cached_pushdowns_are_the_built_ones_with_a_fresh_seed() -> None:
+    from dp_core.rewrite import PushdownCache, ranged_pushdown
+
+    cache = PushdownCache(size=2)
+    seeds = set()
+    for case in ("grouped_sum_avg", "quantile_median_grouped", "approx_bounds"):
+        text = "\n".join(ln for ln in (GOLDEN / f"{case}.sql").read_text().splitlines()
+                         if not ln.startswith("--"))
+        query, plan, _ = build(text.strip())
+        for _ in range(3):  # a build, then two hits
+            pd = cache.pushdown(case, query, plan, None)
+            assert pd.statements() == pushdown(query, plan, order_seed=pd.order_seed).statements()
+            seeds.add(pd.order_seed)
+            ranged = cache.ranged(case, query, plan, None, pd.order_seed, None, True)
+            fresh = ranged_pushdown(query, plan, None, pd.order_seed, None, True)
+            for r in ((None, "5"), ("5", None)):
+                assert ranged.of(r).statements() == fresh.of(r).statements()
+    assert len(seeds) == 9 and all(s < 1 << 62 for s in seeds)
+    assert len(cache._entries) == 2  # bounded
+
+
+def test_a_query_with_the_sentinels_digits_is_built_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seed is written in by replacing the sentinel's digits: where the query has them
+    too, the statements are not cached (the query's own literal stays as it was)."""
+    import secrets
+
+    from dp_core.rewrite import PushdownCache
+
+    monkeypatch.setattr(secrets, "randbits", lambda n: 1)  # the sentinel is 2^62 + 1
+    sentinel = str((1 << 62) + 1)
+    query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits "
+                           f"WHERE duration <> {sentinel} GROUP BY browser")
+    cache = PushdownCache()
+    pd = cache.pushdown("k", query, plan, None)
+    assert pd.main is not None and sentinel in pd.main and not cache._entries
+    assert pd.statements() == pushdown(query, plan, order_seed=pd.order_seed).statements()
