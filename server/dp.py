@@ -568,6 +568,8 @@ class DPService:
             "SELECT t.typname, a.attnotnull FROM pg_attribute a JOIN pg_type t ON t.oid = "
             "a.atttypid WHERE a.attrelid = $1::regclass AND a.attname = $2", name,
             table.uid_column)
+        if column is None:
+            return None
         return UidSplit(table.name, table.uid_column, int(rows), tuple(bounds),
                         str(column["typname"]), bool(column["attnotnull"]))
 
