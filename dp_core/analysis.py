@@ -196,6 +196,13 @@ class AnalyzedQuery:
     def has_quantiles(self) -> bool:
         return any(a.kind is AggKind.QUANTILE for a in self.aggregates)
 
+    @property
+    def keys_read_uid(self) -> bool:
+        """Whether a group key reads a protected table's uid column (by name)."""
+        names = {t.uid_column for t in self.tables}
+        return any(isinstance(n, ast.ColumnRef) and getattr(n.fields[-1], "sval", "") in names
+                   for k in self.keys for n in _walk(k.expr))
+
 
 # ---------------------------------------------------------------------------- functions
 

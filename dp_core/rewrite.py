@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,7 +269,7 @@ def groups_sql(query: AnalyzedQuery, uid_range: UidRange | None = None,
 
     token = secrets.token_hex(8)
     return _fill(_build(_groups_template(query), query, token), token, uid_range,
-                 not uid_not_null or _has_outer_join(query))
+                 _null_uids(query, uid_not_null))
 
 
 def _groups_template(query: AnalyzedQuery) -> str:
@@ -565,11 +565,7 @@ def _fill(sql: str, token: str, uid_range: UidRange, null_uids: bool = True) -> 
     if some_lower is None or some_upper is None:
         raise InternalError("a uid range needs a bound")
 
-    def literal(value: str) -> str:
-        # as pglast prints a string constant (standard_conforming_strings)
-        return "'" + value.replace("'", "''") + "'"
-
-    marks = {"lower": literal(some_lower), "upper": literal(some_upper),
+    marks = {"lower": _quoted(some_lower), "upper": _quoted(some_upper),
              "no_lower": "TRUE" if lower is None else "FALSE",
              "no_upper": "TRUE" if upper is None else "FALSE",
              "nulls": "TRUE" if lower is None and null_uids else "FALSE"}
@@ -665,7 +661,12 @@ def ranged_pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int
 
     token = secrets.token_hex(8)
     return RangedPushdown(_pushdown(query, plan, arg_types, order_seed, token, prefilter), token,
-                          not uid_not_null or _has_outer_join(query))
+                          _null_uids(query, uid_not_null))
+
+
+def _null_uids(query: AnalyzedQuery, uid_not_null: bool) -> bool:
+    """Whether the query's uid can be NULL: its column allows it, or an outer join makes it."""
+    return not uid_not_null or _has_outer_join(query)
 
 
 def _pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None,
@@ -744,7 +745,8 @@ class PushdownCache:
         return RangedPushdown(_seeded(built.marked, sentinel, order_seed), built.token,
                               built.null_uids)
 
-    def _get(self, key: Any, build: Any) -> tuple[int, Pushdown | RangedPushdown] | None:
+    def _get(self, key: Any, build: Callable[[int], Pushdown | RangedPushdown]
+             ) -> tuple[int, Pushdown | RangedPushdown] | None:
         import secrets
 
         hit = self._entries.pop(key, None)

@@ -245,31 +245,6 @@ def _ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def _reads_uid(query: AnalyzedQuery) -> bool:
-    """Whether a group key reads a protected table's uid column (by name)."""
-    names = {t.uid_column for t in query.tables}
-    found = False
-
-    def walk(node: Any) -> None:
-        nonlocal found
-        if found:
-            return
-        if isinstance(node, ast.ColumnRef):
-            last = node.fields[-1] if node.fields else None
-            found = getattr(last, "sval", None) in names
-            return
-        if isinstance(node, ast.Node):
-            for slot in getattr(node, "__slots__", ()):
-                walk(getattr(node, slot))
-        elif isinstance(node, tuple):
-            for item in node:
-                walk(item)
-
-    for key in query.keys:
-        walk(key.expr)
-    return found
-
-
 def _uid_table(query: AnalyzedQuery) -> TableRef | None:
     """The protected base table whose uid column is the query's uid, if it is one."""
     uid = query.uid
@@ -353,8 +328,8 @@ class DPService:
         self._type_names: dict[int, TypeRef] = {}
         self._histograms: dict[str, tuple[float, UidSplit | None]] = {}
         self._pushdowns = PushdownCache()
-        self._groups_per_user: dict[str, tuple[float, float | None]] = {}
-        """(until when it holds, groups per user) by the statement that counted them."""
+        self._groups_per_user: dict[Any, tuple[float, float | None]] = {}
+        """(until when it holds, groups per user) by query (`Prepared.cache_key`) and slice."""
         self._nondeterministic: bool | None = None
 
     # ------------------------------------------------------------------ analysis and planning
@@ -519,16 +494,14 @@ class DPService:
         the average is its groups over the sample's users."""
         query, plan = prepared.query, prepared.plan
         if not query.keys or any(schema != "pg_catalog" for schema, _ in prepared.key_types) \
-                or _reads_uid(query):
+                or query.keys_read_uid:
             return None
         types = prefilter_types(split.uid_type, [name for _, name in prepared.key_types])
         slices = uid_ranges(split.histogram, _GROUPS_SLICES)
         if types is None or len(slices) < 3:
             return None
         middle = slices[len(slices) // 2]
-        # by the query (its statements but their order seed) and the slice
-        seed = str(prepared.pushdown.order_seed)
-        key = "\n".join([*(sql.replace(seed, "") for sql in prepared.sql), repr(middle)])
+        key = (prepared.cache_key, middle, split.uid_not_null)
         now = time.monotonic()
         cached = self._groups_per_user.get(key)
         if cached is None or cached[0] < now:
