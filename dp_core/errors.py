@@ -50,6 +50,18 @@ class InvalidBinaryRepresentation(DPError):
     sqlstate = "22P03"
 
 
+class CharacterNotInRepertoire(DPError):
+    """Client text that is not valid in the session's client encoding."""
+
+    sqlstate = "22021"
+
+
+class UntranslatableCharacter(DPError):
+    """Text for the client with a character its client encoding lacks."""
+
+    sqlstate = "22P05"
+
+
 class BindMismatch(DPError):
     """A Bind that does not fit its statement: an error in the batch, not the end of the session."""
 

@@ -22,6 +22,7 @@ from typing import Protocol, cast
 
 from server import protocol as p
 from server.dsn import DSN
+from server.encodings import UnsupportedEncoding, codec
 from server.scram import MECHANISM, ScramClient, ScramError
 
 
@@ -133,6 +134,9 @@ class BackendLink(asyncio.Protocol):
         self.last_split_failed = False
         self.tx_status = b"I"
         self.parameters: dict[str, str] = {}
+        self.codec = "utf-8"
+        """The Python codec of the session's client_encoding, as the backend last reported it:
+        what client text is read in and the proxy's own SQL and messages are written in."""
         self.startup_frames: list[bytes] = []
         """ParameterStatus frames from login, to replay to the client byte for byte."""
         self.key: tuple[int, int] | None = None
@@ -288,12 +292,18 @@ class BackendLink(asyncio.Protocol):
                     pending.popleft()
         elif tag == b"S":
             with contextlib.suppress(p.ProtocolViolation):
-                msg = p.decode_backend(tag, buf[start + 5 : end])
+                msg = p.decode_backend(tag, buf[start + 5 : end], self.codec)
                 assert isinstance(msg, p.ParameterStatus)
                 self.parameters[msg.name] = msg.value
                 if msg.name == "standard_conforming_strings" and msg.value != "on":
                     self._lose(NonStandardStrings())
                     return False
+                if msg.name == "client_encoding":
+                    new = codec(msg.value)
+                    if new is None:
+                        self._lose(UnsupportedEncoding(msg.value))
+                        return False
+                    self.codec = new
         elif head is not None and head is _INTERNAL_COMPLETES.get(tag):
             pending.popleft()
             relay = False
@@ -350,27 +360,33 @@ class BackendLink(asyncio.Protocol):
             self.transport.write(b"".join(corked) if len(corked) > 1 else corked[0])
 
     def send_split_query(self, sql: str) -> None:
-        """Run one statement on our own; its ReadyForQuery is not relayed."""
+        """Run one statement on our own; its ReadyForQuery is not relayed.
+
+        Raises UnicodeEncodeError, having sent nothing, when `sql` has a character
+        the client encoding lacks."""
         assert self.transport is not None
+        frame = p.Query(sql).encode(self.codec)
         self.pending.append(Pending.QUERY_SPLIT)
         self.last_split_failed = False
         self.uncork()
-        self.transport.write(p.Query(sql).encode())
+        self.transport.write(frame)
 
     def run_internal(self, sql: str, result_formats: tuple[int, ...]) -> None:
         """Run one statement of the proxy's own in the client's result formats.
 
         Only its DataRows and CommandComplete (or its error) reach the client;
-        await `drain()` for it to finish.
+        await `drain()` for it to finish. Raises UnicodeEncodeError, having sent
+        nothing, when `sql` has a character the client encoding lacks.
         """
         assert self.transport is not None
-        self.uncork()
         n = INTERNAL_NAME
+        frames = b"".join(m.encode(self.codec) for m in (
+            p.Parse(n, sql), p.Bind(n, n, (), (), result_formats), p.Execute(n, 0),
+            p.Close(b"P", n), p.Close(b"S", n), p.Sync()))
+        self.uncork()
         self.pending.extend([Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND, Pending.EXECUTE,
                              Pending.INTERNAL_CLOSE, Pending.INTERNAL_CLOSE, Pending.INTERNAL_SYNC])
-        self.transport.write(b"".join(m.encode() for m in (
-            p.Parse(n, sql), p.Bind(n, n, (), (), result_formats), p.Execute(n, 0),
-            p.Close(b"P", n), p.Close(b"S", n), p.Sync())))
+        self.transport.write(frames)
 
     async def drain(self) -> None:
         """Wait until every forwarded message has its reply relayed (sending Flush if needed)."""
@@ -433,6 +449,9 @@ class BackendLink(asyncio.Protocol):
                 scram = self._answer_auth(msg, dsn, scram)
             elif isinstance(msg, p.ParameterStatus):
                 self.parameters[msg.name] = msg.value
+                if msg.name == "client_encoding":
+                    # the session refuses an encoding without a codec once logged in
+                    self.codec = codec(msg.value) or self.codec
             elif isinstance(msg, p.BackendKeyData):
                 self.key = (msg.process_id, msg.secret_key)
             elif isinstance(msg, p.ReadyForQuery):

@@ -42,6 +42,7 @@ from dp_core.analysis import (
 )
 from dp_core.classify import Statement, StatementKind
 from dp_core.errors import (
+    CharacterNotInRepertoire,
     DPError,
     FeatureNotSupported,
     InternalError,
@@ -357,7 +358,8 @@ class DPService:
         if conn is None:
             async with self.pool.acquire() as own:
                 return await self.prepare(session, st, bind, param_types, own)
-        params = await self._bind_params(bind, param_types) if bind is not None else None
+        encoding = session.link.codec if session.link is not None else "utf-8"
+        params = await self._bind_params(bind, param_types, encoding) if bind is not None else None
         stmt = parse_select(st.stripped_sql, params)
         query = analyze(stmt, self.policy, plain_form=st.dp_clause is None)
         epsilon, delta, max_groups, noise = self._settings(session, st)
@@ -556,12 +558,14 @@ class DPService:
             self._type_names[oid] = (row[0], row[1])
         return self._type_names[oid]
 
-    async def _bind_params(self, bind: p.Bind, param_types: Sequence[int]) -> dict[int, Any]:
-        """The Bind's parameter values as typed constants for the analysis."""
+    async def _bind_params(self, bind: p.Bind, param_types: Sequence[int],
+                           encoding: str) -> dict[int, Any]:
+        """The Bind's parameter values (text in the client encoding) as typed constants for the
+        analysis."""
         out: dict[int, Any] = {}
         for i, raw in enumerate(bind.params):
             oid = param_types[i] if i < len(param_types) and param_types[i] else 0
-            text = None if raw is None else _param_text(raw, bind.param_format(i), oid)
+            text = None if raw is None else _param_text(raw, bind.param_format(i), oid, encoding)
             const: Any = ast.A_Const(isnull=True) if text is None else ast.A_Const(
                 val=ast.String(sval=text))
             if oid:
@@ -1014,13 +1018,15 @@ def explain_lines(prepared: Prepared) -> list[str]:
     return lines
 
 
-def _param_text(raw: bytes, fmt: int, oid: int) -> str:
-    """A parameter's value as text, decoding binary for the common scalar types."""
+def _param_text(raw: bytes, fmt: int, oid: int, encoding: str) -> str:
+    """A parameter's value as text, decoding binary for the common scalar types; text (and the
+    binary form of text types) is in the client encoding (a Python codec)."""
     if fmt == 0:
         try:
-            return raw.decode("utf-8")
+            return raw.decode(encoding)
         except UnicodeDecodeError:
-            raise InvalidParameterValue("parameter is not valid UTF-8") from None
+            raise CharacterNotInRepertoire(
+                f"a bind parameter is not valid text in the client encoding ({encoding})") from None
     try:
         if oid == 21:
             return str(struct.unpack("!h", raw)[0])
@@ -1035,7 +1041,7 @@ def _param_text(raw: bytes, fmt: int, oid: int) -> str:
         if oid == 16:
             return "true" if raw == b"\x01" else "false"
         if oid in (25, 1043, 1042, 19, 0):
-            return raw.decode("utf-8")
+            return raw.decode(encoding)
     except (struct.error, UnicodeDecodeError):
         raise InvalidBinaryRepresentation("incorrect binary data format in a bind parameter") from None
     raise FeatureNotSupported(f"binary parameters of type oid {oid} are not supported in DP "

@@ -27,17 +27,28 @@ class ProtocolViolation(Exception):
     """The peer sent bytes that are not a valid message here (SQLSTATE 08P01)."""
 
 
+class InvalidText(ProtocolViolation):
+    """A string of a well-formed message is not valid in the encoding it was read in (Postgres
+    answers this with an ERROR, 22021, and the session goes on)."""
+
+    def __init__(self, raw: bytes, encoding: str) -> None:
+        super().__init__(f"invalid byte sequence for encoding {encoding}: 0x{raw.hex()}")
+        self.raw = raw
+        self.encoding = encoding
+
+
 # --------------------------------------------------------------------------- helpers
 
 
 class _Reader:
     """Cursor over one message body; every read checks bounds."""
 
-    __slots__ = ("buf", "pos")
+    __slots__ = ("buf", "encoding", "pos")
 
-    def __init__(self, buf: bytes) -> None:
+    def __init__(self, buf: bytes, encoding: str = "utf-8") -> None:
         self.buf = buf
         self.pos = 0
+        self.encoding = encoding
 
     def _take(self, n: int) -> bytes:
         if n < 0 or self.pos + n > len(self.buf):
@@ -65,9 +76,9 @@ class _Reader:
         raw = self.buf[self.pos : end]
         self.pos = end + 1
         try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ProtocolViolation("invalid UTF-8 in message") from None
+            return raw.decode(self.encoding)
+        except UnicodeDecodeError as e:
+            raise InvalidText(e.object[e.start : e.end], self.encoding) from None
 
     def bytes_n(self, n: int) -> bytes:
         return self._take(n)
@@ -82,8 +93,11 @@ class _Reader:
             raise ProtocolViolation("message has trailing bytes")
 
 
-def _cstr(s: str) -> bytes:
-    b = s.encode("utf-8")
+def _cstr(s: str, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+    """A protocol string in `encoding` (the session's client encoding); `errors` as for
+    str.encode: "strict" for SQL (the caller turns a character the encoding lacks into an
+    error), "replace" for messages to the client."""
+    b = s.encode(encoding, errors)
     if b"\0" in b:
         raise ValueError("a protocol string cannot contain NUL")
     return b + b"\0"
@@ -132,7 +146,7 @@ class StartupMessage:
     parameters: dict[str, str]
     protocol: int = PROTOCOL_V3
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         body = _I32.pack(self.protocol)
         body += b"".join(_cstr(k) + _cstr(v) for k, v in self.parameters.items()) + b"\0"
         return _I32.pack(len(body) + 4) + body
@@ -140,13 +154,13 @@ class StartupMessage:
 
 @dataclass(frozen=True)
 class SSLRequest:
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _I32.pack(8) + _I32.pack(SSL_REQUEST_CODE)
 
 
 @dataclass(frozen=True)
 class GSSENCRequest:
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _I32.pack(8) + _I32.pack(GSSENC_REQUEST_CODE)
 
 
@@ -155,7 +169,7 @@ class CancelRequest:
     process_id: int
     secret_key: int
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _I32.pack(16) + _I32.pack(CANCEL_REQUEST_CODE) + _I32.pack(self.process_id) + _I32.pack(
             self.secret_key
         )
@@ -202,8 +216,8 @@ class Query:
     tag: ClassVar[bytes] = b"Q"
     sql: str
 
-    def encode(self) -> bytes:
-        return _frame(self.tag, _cstr(self.sql))
+    def encode(self, encoding: str = "utf-8") -> bytes:
+        return _frame(self.tag, _cstr(self.sql, encoding))
 
 
 @dataclass(frozen=True)
@@ -213,8 +227,9 @@ class Parse:
     sql: str
     param_types: tuple[int, ...] = ()
 
-    def encode(self) -> bytes:
-        body = _cstr(self.name) + _cstr(self.sql) + _I16.pack(len(self.param_types))
+    def encode(self, encoding: str = "utf-8") -> bytes:
+        body = _cstr(self.name, encoding) + _cstr(self.sql, encoding)
+        body += _I16.pack(len(self.param_types))
         body += b"".join(_U32.pack(t) for t in self.param_types)
         return _frame(self.tag, body)
 
@@ -228,8 +243,9 @@ class Bind:
     params: tuple[bytes | None, ...] = ()
     result_formats: tuple[int, ...] = ()
 
-    def encode(self) -> bytes:
-        body = _cstr(self.portal) + _cstr(self.statement) + _int16s(self.param_formats)
+    def encode(self, encoding: str = "utf-8") -> bytes:
+        body = _cstr(self.portal, encoding) + _cstr(self.statement, encoding)
+        body += _int16s(self.param_formats)
         body += _values(self.params) + _int16s(self.result_formats)
         return _frame(self.tag, body)
 
@@ -251,8 +267,8 @@ class Describe:
     kind: bytes  # b"S" statement or b"P" portal
     name: str
 
-    def encode(self) -> bytes:
-        return _frame(self.tag, self.kind + _cstr(self.name))
+    def encode(self, encoding: str = "utf-8") -> bytes:
+        return _frame(self.tag, self.kind + _cstr(self.name, encoding))
 
 
 @dataclass(frozen=True)
@@ -261,8 +277,8 @@ class Execute:
     portal: str
     max_rows: int = 0
 
-    def encode(self) -> bytes:
-        return _frame(self.tag, _cstr(self.portal) + _I32.pack(self.max_rows))
+    def encode(self, encoding: str = "utf-8") -> bytes:
+        return _frame(self.tag, _cstr(self.portal, encoding) + _I32.pack(self.max_rows))
 
 
 @dataclass(frozen=True)
@@ -271,15 +287,15 @@ class Close:
     kind: bytes
     name: str
 
-    def encode(self) -> bytes:
-        return _frame(self.tag, self.kind + _cstr(self.name))
+    def encode(self, encoding: str = "utf-8") -> bytes:
+        return _frame(self.tag, self.kind + _cstr(self.name, encoding))
 
 
 @dataclass(frozen=True)
 class Sync:
     tag: ClassVar[bytes] = b"S"
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, b"")
 
 
@@ -287,7 +303,7 @@ class Sync:
 class Flush:
     tag: ClassVar[bytes] = b"H"
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, b"")
 
 
@@ -295,7 +311,7 @@ class Flush:
 class Terminate:
     tag: ClassVar[bytes] = b"X"
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, b"")
 
 
@@ -306,7 +322,7 @@ class PasswordMessage:
     tag: ClassVar[bytes] = b"p"
     data: bytes
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, self.data)
 
 
@@ -316,7 +332,7 @@ class SASLInitialResponse:
     mechanism: str
     data: bytes | None
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         body = _cstr(self.mechanism)
         body += _I32.pack(-1) if self.data is None else _I32.pack(len(self.data)) + self.data
         return _frame(self.tag, body)
@@ -336,7 +352,7 @@ class CopyData:
     tag: ClassVar[bytes] = b"d"
     data: bytes
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, self.data)
 
 
@@ -344,7 +360,7 @@ class CopyData:
 class CopyDone:
     tag: ClassVar[bytes] = b"c"
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, b"")
 
 
@@ -353,8 +369,8 @@ class CopyFail:
     tag: ClassVar[bytes] = b"f"
     message: str
 
-    def encode(self) -> bytes:
-        return _frame(self.tag, _cstr(self.message))
+    def encode(self, encoding: str = "utf-8") -> bytes:
+        return _frame(self.tag, _cstr(self.message, encoding, "replace"))
 
 
 @dataclass(frozen=True)
@@ -364,7 +380,7 @@ class FunctionCall:
     tag: ClassVar[bytes] = b"F"
     data: bytes
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, self.data)
 
 
@@ -374,9 +390,10 @@ FrontendMessage = (
 )
 
 
-def decode_frontend(tag: bytes, body: bytes) -> FrontendMessage:
-    """Decode one typed client message."""
-    r = _Reader(body)
+def decode_frontend(tag: bytes, body: bytes, encoding: str = "utf-8") -> FrontendMessage:
+    """Decode one typed client message, its strings in `encoding` (a Python codec: the
+    session's client encoding)."""
+    r = _Reader(body, encoding)
     msg: FrontendMessage
     if tag == b"Q":
         msg = Query(r.cstring())
@@ -445,7 +462,7 @@ class Authentication:
     data: bytes = b""
     """SASL: mechanism list / server message; MD5: the 4-byte salt."""
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, _I32.pack(self.code) + self.data)
 
     @classmethod
@@ -462,8 +479,9 @@ class ParameterStatus:
     name: str
     value: str
 
-    def encode(self) -> bytes:
-        return _frame(self.tag, _cstr(self.name) + _cstr(self.value))
+    def encode(self, encoding: str = "utf-8") -> bytes:
+        return _frame(self.tag, _cstr(self.name, encoding, "replace")
+                      + _cstr(self.value, encoding, "replace"))
 
 
 @dataclass(frozen=True)
@@ -472,7 +490,7 @@ class BackendKeyData:
     process_id: int
     secret_key: int
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, _I32.pack(self.process_id) + _I32.pack(self.secret_key))
 
 
@@ -481,7 +499,7 @@ class ReadyForQuery:
     tag: ClassVar[bytes] = b"Z"
     status: bytes = b"I"  # I idle, T in transaction, E failed transaction
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, self.status)
 
 
@@ -501,11 +519,11 @@ class RowDescription:
     tag: ClassVar[bytes] = b"T"
     fields: tuple[FieldDescription, ...]
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         parts = [_I16.pack(len(self.fields))]
         for f in self.fields:
             parts.append(
-                _cstr(f.name)
+                _cstr(f.name, encoding, "replace")
                 + struct.pack("!IhIhih", f.table_oid, f.column_attnum, f.type_oid,
                               f.type_size, f.type_modifier, f.format)
             )
@@ -517,7 +535,7 @@ class DataRow:
     tag: ClassVar[bytes] = b"D"
     values: tuple[bytes | None, ...]
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, _values(self.values))
 
 
@@ -526,15 +544,15 @@ class CommandComplete:
     tag: ClassVar[bytes] = b"C"
     command_tag: str
 
-    def encode(self) -> bytes:
-        return _frame(self.tag, _cstr(self.command_tag))
+    def encode(self, encoding: str = "utf-8") -> bytes:
+        return _frame(self.tag, _cstr(self.command_tag, encoding, "replace"))
 
 
 @dataclass(frozen=True)
 class EmptyQueryResponse:
     tag: ClassVar[bytes] = b"I"
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, b"")
 
 
@@ -552,8 +570,9 @@ class ErrorResponse:
     tag: ClassVar[bytes] = b"E"
     fields: tuple[tuple[str, str], ...]
 
-    def encode(self) -> bytes:
-        body = b"".join(k.encode("ascii") + _cstr(v) for k, v in self.fields) + b"\0"
+    def encode(self, encoding: str = "utf-8") -> bytes:
+        body = b"".join(k.encode("ascii") + _cstr(v, encoding, "replace")
+                        for k, v in self.fields) + b"\0"
         return _frame(self.tag, body)
 
     def get(self, code: str) -> str | None:
@@ -580,7 +599,7 @@ class NoticeResponse(ErrorResponse):
 class ParseComplete:
     tag: ClassVar[bytes] = b"1"
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, b"")
 
 
@@ -588,7 +607,7 @@ class ParseComplete:
 class BindComplete:
     tag: ClassVar[bytes] = b"2"
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, b"")
 
 
@@ -596,7 +615,7 @@ class BindComplete:
 class CloseComplete:
     tag: ClassVar[bytes] = b"3"
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, b"")
 
 
@@ -604,7 +623,7 @@ class CloseComplete:
 class NoData:
     tag: ClassVar[bytes] = b"n"
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, b"")
 
 
@@ -613,7 +632,7 @@ class ParameterDescription:
     tag: ClassVar[bytes] = b"t"
     type_oids: tuple[int, ...]
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(
             self.tag, _I16.pack(len(self.type_oids)) + b"".join(_U32.pack(t) for t in self.type_oids)
         )
@@ -623,7 +642,7 @@ class ParameterDescription:
 class PortalSuspended:
     tag: ClassVar[bytes] = b"s"
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.tag, b"")
 
 
@@ -634,8 +653,9 @@ class NotificationResponse:
     channel: str
     payload: str
 
-    def encode(self) -> bytes:
-        return _frame(self.tag, _I32.pack(self.process_id) + _cstr(self.channel) + _cstr(self.payload))
+    def encode(self, encoding: str = "utf-8") -> bytes:
+        return _frame(self.tag, _I32.pack(self.process_id) + _cstr(self.channel, encoding, "replace")
+                      + _cstr(self.payload, encoding, "replace"))
 
 
 @dataclass(frozen=True)
@@ -646,7 +666,7 @@ class CopyResponse:
     overall_format: int
     column_formats: tuple[int, ...] = field(default=())
 
-    def encode(self) -> bytes:
+    def encode(self, encoding: str = "utf-8") -> bytes:
         return _frame(self.kind, bytes([self.overall_format]) + _int16s(self.column_formats))
 
 
@@ -668,9 +688,9 @@ def _error_fields(r: _Reader) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def decode_backend(tag: bytes, body: bytes) -> BackendMessage:
-    """Decode one server message."""
-    r = _Reader(body)
+def decode_backend(tag: bytes, body: bytes, encoding: str = "utf-8") -> BackendMessage:
+    """Decode one server message, its strings in `encoding` (the client encoding it was sent in)."""
+    r = _Reader(body, encoding)
     msg: BackendMessage
     if tag == b"R":
         return Authentication(r.int32(), r.rest())

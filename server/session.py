@@ -27,6 +27,7 @@ from config import AuthMethod
 from dp_core.classify import Statement, StatementKind
 from dp_core.errors import (
     BindMismatch,
+    CharacterNotInRepertoire,
     ConnectionFailure,
     DPError,
     FeatureNotSupported,
@@ -36,10 +37,12 @@ from dp_core.errors import (
     ProtocolViolationError,
     QueryCanceled,
     SyntaxError_,
+    UntranslatableCharacter,
 )
 from dp_core.settings import DPSettings
 from server import backend
 from server import protocol as p
+from server.encodings import UnsupportedEncoding, codec
 from server.scram import MECHANISM, ScramError, ScramServer, Verifier
 
 if TYPE_CHECKING:
@@ -138,6 +141,22 @@ def _non_standard_strings() -> DPError:
     err.sqlstate = "0A000"
     err.severity = "FATAL"
     return err
+
+
+def _unsupported_encoding(exc: UnsupportedEncoding) -> DPError:
+    err = DPError(f"client_encoding {exc.name} is not supported by dp-proxy", detail=exc.detail,
+                  hint="use UTF8 (PGCLIENTENCODING=UTF8, or SET client_encoding TO 'UTF8'); the "
+                       "LATIN, WIN, KOI8 and EUC encodings work too")
+    err.sqlstate = "0A000"
+    err.severity = "FATAL"
+    return err
+
+
+def untranslatable(e: UnicodeEncodeError, encoding: str) -> UntranslatableCharacter:
+    """Postgres's error for a character the client encoding lacks, from Python's."""
+    raw = " ".join(f"0x{b:02x}" for b in e.object[e.start : e.end].encode("utf-8"))
+    return UntranslatableCharacter(f'character with byte sequence {raw} in encoding "UTF8" has '
+                                   f'no equivalent in encoding "{encoding}"')
 
 
 class ClientProtocol(asyncio.Protocol):
@@ -350,7 +369,8 @@ class Session:
             self.transport.write(data)
 
     def send(self, *messages: Any) -> None:
-        self.write(b"".join(m.encode() for m in messages))
+        encoding = self.link.codec if self.link is not None else "utf-8"
+        self.write(b"".join(m.encode(encoding) for m in messages))
 
     def send_error(self, err: DPError) -> None:
         self.server.metrics.errors.labels(err.sqlstate).inc()
@@ -504,6 +524,10 @@ class Session:
         if self.link.parameters.get("standard_conforming_strings") != "on":
             self.link.close()
             raise _non_standard_strings()
+        encoding = self.link.parameters.get("client_encoding", "UTF8")
+        if codec(encoding) is None:
+            self.link.close()
+            raise _unsupported_encoding(UnsupportedEncoding(encoding))
         # relayed bytes go straight to the transport: it no longer changes (TLS is set up)
         self.link.target = backend.RelayTarget(self.transport.write, self._backend_lost)
         self.link.on_cycle = functools.partial(self.statement_done, "pass_through")
@@ -566,6 +590,8 @@ class Session:
             return
         if isinstance(exc, backend.NonStandardStrings):
             self.fatal(_non_standard_strings())
+        elif isinstance(exc, UnsupportedEncoding):
+            self.fatal(_unsupported_encoding(exc))
         else:
             self.fatal(ConnectionFailure("the connection to the backend database was lost"))
 
@@ -586,10 +612,16 @@ class Session:
             return self._route(tag, raw, link)
         except DPError as e:
             return self._fail(e, extended=tag != b"Q")
+        except p.InvalidText as e:
+            # as Postgres: an error in this statement (or batch), not the end of the session
+            err = CharacterNotInRepertoire(
+                f'invalid byte sequence for encoding "{link.parameters.get("client_encoding")}": '
+                + " ".join(f"0x{b:02x}" for b in e.raw))
+            return self._fail(err, extended=tag != b"Q")
 
     def _route(self, tag: bytes, raw: bytes, link: backend.BackendLink) -> Awaitable[None] | None:
         if tag == b"Q":
-            sql = _query_text(raw)
+            sql = _query_text(raw, link.codec)
             if self.server.classifier.is_plain_pass_through(sql):
                 link.forward(raw, tag)
                 return None
@@ -599,7 +631,7 @@ class Session:
                 return None
             return self._simple_query(stmts)
         if tag == b"P":
-            msg = p.decode_frontend(tag, raw[5:])
+            msg = p.decode_frontend(tag, raw[5:], link.codec)
             assert isinstance(msg, p.Parse)
             if self.server.classifier.is_plain_pass_through(msg.sql):
                 self.local_statements.pop(msg.name, None)
@@ -616,34 +648,35 @@ class Session:
             return self._local_parse(msg, st)
         if tag == b"B":
             # only the names decide the route: decode the whole message only when local
-            portal_name, statement_name = _two_names(raw)
+            portal_name, statement_name = _two_names(raw, link.codec)
             local = self.local_statements.get(statement_name)
             if local is None:
                 if self.local_portals:
                     self.local_portals.pop(portal_name, None)
                 link.forward(raw, tag)
                 return None
-            bind = p.decode_frontend(tag, raw[5:])
+            bind = p.decode_frontend(tag, raw[5:], link.codec)
             assert isinstance(bind, p.Bind)
             return self._local(lambda: self._local_bind(bind, local))
         if tag in (b"D", b"C"):
             table: dict[str, Any] = (
                 self.local_statements if raw[5:6] == b"S" else self.local_portals
             )
-            if not table or _name_after_kind(raw) not in table:
+            if not table or _name_after_kind(raw, link.codec) not in table:
                 link.forward(raw, tag)
                 return None
-            msg = p.decode_frontend(tag, raw[5:])
+            msg = p.decode_frontend(tag, raw[5:], link.codec)
             assert isinstance(msg, (p.Describe, p.Close))
             if isinstance(msg, p.Close):
                 return self._local(lambda: self._local_close(msg))
             return self._local_async(self._local_describe(msg))
         if tag == b"E":
-            portal = self.local_portals.get(_first_name(raw)) if self.local_portals else None
+            portal = self.local_portals.get(_first_name(raw, link.codec)) \
+                if self.local_portals else None
             if portal is None:
                 link.forward(raw, tag)
                 return None
-            ex = p.decode_frontend(tag, raw[5:])
+            ex = p.decode_frontend(tag, raw[5:], link.codec)
             assert isinstance(ex, p.Execute)
             return self._local_async(self._local_execute(ex, portal))
         if tag in (b"S", b"H", b"d", b"c", b"f"):
@@ -730,7 +763,11 @@ class Session:
                 continue
             if st.kind is StatementKind.PASS_THROUGH:
                 started = time.perf_counter()
-                link.send_split_query(st.sql)
+                try:
+                    link.send_split_query(st.sql)
+                except UnicodeEncodeError as e:
+                    self.send_error(untranslatable(e, link.parameters.get("client_encoding", "")))
+                    break
                 await link.drain()
                 failed = self._backend_failed_batch_since_split()
                 self.statement_done("pass_through", started, link.last_sqlstate if failed else None)
@@ -908,10 +945,15 @@ class Session:
         link = self.link
         assert link is not None
         before = link.errors
-        if bind is None:
-            link.send_split_query(sql)
-        else:
-            link.run_internal(sql, bind.result_formats)
+        try:
+            if bind is None:
+                link.send_split_query(sql)
+            else:
+                link.run_internal(sql, bind.result_formats)
+        except UnicodeEncodeError as e:
+            # a released key (or an analyst's name) the client encoding cannot show: Postgres
+            # fails a query the same way when a row has such a character
+            raise untranslatable(e, link.parameters.get("client_encoding", "")) from None
         await link.drain()
         if link.errors > before:
             log.error("session %s: the backend refused a result query (this is a bug)",
@@ -943,43 +985,48 @@ def _highest_parameter(tree: Any) -> int:
     return highest
 
 
-def _query_text(raw: bytes) -> str:
-    """The SQL of a raw Query frame; raises ProtocolViolation like the full decoder."""
+def _query_text(raw: bytes, encoding: str) -> str:
+    """The SQL of a raw Query frame in the client encoding; raises ProtocolViolation (or
+    InvalidText) like the full decoder."""
     if len(raw) < 6 or raw[-1] != 0 or raw.find(b"\0", 5) != len(raw) - 1:
-        msg = p.decode_frontend(b"Q", raw[5:])  # raises the precise error
+        msg = p.decode_frontend(b"Q", raw[5:], encoding)  # raises the precise error
         assert isinstance(msg, p.Query)
         return msg.sql
     try:
-        return raw[5:-1].decode("utf-8")
-    except UnicodeDecodeError:
-        raise p.ProtocolViolation("invalid UTF-8 in message") from None
+        return raw[5:-1].decode(encoding)
+    except UnicodeDecodeError as e:
+        raise p.InvalidText(e.object[e.start : e.end], encoding) from None
 
 
-def _first_name(raw: bytes) -> str:
+# Statement and portal names, read before deciding whether to decode a whole message: as the
+# full decoder reads them where valid (so that they find what a Parse or Bind stored), and
+# never failing (a name that is not valid text cannot have been stored).
+
+def _first_name(raw: bytes, encoding: str) -> str:
     end = raw.find(b"\0", 5)
     if end < 0:
         raise p.ProtocolViolation("unterminated string in message")
-    return raw[5:end].decode("utf-8", errors="replace")
+    return raw[5:end].decode(encoding, errors="replace")
 
 
-def _two_names(raw: bytes) -> tuple[str, str]:
+def _two_names(raw: bytes, encoding: str) -> tuple[str, str]:
     """Portal and statement names at the start of a Bind frame."""
     end1 = raw.find(b"\0", 5)
     end2 = raw.find(b"\0", end1 + 1) if end1 >= 0 else -1
     if end2 < 0:
         raise p.ProtocolViolation("unterminated string in message")
-    return (raw[5:end1].decode("utf-8", errors="replace"),
-            raw[end1 + 1:end2].decode("utf-8", errors="replace"))
+    return (raw[5:end1].decode(encoding, errors="replace"),
+            raw[end1 + 1:end2].decode(encoding, errors="replace"))
 
 
-def _name_after_kind(raw: bytes) -> str:
+def _name_after_kind(raw: bytes, encoding: str) -> str:
     """The name in a Describe or Close frame (after its S/P byte)."""
     if raw[5:6] not in (b"S", b"P"):
         raise p.ProtocolViolation("invalid DESCRIBE/CLOSE message subtype")
     end = raw.find(b"\0", 6)
     if end < 0:
         raise p.ProtocolViolation("unterminated string in message")
-    return raw[6:end].decode("utf-8", errors="replace")
+    return raw[6:end].decode(encoding, errors="replace")
 
 
 def _const_value(node: Any) -> str | float | int | None:

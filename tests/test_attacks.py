@@ -141,6 +141,11 @@ CASES = [
     Case("standard_conforming_strings off in a transaction",
          ("BEGIN", "SET LOCAL standard_conforming_strings = off"), "0A000"),
     Case("standard_conforming_strings on", "SET standard_conforming_strings = on", None),
+    # a client-only encoding hides ASCII bytes (a backslash: SJIS 0x95 0x5C) inside characters
+    Case("client_encoding SJIS", "SET client_encoding = 'SJIS'", "0A000"),
+    Case("client_encoding GBK by set_config",
+         "SELECT set_config('client_encoding', 'GBK', false)", "0A000"),
+    Case("client_encoding LATIN1", "SET client_encoding = 'LATIN1'", None),
     # --- several statements in one Query
     Case("pass-through then a raw read", "SELECT 1; SELECT * FROM visits", "42501"),
     Case("DP then a raw read", DP_COUNT + "; SELECT * FROM visits", "42501"),

@@ -126,7 +126,7 @@ def test_bind_format_rules() -> None:
     [
         (b"Q", b"SELECT 1", "unterminated string"),
         (b"Q", b"a\x00b", "trailing bytes"),
-        (b"Q", b"\xff\xfe\x00", "invalid UTF-8"),
+        (b"Q", b"\xff\xfe\x00", "invalid byte sequence for encoding utf-8: 0xff"),
         (b"E", b"p\x00", "shorter than"),
         (b"D", b"Xname\x00", "invalid DESCRIBE message subtype"),
         (b"B", b"\x00\x00\x00\x00\x00\x01\xff\xff\xff\xf0\x00\x00", "invalid value length"),
@@ -136,6 +136,25 @@ def test_bind_format_rules() -> None:
 def test_malformed_frontend(tag: bytes, body: bytes, message: str) -> None:
     with pytest.raises(p.ProtocolViolation, match=message):
         p.decode_frontend(tag, body)
+
+
+def test_strings_in_the_client_encoding() -> None:
+    """Strings are read and written in the session's client encoding (a Python codec)."""
+    wire = p.Parse("s\xe9", "SELECT 'Z\xfcrich'").encode("latin-1")
+    assert wire == b"P" + struct.pack("!i", 25) + b"s\xe9\x00SELECT 'Z\xfcrich'\x00\x00\x00"
+    assert p.decode_frontend(b"P", wire[5:], "latin-1") == p.Parse("s\xe9", "SELECT 'Z\xfcrich'")
+    with pytest.raises(p.InvalidText) as info:
+        p.decode_frontend(b"P", wire[5:])  # not UTF-8
+    assert info.value.raw == b"\xe9"
+    # SQL the encoding cannot hold is an error for the caller; messages to the client are
+    # written with "?" where the encoding has no character
+    with pytest.raises(UnicodeEncodeError):
+        p.Query("SELECT '\u20ac'").encode("latin-1")
+    err = p.ErrorResponse(((p.FIELD_MESSAGE, "\u20ac \xe9"),)).encode("latin-1")
+    assert err == b"E" + struct.pack("!i", 10) + b"M? \xe9\x00\x00"
+    desc = p.RowDescription((p.FieldDescription("\xe9"),)).encode("latin-1")
+    assert desc[7:9] == b"\xe9\x00"
+    assert p.CommandComplete("SELECT 1").encode("latin-1") == p.CommandComplete("SELECT 1").encode()
 
 
 def test_frame_reader_splits_and_limits() -> None:

@@ -1,0 +1,65 @@
+"""Client encodings: the ones in which the proxy reads SQL as Postgres does, and their codecs.
+
+Postgres converts every string a client sends from the session's
+client_encoding, and every string it sends back into it. The proxy must do
+the same where it reads or writes text itself: the SQL it classifies and
+rewrites, the bind parameters of DP queries, its own messages and the SQL of
+its result queries.
+
+It must also read SQL *exactly* as Postgres does, or a statement it judged
+harmless could mean something else to Postgres. In every encoding Postgres can
+store (UTF8, the LATIN and WIN families, KOI8, the EUC family...) a byte below
+0x80 is always that ASCII character, never part of a multibyte one, so quotes,
+backslashes, keywords and the (ASCII) names of protected tables are the same
+bytes whatever the encoding: statements split and classify alike in all of
+them. The client-only encodings (SJIS, BIG5, GBK, UHC, GB18030, JOHAB) put
+ASCII bytes such as a backslash or letters inside multibyte characters, so the
+same bytes lex differently under them; the proxy refuses them, as it refuses
+standard_conforming_strings off. MULE_INTERNAL and EUC_TW have no Python codec.
+"""
+
+from __future__ import annotations
+
+_LATIN = {"LATIN1": "latin-1", "LATIN2": "iso8859-2", "LATIN3": "iso8859-3",
+          "LATIN4": "iso8859-4", "LATIN5": "iso8859-9", "LATIN6": "iso8859-10",
+          "LATIN7": "iso8859-13", "LATIN8": "iso8859-14", "LATIN9": "iso8859-15",
+          "LATIN10": "iso8859-16"}
+
+CODECS: dict[str, str] = {
+    "UTF8": "utf-8",
+    # no conversion: the text is the database's, which Postgres still checks is valid UTF-8
+    # in a UTF8 database (a SQL_ASCII database takes any bytes; the proxy reads them as UTF-8)
+    "SQL_ASCII": "utf-8",
+    **_LATIN,
+    **{f"ISO_8859_{n}": f"iso8859-{n}" for n in (5, 6, 7, 8)},
+    "KOI8R": "koi8-r", "KOI8U": "koi8-u",
+    "WIN866": "cp866", "WIN874": "cp874",
+    **{f"WIN{n}": f"cp{n}" for n in range(1250, 1259)},
+    "EUC_JP": "euc_jp", "EUC_JIS_2004": "euc_jis_2004", "EUC_KR": "euc_kr", "EUC_CN": "gb2312",
+}
+"""Postgres encoding name (as ParameterStatus reports client_encoding) → Python codec."""
+
+CLIENT_ONLY = frozenset({"SJIS", "SHIFT_JIS_2004", "BIG5", "GBK", "UHC", "GB18030", "JOHAB"})
+
+
+def codec(name: str) -> str | None:
+    """The Python codec for a client_encoding Postgres reports; None: not supported here."""
+    return CODECS.get(name.upper())
+
+
+class UnsupportedEncoding(Exception):
+    """The session's client_encoding is one the proxy cannot read SQL in as Postgres does."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"client_encoding {name} is not supported")
+        self.name = name
+
+    @property
+    def detail(self) -> str:
+        if self.name.upper() in CLIENT_ONLY:
+            return (f"in {self.name}, bytes inside multibyte characters can be ASCII letters or "
+                    "backslashes, so the proxy could read a statement differently from Postgres")
+        return f"the proxy has no codec for {self.name}"
+
+
+__all__ = ["CLIENT_ONLY", "CODECS", "UnsupportedEncoding", "codec"]

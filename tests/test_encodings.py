@@ -1,0 +1,195 @@
+"""Client encodings: the proxy reads and writes text in the session's client_encoding, as
+Postgres does, and refuses the encodings in which it could not lex SQL as Postgres does."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import os
+import struct
+import subprocess
+from collections.abc import Iterator
+
+import asyncpg
+import psycopg
+import pytest
+
+from server import protocol as p
+from server.embedded import find_bindir
+from server.encodings import CLIENT_ONLY, CODECS, codec
+
+from .conftest import TEST_DATABASE, Backend, Proxy
+from .rawclient import RawClient, close_all, errors
+
+# a text each encoding has beyond ASCII
+SAMPLES = {"LATIN1": "Zürich", "WIN1252": "€uro", "KOI8R": "Москва", "EUC_JP": "東京",
+           "LATIN2": "Łódź"}
+
+
+@pytest.fixture(autouse=True)
+def _close_raw_clients() -> Iterator[None]:
+    yield
+    close_all()
+
+
+# ---------------------------------------------------------------------------- the codec table
+
+
+def test_every_codec_reads_ascii_bytes_as_ascii() -> None:
+    """What makes a client encoding safe to classify SQL in: bytes below 0x80 are always those
+    ASCII characters, so quotes, backslashes and (ASCII) table names are the same bytes."""
+    ascii_bytes = bytes(range(1, 128))
+    for name, py in CODECS.items():
+        assert ascii_bytes.decode(py) == ascii_bytes.decode("ascii"), name
+    for py in {v for v in CODECS.values() if v not in ("utf-8", "latin-1")}:
+        # no ASCII byte is ever absorbed into a multibyte character
+        for hi in range(0x80, 0x100):
+            for lo in b"'\\\"vV;-/*$":
+                try:
+                    text = bytes([hi, lo]).decode(py)
+                except UnicodeDecodeError:
+                    continue
+                assert text.endswith(chr(lo)), (py, hex(hi), chr(lo))
+
+
+def test_client_only_encodings_have_no_codec() -> None:
+    for name in CLIENT_ONLY:
+        assert codec(name) is None
+        # and they do hide ASCII bytes inside characters: SJIS 0x95 0x5C is one character
+    assert b"\x95\x5c".decode("shift_jis") == "表"
+    assert codec("latin1") == "latin-1" and codec("UTF8") == "utf-8"
+
+
+def test_the_names_are_the_ones_postgres_reports(backend: Backend) -> None:
+    """Postgres reports client_encoding by its canonical name: each name of the table is one."""
+    async def check() -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            for name in CODECS:
+                await conn.execute(f"SET client_encoding TO '{name}'")
+                assert await conn.fetchval("SHOW client_encoding") == name
+                await conn.execute("RESET client_encoding")
+        finally:
+            await conn.close()
+
+    asyncio.run(check())
+
+
+# ---------------------------------------------------------------------------- through the proxy
+
+
+@pytest.fixture
+def proxy(proxy: Proxy) -> Proxy:
+    """The proxy, with alice's budget reset (these tests spend it)."""
+    with psycopg.connect(proxy.dsn("admin"), autocommit=True) as adm:
+        adm.execute("SELECT dp_reset_budget('alice')")
+    return proxy
+
+
+@pytest.mark.parametrize("encoding", sorted(SAMPLES))
+def test_sql_in_the_client_encoding(proxy: Proxy, encoding: str) -> None:
+    text = SAMPLES[encoding]
+    with psycopg.connect(proxy.dsn(), autocommit=True, client_encoding=encoding) as conn:
+        # psycopg writes in the encoding the proxy decodes with
+        assert codecs.lookup(conn.info.encoding).name == codecs.lookup(str(codec(encoding))).name
+        # a statement the proxy parses (it names a protected table), passed through
+        assert conn.execute(f"SELECT 'visits {text}' AS t").fetchone() == (f"visits {text}",)
+        # several statements in one Query: the proxy sends them one by one, re-encoded
+        cur = conn.execute(f"SELECT '{text}' AS a; SHOW dp.epsilon")
+        assert cur.fetchone() is not None
+        # a DP query with the text in a literal and in the output name
+        cur = conn.execute(f'SELECT WITH ANONYMIZATION ANON_COUNT(*) AS "n {text}" FROM visits '
+                           f"WHERE browser <> '{text}'")
+        assert cur.description is not None and cur.description[0].name == f"n {text}"
+        (n,) = cur.fetchone()
+        assert n > 100
+        # and with the text as a bind parameter (extended protocol, text format)
+        cur = conn.execute("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits "
+                           "WHERE browser <> %s GROUP BY browser", (text,), prepare=True)
+        assert len(cur.fetchall()) > 1
+
+
+def test_results_and_messages_in_the_client_encoding(proxy: Proxy) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True, client_encoding="LATIN1") as conn:
+        # the backend converts pass-through rows
+        (name,) = conn.execute("SELECT name FROM countries WHERE code = 'CI'").fetchone()
+        assert name == "Côte d'Ivoire"
+        # the proxy's own error messages are written in the client encoding
+        with pytest.raises(psycopg.Error) as info:
+            conn.execute("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits v "
+                         "JOIN visits w ON v.browser = w.browser WHERE v.browser = 'Zürich'")
+        assert info.value.sqlstate == "0A000"
+        assert "Zürich" in str(info.value) or "\ufffd" not in str(info.value)
+        # the session goes on
+        assert conn.execute("SELECT 'ä'").fetchone() == ("ä",)
+
+
+def test_a_released_key_the_client_encoding_lacks(proxy: Proxy) -> None:
+    """As Postgres fails a query whose rows have a character the client encoding lacks (22P05),
+    so does a DP answer; WIN1252 has the euro sign, LATIN1 has not."""
+    sql = ("SELECT WITH ANONYMIZATION CASE WHEN browser = 'Chrome' THEN U&'Chrome \\20AC' "
+           "ELSE U&'other \\20AC' END AS b, ANON_COUNT(*) FROM visits GROUP BY 1")
+    with psycopg.connect(proxy.dsn(), autocommit=True, client_encoding="WIN1252") as conn:
+        rows = conn.execute(sql).fetchall()
+        assert rows and all(b.endswith("€") for b, _ in rows)
+    with psycopg.connect(proxy.dsn(), autocommit=True, client_encoding="LATIN1") as conn:
+        with pytest.raises(psycopg.Error) as info:
+            conn.execute(sql)
+        assert info.value.sqlstate == "22P05"
+        assert 'no equivalent in encoding "LATIN1"' in str(info.value)
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_invalid_bytes_in_the_client_encoding_are_an_error(proxy: Proxy) -> None:
+    c = RawClient(proxy.host, proxy.port)
+    c.login("alice", "alice", TEST_DATABASE)
+    c.send(p.Query("SET client_encoding TO 'WIN1252'"))
+    assert errors(c.recv_until_ready()) == []
+    # 0x81 is no character in WIN1252: Postgres answers 22021; so does the proxy, which must
+    # read this statement (it names a protected table)
+    sql = b"SELECT * FROM visits WHERE browser = '\x81'\x00"
+    c.send_raw(b"Q" + struct.pack("!i", len(sql) + 4) + sql)
+    assert errors(c.recv_until_ready()) == ["22021"]
+    sql = b"SELECT 'caf\xe9' AS visits\x00"  # parsed by the proxy too; valid in WIN1252
+    c.send_raw(b"Q" + struct.pack("!i", len(sql) + 4) + sql)
+    msgs = c.recv_until_ready()
+    assert [m.values for m in msgs if isinstance(m, p.DataRow)] == [(b"caf\xe9",)]
+    c.close()
+
+
+@pytest.mark.parametrize("how", [
+    "SET client_encoding TO 'SJIS'",
+    "SELECT set_config('client_' || 'encoding', 'BIG5', false)",
+])
+def test_switching_to_a_client_only_encoding_ends_the_session(proxy: Proxy, how: str) -> None:
+    conn = psycopg.connect(proxy.dsn(), autocommit=True)
+    with pytest.raises(psycopg.Error) as info:
+        conn.execute(how)
+    assert info.value.sqlstate == "0A000", info.value
+    assert "client_encoding" in str(info.value)
+    assert conn.closed or conn.broken
+    conn.close()
+    with psycopg.connect(proxy.dsn(), autocommit=True) as fresh:
+        assert fresh.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_a_login_in_a_client_only_encoding_is_refused(proxy: Proxy) -> None:
+    with pytest.raises(psycopg.OperationalError) as info:
+        psycopg.connect(proxy.dsn(), client_encoding="SJIS")
+    assert "client_encoding SJIS is not supported" in str(info.value)
+    with psycopg.connect(proxy.dsn(), client_encoding="EUC_JP") as ok:
+        assert ok.execute("SELECT '東京'").fetchone() == ("東京",)
+
+
+def test_psql_in_a_latin1_locale(proxy: Proxy) -> None:
+    """psql takes its client encoding from the locale: a LATIN1 terminal sends LATIN1 bytes."""
+    script = ("SELECT WITH ANONYMIZATION ANON_COUNT(*) AS \"Zählung\" FROM visits "
+              "WHERE browser <> 'Zürich';\nSELECT name FROM countries WHERE code = 'CI';\n")
+    argv = [str(find_bindir() / "psql"), "-X", "-A", "-t", "-v", "ON_ERROR_STOP=1",
+            "-h", proxy.host, "-p", str(proxy.port), "-U", "alice", "-d", TEST_DATABASE]
+    env = dict(os.environ, PGPASSWORD="alice", PGSSLMODE="disable", PGCLIENTENCODING="LATIN1")
+    out = subprocess.run(argv, input=script.encode("latin-1"), capture_output=True, env=env,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr.decode("latin-1")
+    lines = out.stdout.decode("latin-1").split("\n")
+    assert int(lines[0]) > 100 and lines[1] == "Côte d'Ivoire", lines
