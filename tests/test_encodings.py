@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import os
 import struct
 import subprocess
@@ -193,3 +194,23 @@ def test_psql_in_a_latin1_locale(proxy: Proxy) -> None:
     assert out.returncode == 0, out.stderr.decode("latin-1")
     lines = out.stdout.decode("latin-1").split("\n")
     assert int(lines[0]) > 100 and lines[1] == "Côte d'Ivoire", lines
+
+
+def test_a_statement_pipelined_behind_the_switch_is_not_answered(proxy: Proxy) -> None:
+    """Read as UTF-8, the second Query is one string literal; read as SJIS (0xe3 0x81, then
+    0x81 0x5c: the backslash is inside a character) it ends the literal early and reads
+    visits raw. Sent in one write with the switch, the proxy has forwarded it before the
+    backend reports the new encoding: the session ends there and none of its rows reach the
+    client (and the restricted role sees no rows of visits anyway: the second wall)."""
+    c = RawClient(proxy.host, proxy.port)
+    c.login("alice", "alice", TEST_DATABASE)
+    evil = b"SELECT E'\xe3\x81\x81\\'; SELECT uid, browser FROM visits LIMIT 3; --'\x00"
+    c.send_raw(p.Query("SET client_encoding TO 'SJIS'").encode()
+               + b"Q" + struct.pack("!i", len(evil) + 4) + evil)
+    seen: list[p.BackendMessage] = []
+    with contextlib.suppress(ConnectionError, OSError):
+        while True:
+            seen.append(c.recv())
+    fatal = [m for m in seen if isinstance(m, p.ErrorResponse) and m.get("S") == "FATAL"]
+    assert [m.sqlstate for m in fatal] == ["0A000"], seen
+    assert not any(isinstance(m, (p.RowDescription, p.DataRow)) for m in seen), seen
