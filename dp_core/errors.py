@@ -62,6 +62,10 @@ class UntranslatableCharacter(DPError):
     sqlstate = "22P05"
 
 
+class InFailedSqlTransaction(DPError):
+    sqlstate = "25P02"
+
+
 class BindMismatch(DPError):
     """A Bind that does not fit its statement: an error in the batch, not the end of the session."""
 

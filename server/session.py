@@ -31,6 +31,7 @@ from dp_core.errors import (
     ConnectionFailure,
     DPError,
     FeatureNotSupported,
+    InFailedSqlTransaction,
     InternalError,
     InvalidAuthorization,
     InvalidPassword,
@@ -810,6 +811,7 @@ class Session:
         self, st: Statement, describe: bool, bind: p.Bind | None, param_types: tuple[int, ...],
     ) -> None:
         """Answer one non-pass-through statement: its rows (with RowDescription if asked)."""
+        self._check_transaction()
         if st.kind is StatementKind.REFUSED:
             assert st.refusal is not None
             raise st.refusal
@@ -872,17 +874,29 @@ class Session:
         if self._backend_failed_batch():
             self.state = State.FAILED_BATCH
             return
-        if st.kind is StatementKind.REFUSED:
-            assert st.refusal is not None
-            self.statement_done("refused", time.perf_counter(), st.refusal.sqlstate)
-            self.send_error(st.refusal)
+        failure: DPError | None = st.refusal if st.kind is StatementKind.REFUSED else None
+        try:
+            self._check_transaction()
+        except DPError as e:
+            failure = e
+        if failure is not None:
+            self.statement_done("refused", time.perf_counter(), failure.sqlstate)
+            self.send_error(failure)
             self.state = State.FAILED_BATCH
             return
         self.local_statements[msg.name] = LocalStatement(
             st, msg.param_types, max(len(msg.param_types), _highest_parameter(st.tree)))
         self.send(p.ParseComplete())
 
+    def _check_transaction(self) -> None:
+        """As Postgres, refuse statements in a transaction that failed: a DP query there would
+        be charged and then its answer refused by the backend."""
+        if self.link is not None and self.link.tx_status == b"E":
+            raise InFailedSqlTransaction(
+                "current transaction is aborted, commands ignored until end of transaction block")
+
     def _local_bind(self, bind: p.Bind, local: LocalStatement) -> None:
+        self._check_transaction()
         if len(bind.params) != local.n_params:
             raise BindMismatch(f"bind message supplies {len(bind.params)} parameters, but prepared "
                                f'statement "{bind.statement}" requires {local.n_params}')
@@ -898,6 +912,7 @@ class Session:
         self.send(p.CloseComplete())
 
     async def _local_describe(self, msg: p.Describe) -> None:
+        self._check_transaction()  # describing a DP query reads the catalog
         if msg.kind == b"S":
             local = self.local_statements[msg.name]
             st = local.statement
