@@ -100,7 +100,7 @@ _ENDS_INT = {t[0]: kinds[0] for t, kinds in _COMPLETES.items()}
 """The one pending kind each tracked reply ends, by tag byte (every tuple of _COMPLETES has one)."""
 assert all(len(kinds) == 1 for kinds in _COMPLETES.values())
 _BYTES = [bytes((i,)) for i in range(256)]
-_Q, _E, _S, _Z = ord("Q"), ord("E"), ord("S"), ord("Z")
+_Q, _E, _S, _Z, _C, _I = ord("Q"), ord("E"), ord("S"), ord("Z"), ord("C"), ord("I")
 
 
 class CycleCounter(Protocol):
@@ -134,6 +134,13 @@ class BackendLink(asyncio.Protocol):
         self.last_split_failed = False
         self.tx_status = b"I"
         self.parameters: dict[str, str] = {}
+        self.watch_tx = False
+        """Set while the session has dp.* settings changed in an open transaction block: the
+        relay then notes in `tx_ends` how transaction blocks end."""
+        self.tx_ends: list[bool] = []
+        """While watching: one entry per transaction block ended, True when it committed."""
+        self._end_tag: bytes | None = None
+        """The COMMIT or ROLLBACK CommandComplete since the last ReadyForQuery, while watching."""
         self.codec = "utf-8"
         """The Python codec of the session's client_encoding, as the backend last reported it:
         what client text is read in and the proxy's own SQL and messages are written in."""
@@ -194,6 +201,7 @@ class BackendLink(asyncio.Protocol):
         pos = keep_from = 0
         unpack, tracked, pending = _LENGTH.unpack_from, _TRACKED_INT, self.pending
         not_ending, ends, query, sync = _NOT_ENDING_A_QUERY_INT, _ENDS_INT, _QUERY, _SYNC
+        watch = self.watch_tx
         head = pending[0] if pending else None
         while pos + 5 <= n:
             tag = buf[pos]  # an int: cheaper than a one-byte slice on this hot path
@@ -208,13 +216,13 @@ class BackendLink(asyncio.Protocol):
                     pos = n
                 break
             if tag in tracked:
-                if (head is query or head is sync) and tag in not_ending:
+                if (head is query or head is sync) and tag in not_ending and not watch:
                     pass  # before a ReadyForQuery that ends a cycle, only errors matter
-                elif head is not None and head is ends.get(tag):
+                elif head is not None and head is ends.get(tag) and not watch:
                     pending.popleft()
                     head = pending[0] if pending else None
                 elif tag == _Z and (head is query or head is sync) \
-                        and self.errors == self.errors_at_ready and self.cycles:
+                        and self.errors == self.errors_at_ready and self.cycles and not watch:
                     # a client cycle that succeeded: `_track`'s common case
                     pending.popleft()
                     head = pending[0] if pending else None
@@ -223,6 +231,8 @@ class BackendLink(asyncio.Protocol):
                     if started is not None:
                         self._cycle_done(started, None)
                 else:
+                    if watch:
+                        self._note_transaction(tag, buf, pos, end)
                     if not self._track(_BYTES[tag], buf, pos, end):
                         out.append(buf[keep_from:pos])
                         keep_from = end
@@ -310,6 +320,21 @@ class BackendLink(asyncio.Protocol):
         elif head is not None and head in _COMPLETES.get(tag, ()):
             pending.popleft()
         return relay
+
+    def _note_transaction(self, tag: int, buf: bytes, start: int, end: int) -> None:
+        """While watching: note a transaction block that ends (before `_track` reads the new
+        transaction status), and whether it committed."""
+        if tag == _C:
+            text = buf[start + 5 : end - 1]
+            if text in (b"COMMIT", b"ROLLBACK"):
+                self._end_tag = text
+        elif tag == _Z:
+            command, self._end_tag = self._end_tag, None
+            if buf[start + 5] == _I and self.tx_status != b"I":
+                self.tx_ends.append(command == b"COMMIT")  # (COMMIT of a failed block: ROLLBACK)
+            elif command == b"COMMIT":
+                self.tx_ends.append(True)  # COMMIT AND CHAIN: a new block began
+            # ROLLBACK with the block still open: ROLLBACK TO SAVEPOINT (or ROLLBACK AND CHAIN)
 
     def _cycle_done(self, started: float, sqlstate: str | None) -> None:
         """A client cycle that did pass-through work ended: count it or report it."""

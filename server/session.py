@@ -144,6 +144,16 @@ def _non_standard_strings() -> DPError:
     return err
 
 
+@dataclass
+class _TxSettings:
+    """dp.* settings of a session whose open transaction block changed them."""
+
+    start: DPSettings
+    """Before the block: what a rollback goes back to."""
+    session: DPSettings
+    """With the block's SETs but not its SET LOCALs: what a commit keeps."""
+
+
 def _unsupported_encoding(exc: UnsupportedEncoding) -> DPError:
     err = DPError(f"client_encoding {exc.name} is not supported by dp-proxy", detail=exc.detail,
                   hint="use UTF8 (PGCLIENTENCODING=UTF8, or SET client_encoding TO 'UTF8'); the "
@@ -200,7 +210,9 @@ class Session:
         self.link: backend.BackendLink | None = None
         self.user = ""
         self.process_id, self.secret_key = server.register_key(self)
-        self.settings: DPSettings = server.default_settings()
+        self._settings: DPSettings = server.default_settings()
+        self._tx_settings: _TxSettings | None = None
+        """dp.* settings changed in the open transaction block: what its end goes back to."""
         self.local_statements: dict[str, LocalStatement] = {}
         self.local_portals: dict[str, LocalPortal] = {}
         self.exhausted_portals: set[str] = set()
@@ -848,23 +860,55 @@ class Session:
             return
         raise InternalError()
 
+    @property
+    def settings(self) -> DPSettings:
+        """The session's dp.* settings now (a transaction block that changed them and has
+        ended since is settled first)."""
+        tx, link = self._tx_settings, self.link
+        if tx is not None and link is not None and link.tx_ends:
+            self._settings = tx.session if link.tx_ends[0] else tx.start
+            self._tx_settings = None
+            link.watch_tx = False
+            link.tx_ends.clear()
+        return self._settings
+
     def _set(self, st: Statement) -> None:
-        assert st.setting is not None
+        """SET [LOCAL] / RESET dp.*, with Postgres's transaction semantics: inside a block, a
+        SET lasts if the block commits and a SET LOCAL until the block ends either way;
+        outside one, SET LOCAL only warns. (Savepoints are not followed: ROLLBACK TO SAVEPOINT
+        leaves dp.* settings as they are.)"""
+        assert st.setting is not None and self.link is not None
         body = st.tree.get("VariableSetStmt", {})
         kind = body.get("kind", "VAR_SET_VALUE")
+        value: str | float | int | None
         if kind in ("VAR_SET_DEFAULT", "VAR_RESET"):
-            default = self.server.default_settings()
-            self.settings = self.settings.with_value(
-                st.setting, default.show(st.setting), self.server.caps
-            )
-            return
-        args = body.get("args", [])
-        if len(args) != 1:
-            raise SyntaxError_(f"SET {st.setting} takes one value")
-        value = _const_value(args[0])
-        if value is None:
-            raise SyntaxError_(f"SET {st.setting} takes a number or a name")
-        self.settings = self.settings.with_value(st.setting, value, self.server.caps)
+            value = self.server.default_settings().show(st.setting)
+        else:
+            args = body.get("args", [])
+            if len(args) != 1:
+                raise SyntaxError_(f"SET {st.setting} takes one value")
+            value = _const_value(args[0])
+            if value is None:
+                raise SyntaxError_(f"SET {st.setting} takes a number or a name")
+        current = self.settings
+        new = current.with_value(st.setting, value, self.server.caps)
+        is_local = bool(body.get("is_local"))
+        if self.link.tx_status == b"I":
+            if is_local:
+                self.send(p.NoticeResponse((
+                    (p.FIELD_SEVERITY, "WARNING"), (p.FIELD_SEVERITY_V, "WARNING"),
+                    (p.FIELD_CODE, "25P01"),
+                    (p.FIELD_MESSAGE, "SET LOCAL can only be used in transaction blocks"))))
+                return
+        else:
+            if self._tx_settings is None:
+                self._tx_settings = _TxSettings(start=current, session=current)
+                self.link.tx_ends.clear()
+                self.link.watch_tx = True
+            if not is_local:
+                tx = self._tx_settings
+                tx.session = tx.session.with_value(st.setting, value, self.server.caps)
+        self._settings = new
 
     # ------------------------------------------------------------------ extended protocol, local
 
