@@ -141,9 +141,12 @@ class BackendLink(asyncio.Protocol):
         """While watching: one entry per transaction block ended, True when it committed."""
         self._end_tag: bytes | None = None
         """The COMMIT or ROLLBACK CommandComplete since the last ReadyForQuery, while watching."""
+        self.encoding = "UTF8"
+        """The session's client_encoding, as the backend last reported it (and a name Postgres
+        uses in messages)."""
         self.codec = "utf-8"
-        """The Python codec of the session's client_encoding, as the backend last reported it:
-        what client text is read in and the proxy's own SQL and messages are written in."""
+        """Its Python codec: what client text is read in and the proxy's own SQL and messages
+        are written in."""
         self.startup_frames: list[bytes] = []
         """ParameterStatus frames from login, to replay to the client byte for byte."""
         self.key: tuple[int, int] | None = None
@@ -308,18 +311,24 @@ class BackendLink(asyncio.Protocol):
                 if msg.name == "standard_conforming_strings" and msg.value != "on":
                     self._lose(NonStandardStrings())
                     return False
-                if msg.name == "client_encoding":
-                    new = codec(msg.value)
-                    if new is None:
-                        self._lose(UnsupportedEncoding(msg.value))
-                        return False
-                    self.codec = new
+                if msg.name == "client_encoding" and not self._client_encoding(msg.value):
+                    self._lose(UnsupportedEncoding(msg.value))
+                    return False
         elif head is not None and head is _INTERNAL_COMPLETES.get(tag):
             pending.popleft()
             relay = False
         elif head is not None and head in _COMPLETES.get(tag, ()):
             pending.popleft()
         return relay
+
+    def _client_encoding(self, name: str) -> bool:
+        """The backend reported client_encoding `name`; False: the proxy has no codec for it
+        (the encoding in use stays as it was)."""
+        py = codec(name)
+        if py is None:
+            return False
+        self.encoding, self.codec = name, py
+        return True
 
     def _note_transaction(self, tag: int, buf: bytes, start: int, end: int) -> None:
         """While watching: note a transaction block that ends (before `_track` reads the new
@@ -476,7 +485,7 @@ class BackendLink(asyncio.Protocol):
                 self.parameters[msg.name] = msg.value
                 if msg.name == "client_encoding":
                     # the session refuses an encoding without a codec once logged in
-                    self.codec = codec(msg.value) or self.codec
+                    self._client_encoding(msg.value)
             elif isinstance(msg, p.BackendKeyData):
                 self.key = (msg.process_id, msg.secret_key)
             elif isinstance(msg, p.ReadyForQuery):

@@ -42,7 +42,6 @@ from dp_core.analysis import (
 )
 from dp_core.classify import Statement, StatementKind
 from dp_core.errors import (
-    CharacterNotInRepertoire,
     DPError,
     FeatureNotSupported,
     InternalError,
@@ -82,6 +81,7 @@ from dp_core.rewrite import (
 )
 from dp_core.settings import Caps, validate
 from server import protocol as p
+from server.encodings import invalid_text
 from server.ledger import (
     BUDGET_COLUMNS,
     LEDGER_COLUMNS,
@@ -358,8 +358,10 @@ class DPService:
         if conn is None:
             async with self.pool.acquire() as own:
                 return await self.prepare(session, st, bind, param_types, own)
-        encoding = session.link.codec if session.link is not None else "utf-8"
-        params = await self._bind_params(bind, param_types, encoding) if bind is not None else None
+        link = session.link
+        assert link is not None
+        params = None if bind is None else \
+            await self._bind_params(bind, param_types, link.codec, link.encoding)
         stmt = parse_select(st.stripped_sql, params)
         query = analyze(stmt, self.policy, plain_form=st.dp_clause is None)
         epsilon, delta, max_groups, noise = self._settings(session, st)
@@ -558,14 +560,15 @@ class DPService:
             self._type_names[oid] = (row[0], row[1])
         return self._type_names[oid]
 
-    async def _bind_params(self, bind: p.Bind, param_types: Sequence[int],
+    async def _bind_params(self, bind: p.Bind, param_types: Sequence[int], codec: str,
                            encoding: str) -> dict[int, Any]:
-        """The Bind's parameter values (text in the client encoding) as typed constants for the
-        analysis."""
+        """The Bind's parameter values (text in the client encoding: its Python codec and
+        name) as typed constants for the analysis."""
         out: dict[int, Any] = {}
         for i, raw in enumerate(bind.params):
             oid = param_types[i] if i < len(param_types) and param_types[i] else 0
-            text = None if raw is None else _param_text(raw, bind.param_format(i), oid, encoding)
+            text = None if raw is None else \
+                _param_text(raw, bind.param_format(i), oid, codec, encoding)
             const: Any = ast.A_Const(isnull=True) if text is None else ast.A_Const(
                 val=ast.String(sval=text))
             if oid:
@@ -1018,15 +1021,14 @@ def explain_lines(prepared: Prepared) -> list[str]:
     return lines
 
 
-def _param_text(raw: bytes, fmt: int, oid: int, encoding: str) -> str:
+def _param_text(raw: bytes, fmt: int, oid: int, codec: str, encoding: str) -> str:
     """A parameter's value as text, decoding binary for the common scalar types; text (and the
-    binary form of text types) is in the client encoding (a Python codec)."""
+    binary form of text types) is in the client encoding (`codec`, named `encoding`)."""
     if fmt == 0:
         try:
-            return raw.decode(encoding)
-        except UnicodeDecodeError:
-            raise CharacterNotInRepertoire(
-                f"a bind parameter is not valid text in the client encoding ({encoding})") from None
+            return raw.decode(codec)
+        except UnicodeDecodeError as e:
+            raise invalid_text(e.object[e.start : e.end], encoding) from None
     try:
         if oid == 21:
             return str(struct.unpack("!h", raw)[0])
@@ -1041,7 +1043,7 @@ def _param_text(raw: bytes, fmt: int, oid: int, encoding: str) -> str:
         if oid == 16:
             return "true" if raw == b"\x01" else "false"
         if oid in (25, 1043, 1042, 19, 0):
-            return raw.decode(encoding)
+            return raw.decode(codec)
     except (struct.error, UnicodeDecodeError):
         raise InvalidBinaryRepresentation("incorrect binary data format in a bind parameter") from None
     raise FeatureNotSupported(f"binary parameters of type oid {oid} are not supported in DP "

@@ -20,6 +20,8 @@ standard_conforming_strings off. MULE_INTERNAL and EUC_TW have no Python codec.
 
 from __future__ import annotations
 
+from dp_core.errors import CharacterNotInRepertoire, UntranslatableCharacter
+
 _LATIN = {"LATIN1": "latin-1", "LATIN2": "iso8859-2", "LATIN3": "iso8859-3",
           "LATIN4": "iso8859-4", "LATIN5": "iso8859-9", "LATIN6": "iso8859-10",
           "LATIN7": "iso8859-13", "LATIN8": "iso8859-14", "LATIN9": "iso8859-15",
@@ -47,6 +49,22 @@ def codec(name: str) -> str | None:
     return CODECS.get(name.upper())
 
 
+def _hex(raw: bytes) -> str:
+    return " ".join(f"0x{b:02x}" for b in raw)
+
+
+def invalid_text(raw: bytes, encoding: str) -> CharacterNotInRepertoire:
+    """Postgres's error for client bytes `raw` that are no text in `encoding` (its name)."""
+    return CharacterNotInRepertoire(f'invalid byte sequence for encoding "{encoding}": {_hex(raw)}')
+
+
+def untranslatable(e: UnicodeEncodeError, encoding: str) -> UntranslatableCharacter:
+    """Postgres's error for a character the client encoding (its name) lacks, from Python's."""
+    return UntranslatableCharacter(
+        f'character with byte sequence {_hex(e.object[e.start : e.end].encode("utf-8"))} in '
+        f'encoding "UTF8" has no equivalent in encoding "{encoding}"')
+
+
 class UnsupportedEncoding(Exception):
     """The session's client_encoding is one the proxy cannot read SQL in as Postgres does."""
 
@@ -62,4 +80,4 @@ class UnsupportedEncoding(Exception):
         return f"the proxy has no codec for {self.name}"
 
 
-__all__ = ["CLIENT_ONLY", "CODECS", "UnsupportedEncoding", "codec"]
+__all__ = ["CLIENT_ONLY", "CODECS", "UnsupportedEncoding", "codec", "invalid_text", "untranslatable"]

@@ -27,7 +27,6 @@ from config import AuthMethod
 from dp_core.classify import Statement, StatementKind
 from dp_core.errors import (
     BindMismatch,
-    CharacterNotInRepertoire,
     ConnectionFailure,
     DPError,
     FeatureNotSupported,
@@ -38,12 +37,11 @@ from dp_core.errors import (
     ProtocolViolationError,
     QueryCanceled,
     SyntaxError_,
-    UntranslatableCharacter,
 )
 from dp_core.settings import DPSettings
 from server import backend
 from server import protocol as p
-from server.encodings import UnsupportedEncoding, codec
+from server.encodings import UnsupportedEncoding, codec, invalid_text, untranslatable
 from server.scram import MECHANISM, ScramError, ScramServer, Verifier
 
 if TYPE_CHECKING:
@@ -161,13 +159,6 @@ def _unsupported_encoding(exc: UnsupportedEncoding) -> DPError:
     err.sqlstate = "0A000"
     err.severity = "FATAL"
     return err
-
-
-def untranslatable(e: UnicodeEncodeError, encoding: str) -> UntranslatableCharacter:
-    """Postgres's error for a character the client encoding lacks, from Python's."""
-    raw = " ".join(f"0x{b:02x}" for b in e.object[e.start : e.end].encode("utf-8"))
-    return UntranslatableCharacter(f'character with byte sequence {raw} in encoding "UTF8" has '
-                                   f'no equivalent in encoding "{encoding}"')
 
 
 class ClientProtocol(asyncio.Protocol):
@@ -538,7 +529,7 @@ class Session:
             self.link.close()
             raise _non_standard_strings()
         encoding = self.link.parameters.get("client_encoding", "UTF8")
-        if codec(encoding) is None:
+        if codec(encoding) is None:  # (the link kept the encoding it had: UTF8)
             self.link.close()
             raise _unsupported_encoding(UnsupportedEncoding(encoding))
         # relayed bytes go straight to the transport: it no longer changes (TLS is set up)
@@ -627,10 +618,7 @@ class Session:
             return self._fail(e, extended=tag != b"Q")
         except p.InvalidText as e:
             # as Postgres: an error in this statement (or batch), not the end of the session
-            err = CharacterNotInRepertoire(
-                f'invalid byte sequence for encoding "{link.parameters.get("client_encoding")}": '
-                + " ".join(f"0x{b:02x}" for b in e.raw))
-            return self._fail(err, extended=tag != b"Q")
+            return self._fail(invalid_text(e.raw, link.encoding), extended=tag != b"Q")
 
     def _route(self, tag: bytes, raw: bytes, link: backend.BackendLink) -> Awaitable[None] | None:
         if tag == b"Q":
@@ -779,7 +767,7 @@ class Session:
                 try:
                     link.send_split_query(st.sql)
                 except UnicodeEncodeError as e:
-                    self.send_error(untranslatable(e, link.parameters.get("client_encoding", "")))
+                    self.send_error(untranslatable(e, link.encoding))
                     break
                 await link.drain()
                 failed = self._backend_failed_batch_since_split()
@@ -918,11 +906,7 @@ class Session:
         if self._backend_failed_batch():
             self.state = State.FAILED_BATCH
             return
-        failure: DPError | None = st.refusal if st.kind is StatementKind.REFUSED else None
-        try:
-            self._check_transaction()
-        except DPError as e:
-            failure = e
+        failure = self._transaction_failure() or st.refusal
         if failure is not None:
             self.statement_done("refused", time.perf_counter(), failure.sqlstate)
             self.send_error(failure)
@@ -932,12 +916,18 @@ class Session:
             st, msg.param_types, max(len(msg.param_types), _highest_parameter(st.tree)))
         self.send(p.ParseComplete())
 
-    def _check_transaction(self) -> None:
-        """As Postgres, refuse statements in a transaction that failed: a DP query there would
-        be charged and then its answer refused by the backend."""
+    def _transaction_failure(self) -> InFailedSqlTransaction | None:
+        """As Postgres, statements in a transaction that failed are refused: a DP query there
+        would be charged and then its answer refused by the backend."""
         if self.link is not None and self.link.tx_status == b"E":
-            raise InFailedSqlTransaction(
+            return InFailedSqlTransaction(
                 "current transaction is aborted, commands ignored until end of transaction block")
+        return None
+
+    def _check_transaction(self) -> None:
+        failure = self._transaction_failure()
+        if failure is not None:
+            raise failure
 
     def _local_bind(self, bind: p.Bind, local: LocalStatement) -> None:
         self._check_transaction()
@@ -1012,7 +1002,7 @@ class Session:
         except UnicodeEncodeError as e:
             # a released key (or an analyst's name) the client encoding cannot show: Postgres
             # fails a query the same way when a row has such a character
-            raise untranslatable(e, link.parameters.get("client_encoding", "")) from None
+            raise untranslatable(e, link.encoding) from None
         await link.drain()
         if link.errors > before:
             log.error("session %s: the backend refused a result query (this is a bug)",

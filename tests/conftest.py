@@ -182,3 +182,11 @@ def running_proxy(loop_thread: LoopThread, config: Config, backend: Backend) -> 
 def proxy(loop_thread: LoopThread, demo_config: Config, backend: Backend) -> Iterator[Proxy]:
     with running_proxy(loop_thread, demo_config, backend) as px:
         yield px
+
+
+def reset_budget(proxy: Proxy, analyst: str = "alice") -> None:
+    """Give `analyst` a full budget again (the ledger outlives each test's proxy)."""
+    import psycopg
+
+    with psycopg.connect(proxy.dsn("admin"), autocommit=True) as adm:
+        adm.execute(f"SELECT dp_reset_budget('{analyst}')")  # (a literal: the proxy asks one)

@@ -19,7 +19,7 @@ from server import protocol as p
 from server.embedded import find_bindir
 from server.encodings import CLIENT_ONLY, CODECS, codec
 
-from .conftest import TEST_DATABASE, Backend, Proxy
+from .conftest import TEST_DATABASE, Backend, Proxy, reset_budget
 from .rawclient import RawClient, close_all, errors
 
 # a text each encoding has beyond ASCII
@@ -82,8 +82,7 @@ def test_the_names_are_the_ones_postgres_reports(backend: Backend) -> None:
 @pytest.fixture
 def proxy(proxy: Proxy) -> Proxy:
     """The proxy, with alice's budget reset (these tests spend it)."""
-    with psycopg.connect(proxy.dsn("admin"), autocommit=True) as adm:
-        adm.execute("SELECT dp_reset_budget('alice')")
+    reset_budget(proxy)
     return proxy
 
 

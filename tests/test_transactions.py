@@ -8,15 +8,14 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from .conftest import Proxy
+from .conftest import Proxy, reset_budget
 
 DP_COUNT = "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits"
 
 
 @pytest.fixture
 def px(proxy: Proxy) -> Proxy:
-    with psycopg.connect(proxy.dsn("admin"), autocommit=True) as adm:
-        adm.execute("SELECT dp_reset_budget('alice')")
+    reset_budget(proxy)
     return proxy
 
 
