@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from pglast import parser
 
-from dp_core.errors import InsufficientPrivilege, SyntaxError_
+from dp_core.errors import DPError, FeatureNotSupported, InsufficientPrivilege, SyntaxError_
 from dp_core.syntax import DPClause, strip_dp_clauses
 
 LOCAL_FUNCTIONS = frozenset({"dp_budget", "dp_ledger", "dp_reset_budget"})
@@ -51,6 +51,19 @@ class StatementKind(Enum):
     EMPTY = "empty"
 
 
+class Effect(Enum):
+    """What a forwarded statement also does to the session state the proxy keeps itself (its
+    dp.* settings, the prepared statements it answers), once the backend has run it."""
+
+    RESET_ALL = "reset-all"
+    """RESET ALL: dp.* settings back to their defaults too."""
+    DISCARD_ALL = "discard-all"
+    """DISCARD ALL (what poolers send between clients): that, and every prepared statement and
+    portal the proxy holds."""
+    DEALLOCATE = "deallocate"
+    """DEALLOCATE name (`Statement.setting`), or ALL (None): the proxy's ones too."""
+
+
 @dataclass(frozen=True)
 class Statement:
     """One classified statement."""
@@ -67,7 +80,9 @@ class Statement:
     """The statement's node in pglast's JSON parse tree."""
     setting: str | None = None
     """For LOCAL_SET / LOCAL_SHOW: the `dp.*` name; for LOCAL_FUNCTION: the function."""
-    refusal: InsufficientPrivilege | None = field(default=None, compare=False)
+    refusal: DPError | None = field(default=None, compare=False)
+    effect: Effect | None = None
+    """For PASS_THROUGH: what it does to the proxy's own session state."""
 
     @property
     def node_type(self) -> str:
@@ -123,15 +138,20 @@ def _trie_pattern(words: list[bytes]) -> bytes:
 class Classifier:
     """Classifies query strings against a fixed policy, with an LRU cache by text."""
 
-    def __init__(self, policy: ProtectionPolicy, cache_size: int = 4096) -> None:
+    def __init__(self, policy: ProtectionPolicy, cache_size: int = 4096,
+                 encoding_ok: Callable[[str], bool] | None = None) -> None:
+        """`encoding_ok` tells whether a client_encoding value (as SET takes it) names an
+        encoding the proxy reads SQL in as Postgres does; by default only UTF8."""
         self.policy = policy
+        self._encoding_ok = encoding_ok or _utf8
         self._cache: OrderedDict[str, tuple[Statement, ...]] = OrderedDict()
         self._cache_size = cache_size
         # Words whose presence sends a statement to the full classifier. SQL can
         # only name a table by writing its name (any case, maybe quoted) or by a
-        # U&"..." escape; DP forms and local commands need their keywords.
+        # U&"..." escape; DP forms and local commands need their keywords, and so do the
+        # statements that change how Postgres reads SQL or the proxy's own session state.
         words = sorted(policy.names | {"u&", "dp.", '"dp"', "dp_", "anonymization",
-                                       "differential_privacy"})
+                                       "differential_privacy", *_SESSION_WORDS})
         # and DO / CALL, refused whatever they name, as words (not inside "double", "local")
         opaque = r"\bdo\b|\bcall\b"
         self._needs_parse = re.compile("|".join([*(re.escape(w) for w in words), opaque]),
@@ -252,6 +272,10 @@ class Classifier:
                                         "reveal the true row counts")
                 return make(StatementKind.DP_EXPLAIN, dp_clause=clauses[0])
             return make(StatementKind.DP_QUERY, dp_clause=clauses[0])
+        lexing = self._changes_lexing(ntype, body)
+        if lexing is not None:
+            st: Statement = make(StatementKind.REFUSED, refusal=lexing)
+            return st
         if ntype in ("VariableSetStmt", "VariableShowStmt"):
             name = body.get("name", "")
             if name.startswith(DP_SETTING_PREFIX):
@@ -264,7 +288,7 @@ class Classifier:
             return self._refuse(make, protected, f"{_OPAQUE_CODE[ntype]} are not allowed through "
                                 "dp-proxy: the code they run is hidden from its checks")
         if not protected:
-            return make(StatementKind.PASS_THROUGH)
+            return make(StatementKind.PASS_THROUGH, **_effect(ntype, body))
         if ntype == "SelectStmt":
             if _is_schema_probe(body):
                 return make(StatementKind.PASS_THROUGH)
@@ -283,6 +307,60 @@ class Classifier:
         err = InsufficientPrivilege(reason or allowed, hint=allowed if reason else None)
         st: Statement = make(StatementKind.REFUSED, refusal=err)
         return st
+
+    def _changes_lexing(self, ntype: str, body: Mapping[str, Any]) -> DPError | None:
+        """The refusal of a statement that would make Postgres read SQL differently from the
+        proxy (standard_conforming_strings off, a client-only encoding): refused here, before
+        anything pipelined behind it is read the old way. SET, set_config() and UPDATE of
+        pg_settings are the ways a session can change them; the relay still ends a session
+        whose backend reports such a change."""
+        if ntype == "VariableSetStmt" and body.get("kind") == "VAR_SET_VALUE":
+            err = self._lexing_value(body.get("name", "").lower(), body.get("args", []))
+            if err is not None:
+                return err
+        for fc in _walk(body, "FuncCall"):
+            if _funcname(fc) != "set_config":
+                continue
+            args = fc.get("args", [])
+            name = _literal(args[0]) if args else None
+            if not isinstance(name, str):
+                return FeatureNotSupported(
+                    "set_config() with a name that is not a literal is not allowed through "
+                    "dp-proxy", hint="write the setting's name as a string literal")
+            err = self._lexing_value(name.lower(), args[1:2])
+            if err is not None:
+                return err
+        for upd in _walk({ntype: body}, "UpdateStmt"):  # (its rule calls set_config)
+            if upd.get("relation", {}).get("relname") == "pg_settings":
+                return FeatureNotSupported("UPDATE of pg_settings is not allowed through dp-proxy",
+                                           hint="use SET")
+        return None
+
+    def _lexing_value(self, name: str, args: list[Any]) -> DPError | None:
+        """The refusal of setting `name` to `args` (one literal), when it changes lexing."""
+        if name not in _LEXING_SETTINGS:
+            return None
+        value = _literal(args[0]) if len(args) == 1 else None
+        if name == "standard_conforming_strings":
+            if value is None or str(value).lower() not in _TRUE:
+                return FeatureNotSupported(
+                    "dp-proxy needs standard_conforming_strings = on",
+                    detail="it reads string literals as Postgres does with that setting; with "
+                           "it off, 'a\\' would mean something else to Postgres",
+                    hint="leave standard_conforming_strings at its default, on")
+            return None
+        if value is None:
+            return FeatureNotSupported(
+                "client_encoding can only be set to a literal through dp-proxy",
+                hint="write the encoding's name as a string literal, e.g. 'UTF8'")
+        if not self._encoding_ok(str(value)):
+            return FeatureNotSupported(
+                f"client_encoding {value} is not supported by dp-proxy",
+                detail="the proxy must read SQL in the client encoding as Postgres does; in the "
+                       "client-only encodings (SJIS, BIG5, GBK, UHC, GB18030, JOHAB) ASCII bytes "
+                       "can be parts of other characters",
+                hint="use UTF8; the LATIN, WIN, KOI8 and EUC encodings work too")
+        return None
 
     def _protected_in(self, node: Any) -> Iterator[str]:
         for rv in _range_vars(node):
@@ -323,6 +401,44 @@ def _walk(node: Any, wanted: str, skip: frozenset[str] = frozenset()) -> Iterato
                     stack.append(v)
         elif isinstance(cur, list):
             stack.extend(cur)
+
+
+_SESSION_WORDS = ("standard_conforming_strings", "client_encoding", "names", "set_config",
+                  "pg_settings", "reset", "discard", "deallocate")
+"""Words of the statements `Classifier._changes_lexing` refuses and `_effect` marks."""
+_LEXING_SETTINGS = frozenset({"standard_conforming_strings", "client_encoding"})
+_TRUE = frozenset({"on", "1", "t", "tr", "tru", "true", "y", "ye", "yes"})
+"""What Postgres reads as boolean true."""
+
+
+def _utf8(value: str) -> bool:
+    return re.sub(r"[^0-9a-z]", "", value.lower()) in ("utf8", "unicode")
+
+
+def _literal(node: Any) -> str | int | None:
+    """A string or integer constant, also cast (`'x'::text`); None for anything else."""
+    if isinstance(node, dict) and "TypeCast" in node:
+        node = node["TypeCast"].get("arg")
+    const = node.get("A_Const") if isinstance(node, dict) else None
+    if const is None:
+        return None
+    if "sval" in const:
+        return str(const["sval"].get("sval", ""))
+    if "ival" in const:
+        return int(const["ival"].get("ival", 0))
+    return None
+
+
+def _effect(ntype: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    """The `effect` (and `setting`) of a forwarded statement, as keywords for Statement."""
+    if ntype == "VariableSetStmt" and body.get("kind") == "VAR_RESET_ALL":
+        return {"effect": Effect.RESET_ALL}
+    if ntype == "DiscardStmt" and body.get("target") == "DISCARD_ALL":
+        return {"effect": Effect.DISCARD_ALL}
+    if ntype == "DeallocateStmt":
+        return {"effect": Effect.DEALLOCATE, "setting": None if body.get("isall") else
+                body.get("name")}
+    return {}
 
 
 def _funcname(fc: Mapping[str, Any]) -> str:

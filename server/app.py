@@ -17,6 +17,7 @@ from dp_core.settings import Caps, DPSettings
 from server import backend
 from server import protocol as p
 from server.dsn import DSN
+from server.encodings import encoding_named
 from server.logs import StatementLogger, set_format
 from server.metrics import Metrics, OpsServer
 from server.session import ClientProtocol, error_response
@@ -38,7 +39,8 @@ class ProxyServer:
         self.pushdown = pushdown
         self.database = restricted.database
         self.classifier = Classifier(
-            ProtectionPolicy({name: t.schema_ for name, t in config.tables.items()})
+            ProtectionPolicy({name: t.schema_ for name, t in config.tables.items()}),
+            encoding_ok=lambda value: encoding_named(value) is not None,
         )
         d = config.defaults
         self.caps = Caps(d.max_epsilon_per_query, d.max_delta_per_query,

@@ -43,10 +43,40 @@ CODECS: dict[str, str] = {
 
 CLIENT_ONLY = frozenset({"SJIS", "SHIFT_JIS_2004", "BIG5", "GBK", "UHC", "GB18030", "JOHAB"})
 
+ALIASES = {
+    "unicode": "UTF8", "koi8": "KOI8R", "win": "WIN1251", "alt": "WIN866",
+    "abc": "WIN1258", "tcvn": "WIN1258", "tcvn5712": "WIN1258", "vscii": "WIN1258",
+    **{f"iso8859{n}": latin for n, latin in (("1", "LATIN1"), ("2", "LATIN2"), ("3", "LATIN3"),
+                                             ("4", "LATIN4"), ("9", "LATIN5"), ("10", "LATIN6"),
+                                             ("13", "LATIN7"), ("14", "LATIN8"),
+                                             ("15", "LATIN9"), ("16", "LATIN10"))},
+    **{f"windows{n}": f"WIN{n}" for n in (866, 874, *range(1250, 1259))},
+}
+"""Other names Postgres takes for the encodings of CODECS, cleaned (see `_clean`)."""
+
+
+def _clean(name: str) -> str:
+    """An encoding name as Postgres looks it up: ASCII letters and digits only, lower case."""
+    return "".join(c for c in name.lower() if c.isascii() and c.isalnum())
+
+
+_NAMED = {**{_clean(name): name for name in CODECS}, **ALIASES}
+
+
+def encoding_named(value: str) -> str | None:
+    """The encoding of CODECS a client_encoding value names (as SET takes it: any case, any
+    punctuation, or an alias such as ISO-8859-1 or windows-1252); None for any other value,
+    including the client-only encodings and names Postgres does not know."""
+    return _NAMED.get(_clean(value))
+
 
 def codec(name: str) -> str | None:
-    """The Python codec for a client_encoding Postgres reports; None: not supported here."""
-    return CODECS.get(name.upper())
+    """The Python codec for a client_encoding Postgres reports (its canonical name, or UNICODE
+    as set: Postgres keeps that alias for old JDBC drivers); None: not supported here."""
+    canonical = encoding_named(name)
+    return CODECS[canonical] if canonical is not None else None
+
+
 
 
 def _hex(raw: bytes) -> str:
@@ -80,4 +110,5 @@ class UnsupportedEncoding(Exception):
         return f"the proxy has no codec for {self.name}"
 
 
-__all__ = ["CLIENT_ONLY", "CODECS", "UnsupportedEncoding", "codec", "invalid_text", "untranslatable"]
+__all__ = ["ALIASES", "CLIENT_ONLY", "CODECS", "UnsupportedEncoding", "codec", "encoding_named",
+           "invalid_text", "untranslatable"]

@@ -24,7 +24,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, cast
 
 from config import AuthMethod
-from dp_core.classify import Statement, StatementKind
+from dp_core.classify import Effect, Statement, StatementKind
 from dp_core.errors import (
     BindMismatch,
     ConnectionFailure,
@@ -66,7 +66,7 @@ _SLOW: Any = object()
 """`_FAST_KINDS.get`'s default: a frame the fast path does not forward."""
 _LOG_KINDS = {
     StatementKind.DP_QUERY: "dp_query", StatementKind.DP_EXPLAIN: "dp_explain",
-    StatementKind.REFUSED: "refused",
+    StatementKind.REFUSED: "refused", StatementKind.PASS_THROUGH: "pass_through",
 }
 """Statement kinds as metrics and logs name them; the proxy's other answers are "local"."""
 _NAMED = frozenset(b"BDCE")
@@ -627,7 +627,7 @@ class Session:
                 link.forward(raw, tag)
                 return None
             stmts = self.server.classifier.classify(sql)
-            if all(s.kind in _FORWARDED for s in stmts):
+            if all(s.kind in _FORWARDED and s.effect is None for s in stmts):
                 link.forward(raw, tag)
                 return None
             return self._simple_query(stmts)
@@ -642,7 +642,7 @@ class Session:
             if len(stmts) > 1:
                 raise SyntaxError_("cannot insert multiple commands into a prepared statement")
             st = stmts[0]
-            if st.kind in _FORWARDED:
+            if st.kind in _FORWARDED and st.effect is None:
                 self.local_statements.pop(msg.name, None)
                 link.forward(raw, tag)
                 return None
@@ -762,7 +762,7 @@ class Session:
         for st in stmts:
             if st.kind is StatementKind.EMPTY:
                 continue
-            if st.kind is StatementKind.PASS_THROUGH:
+            if st.kind is StatementKind.PASS_THROUGH and not self._local_deallocate(st):
                 started = time.perf_counter()
                 try:
                     link.send_split_query(st.sql)
@@ -774,6 +774,7 @@ class Session:
                 self.statement_done("pass_through", started, link.last_sqlstate if failed else None)
                 if failed:
                     break
+                self._follow(st)
                 continue
             try:
                 await self._run_local_statement(st, describe=True)
@@ -830,6 +831,15 @@ class Session:
         if st.kind is StatementKind.LOCAL_FUNCTION:
             await self.relay_result(await self.server.dp.local_function(self, st), bind)
             return
+        if st.kind is StatementKind.PASS_THROUGH:  # one with an effect on the proxy's state
+            if self._local_deallocate(st):
+                assert st.setting is not None
+                del self.local_statements[st.setting]  # (the backend never had it)
+                self.send(p.CommandComplete("DEALLOCATE"))
+                return
+            await self.relay_result(st.sql, bind, client_statement=True)
+            self._follow(st)
+            return
         if st.kind in _DP_KINDS:
             # its own task, so that a CancelRequest can stop it (and its pushdown) alone
             self._dp_task = asyncio.get_running_loop().create_task(
@@ -865,22 +875,27 @@ class Session:
         SET lasts if the block commits and a SET LOCAL until the block ends either way;
         outside one, SET LOCAL only warns. (Savepoints are not followed: ROLLBACK TO SAVEPOINT
         leaves dp.* settings as they are.)"""
-        assert st.setting is not None and self.link is not None
+        assert st.setting is not None
+        name = st.setting
         body = st.tree.get("VariableSetStmt", {})
         kind = body.get("kind", "VAR_SET_VALUE")
         value: str | float | int | None
         if kind in ("VAR_SET_DEFAULT", "VAR_RESET"):
-            value = self.server.default_settings().show(st.setting)
+            value = self.server.default_settings().show(name)
         else:
             args = body.get("args", [])
             if len(args) != 1:
-                raise SyntaxError_(f"SET {st.setting} takes one value")
+                raise SyntaxError_(f"SET {name} takes one value")
             value = _const_value(args[0])
             if value is None:
-                raise SyntaxError_(f"SET {st.setting} takes a number or a name")
-        current = self.settings
-        new = current.with_value(st.setting, value, self.server.caps)
-        is_local = bool(body.get("is_local"))
+                raise SyntaxError_(f"SET {name} takes a number or a name")
+        caps = self.server.caps
+        self._assign(lambda s: s.with_value(name, value, caps), bool(body.get("is_local")))
+
+    def _assign(self, change: Callable[[DPSettings], DPSettings], is_local: bool) -> None:
+        """Change the session's dp.* settings as a SET [LOCAL] does (see `_set`)."""
+        assert self.link is not None
+        new = change(self.settings)
         if self.link.tx_status == b"I":
             if is_local:
                 self.send(p.NoticeResponse((
@@ -890,13 +905,33 @@ class Session:
                 return
         else:
             if self._tx_settings is None:
-                self._tx_settings = _TxSettings(start=current, session=current)
+                self._tx_settings = _TxSettings(start=self._settings, session=self._settings)
                 self.link.tx_ends.clear()
                 self.link.watch_tx = True
             if not is_local:
                 tx = self._tx_settings
-                tx.session = tx.session.with_value(st.setting, value, self.server.caps)
+                tx.session = change(tx.session)
         self._settings = new
+
+    def _local_deallocate(self, st: Statement) -> bool:
+        """DEALLOCATE of a prepared statement the proxy holds (a DP query a driver prepared by
+        name): the proxy answers it."""
+        return st.effect is Effect.DEALLOCATE and st.setting in self.local_statements
+
+    def _follow(self, st: Statement) -> None:
+        """After the backend ran `st`: what it also does to the proxy's own session state."""
+        effect = st.effect
+        if effect is Effect.DEALLOCATE:
+            if st.setting is None:
+                self.local_statements.clear()
+            return
+        if effect is Effect.DISCARD_ALL:
+            self.local_statements.clear()
+            self.local_portals.clear()
+            self.exhausted_portals.clear()
+        if effect in (Effect.DISCARD_ALL, Effect.RESET_ALL):
+            defaults = self.server.default_settings()
+            self._assign(lambda _: defaults, is_local=False)
 
     # ------------------------------------------------------------------ extended protocol, local
 
@@ -968,8 +1003,8 @@ class Session:
             assert st.setting is not None
             return p.RowDescription((p.FieldDescription(
                 st.setting, type_oid=TEXT_OID, format=formats[0] if formats else 0),))
-        if st.kind is StatementKind.LOCAL_SET:
-            return p.NoData()
+        if st.kind in (StatementKind.LOCAL_SET, StatementKind.PASS_THROUGH):
+            return p.NoData()  # (a forwarded statement the proxy follows returns no rows)
         desc: p.RowDescription = await self.server.dp.describe(self, st, bind, param_types, formats)
         return desc
 
@@ -985,11 +1020,14 @@ class Session:
         await self._run_local_statement(st, describe=False, bind=portal.bind,
                                         param_types=portal.statement.param_types)
 
-    async def relay_result(self, sql: str, bind: p.Bind | None) -> None:
-        """Have the backend answer `sql` (the proxy's own query) to the client.
+    async def relay_result(self, sql: str, bind: p.Bind | None,
+                           client_statement: bool = False) -> None:
+        """Have the backend answer `sql` (the proxy's own query, or the client's statement
+        that the proxy must follow) to the client.
 
         Simple protocol: its RowDescription, rows and CommandComplete are
         relayed. Extended: only rows and CommandComplete, in the Bind's formats.
+        An error is relayed too; it raises _AlreadyReported.
         """
         link = self.link
         assert link is not None
@@ -1005,8 +1043,9 @@ class Session:
             raise untranslatable(e, link.encoding) from None
         await link.drain()
         if link.errors > before:
-            log.error("session %s: the backend refused a result query (this is a bug)",
-                      self.process_id)
+            if not client_statement:
+                log.error("session %s: the backend refused a result query (this is a bug)",
+                          self.process_id)
             raise _AlreadyReported()
 
     # ------------------------------------------------------------------ cancel

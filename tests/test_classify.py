@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dp_core.classify import Classifier, ProtectionPolicy, StatementKind
+from dp_core.classify import Classifier, Effect, ProtectionPolicy, StatementKind
 from dp_core.errors import InvalidParameterValue, SyntaxError_, UndefinedObject
 from dp_core.settings import Caps, DPSettings
 from dp_core.syntax import strip_dp_clauses
@@ -298,3 +298,62 @@ def test_digits_are_kept_when_a_protected_name_has_one() -> None:
     assert not c.is_plain_pass_through_bytes(b"SELECT * FROM visits2024")
     assert not c.is_plain_pass_through_bytes(b"SELECT * FROM VISITS2024")
     assert c.is_plain_pass_through_bytes(b"SELECT * FROM visits2025")
+
+
+# ---------------------------------------------------------------------------- lexing settings
+
+
+@pytest.mark.parametrize(("sql", "refused"), [
+    ("SET standard_conforming_strings = off", True),
+    ("SET standard_conforming_strings TO 0", True),
+    ("SET LOCAL standard_conforming_strings = 'false'", True),
+    ("SET standard_conforming_strings = on", False),
+    ("SET standard_conforming_strings = 'TRUE'", False),
+    ("SET standard_conforming_strings TO DEFAULT", False),
+    ("RESET standard_conforming_strings", False),
+    ("SET client_encoding = 'SJIS'", True),
+    ("SET NAMES 'big5'", True),
+    ("SET client_encoding = 'LATIN1'", True),  # the default predicate takes only UTF8
+    ("SET client_encoding = 'UTF-8'", False),
+    ("SET NAMES DEFAULT", False),
+    ("SELECT set_config('standard_conforming_strings', 'off', false)", True),
+    ("SELECT set_config('standard_conforming_strings'::text, 'on', false)", False),
+    ("SELECT set_config('search_path', '', false)", False),  # as pg_dump sends
+    ("SELECT set_config('search_path', $1, false)", False),
+    ("SELECT set_config('client_encoding', $1, false)", True),
+    ("SELECT set_config($1, 'x', false)", True),
+    ("SELECT x FROM t WHERE set_config(name, 'x', false) IS NULL", True),
+    ("UPDATE pg_settings SET setting = 'on' WHERE name = 'x'", True),
+    ("SELECT name, setting FROM pg_settings", False),
+])
+def test_settings_that_change_how_sql_is_read(classifier: Classifier, sql: str,
+                                              refused: bool) -> None:
+    (stmt,) = classifier.classify(sql)
+    assert (stmt.kind is K.REFUSED) is refused
+    if refused:
+        assert stmt.refusal is not None and stmt.refusal.sqlstate == "0A000"
+    # and the fast path never forwards them unparsed
+    assert not classifier.is_plain_pass_through_bytes(sql.encode())
+
+
+def test_the_encoding_predicate_decides(classifier: Classifier) -> None:
+    c = Classifier(ProtectionPolicy({}), encoding_ok=lambda v: v.upper() == "LATIN1")
+    assert c.classify("SET client_encoding = 'latin1'")[0].kind is K.PASS_THROUGH
+    assert c.classify("SET client_encoding = 'UTF8'")[0].kind is K.REFUSED
+
+
+@pytest.mark.parametrize(("sql", "effect", "name"), [
+    ("RESET ALL", Effect.RESET_ALL, None),
+    ("DISCARD ALL", Effect.DISCARD_ALL, None),
+    ("DEALLOCATE s1", Effect.DEALLOCATE, "s1"),
+    ('DEALLOCATE PREPARE "S 1"', Effect.DEALLOCATE, "S 1"),
+    ("DEALLOCATE ALL", Effect.DEALLOCATE, None),
+    ("DISCARD PLANS", None, None),
+    ("RESET search_path", None, None),
+])
+def test_statements_that_reach_the_proxys_session_state(classifier: Classifier, sql: str,
+                                                        effect: Effect | None,
+                                                        name: str | None) -> None:
+    (stmt,) = classifier.classify(sql)
+    assert stmt.kind is K.PASS_THROUGH and stmt.effect is effect and stmt.setting == name
+    assert not classifier.is_plain_pass_through_bytes(sql.encode())

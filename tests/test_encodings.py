@@ -17,7 +17,7 @@ import pytest
 
 from server import protocol as p
 from server.embedded import find_bindir
-from server.encodings import CLIENT_ONLY, CODECS, codec
+from server.encodings import ALIASES, CLIENT_ONLY, CODECS, codec, encoding_named
 
 from .conftest import TEST_DATABASE, Backend, Proxy, reset_budget
 from .rawclient import RawClient, close_all, errors
@@ -159,14 +159,80 @@ def test_invalid_bytes_in_the_client_encoding_are_an_error(proxy: Proxy) -> None
 
 @pytest.mark.parametrize("how", [
     "SET client_encoding TO 'SJIS'",
-    "SELECT set_config('client_' || 'encoding', 'BIG5', false)",
+    "SET NAMES 'Shift-JIS'",
+    "SET SESSION client_encoding = mskanji",
+    "SELECT set_config('client_encoding', 'BIG5', false)",
+    "SELECT set_config('Client_Encoding', 'windows-950', true)",
+    "SELECT set_config('client_' || 'encoding', 'UTF8', false)",  # a name it cannot read
+    "SELECT set_config('client_encoding', %s, false)",  # a value it cannot read
+    "UPDATE pg_settings SET setting = 'GBK' WHERE name = 'client_encoding'",
 ])
-def test_switching_to_a_client_only_encoding_ends_the_session(proxy: Proxy, how: str) -> None:
+def test_switching_to_a_client_only_encoding_is_refused(proxy: Proxy, how: str) -> None:
+    """Refused before the backend sees it (so nothing sent behind it is read otherwise), with
+    an error the session survives."""
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        with pytest.raises(psycopg.Error) as info:
+            conn.execute(how, ("UHC",) if "%s" in how else None)
+        assert info.value.sqlstate == "0A000", info.value
+        assert "client_encoding" in str(info.value) or "set_config" in str(info.value) \
+            or "pg_settings" in str(info.value)
+        assert conn.execute("SHOW client_encoding").fetchone() == ("UTF8",)
+
+
+@pytest.mark.parametrize("value", ["LATIN1", "iso-8859-1", "Windows-1252", "koi8", "UNICODE",
+                                   "euc_jp", "ISO_8859_5"])
+def test_switching_to_an_encoding_it_reads_works(proxy: Proxy, value: str) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        conn.execute(f"SET client_encoding TO '{value}'")
+        (name,) = conn.execute("SHOW client_encoding").fetchone()
+        assert codec(name) is not None
+        conn.execute(f"SELECT set_config('client_encoding', '{value}', false)")
+
+
+def test_every_name_it_takes_is_one_postgres_takes(backend: Backend) -> None:
+    """The aliases the classifier lets through name, to Postgres, the encoding the proxy
+    expects (so no alias reaches an encoding it cannot read)."""
+    async def check() -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            for alias in ALIASES:
+                await conn.execute(f"SET client_encoding TO '{alias}'")
+                assert await conn.fetchval("SHOW client_encoding") == encoding_named(alias), alias
+            for name in CLIENT_ONLY:
+                assert encoding_named(name) is None
+        finally:
+            await conn.close()
+
+    asyncio.run(check())
+
+
+@pytest.fixture
+def switch_function(backend: Backend) -> Iterator[str]:
+    """A function that changes a setting where the classifier cannot see it: only the relay's
+    check of what the backend reports stands between it and a misread statement."""
+    async def run(sql: str) -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(run("CREATE FUNCTION public.quietly(name text, value text) RETURNS text "
+                    "LANGUAGE sql AS $$ SELECT set_config(name, value, false) $$"))
+    try:
+        yield "quietly"
+    finally:
+        asyncio.run(run("DROP FUNCTION public.quietly(text, text)"))
+
+
+@pytest.mark.parametrize("args", ["'client_encoding', 'SJIS'", "'client_encoding', 'WIN950'",
+                                  "'standard_conforming_strings', 'off'"])
+def test_a_switch_the_backend_reports_ends_the_session(proxy: Proxy, switch_function: str,
+                                                       args: str) -> None:
     conn = psycopg.connect(proxy.dsn(), autocommit=True)
     with pytest.raises(psycopg.Error) as info:
-        conn.execute(how)
+        conn.execute(f"SELECT {switch_function}({args})")
     assert info.value.sqlstate == "0A000", info.value
-    assert "client_encoding" in str(info.value)
     assert conn.closed or conn.broken
     conn.close()
     with psycopg.connect(proxy.dsn(), autocommit=True) as fresh:
@@ -195,21 +261,58 @@ def test_psql_in_a_latin1_locale(proxy: Proxy) -> None:
     assert int(lines[0]) > 100 and lines[1] == "Côte d'Ivoire", lines
 
 
-def test_a_statement_pipelined_behind_the_switch_is_not_answered(proxy: Proxy) -> None:
-    """Read as UTF-8, the second Query is one string literal; read as SJIS (0xe3 0x81, then
-    0x81 0x5c: the backslash is inside a character) it ends the literal early and reads
-    visits raw. Sent in one write with the switch, the proxy has forwarded it before the
-    backend reports the new encoding: the session ends there and none of its rows reach the
-    client (and the restricted role sees no rows of visits anyway: the second wall)."""
-    c = RawClient(proxy.host, proxy.port)
-    c.login("alice", "alice", TEST_DATABASE)
-    evil = b"SELECT E'\xe3\x81\x81\\'; SELECT uid, browser FROM visits LIMIT 3; --'\x00"
-    c.send_raw(p.Query("SET client_encoding TO 'SJIS'").encode()
-               + b"Q" + struct.pack("!i", len(evil) + 4) + evil)
+EVIL = b"SELECT E'\xe3\x81\x81\\'; SELECT uid, browser FROM visits LIMIT 3; --'"
+"""Read as UTF-8, one string literal; read as SJIS (0xe3 0x81, then 0x81 0x5c: the backslash
+is inside a character) it ends the literal early and reads visits raw."""
+
+
+def _evil_query() -> bytes:
+    return b"Q" + struct.pack("!i", len(EVIL) + 5) + EVIL + b"\x00"
+
+
+def _until_closed(c: RawClient) -> list[p.BackendMessage]:
     seen: list[p.BackendMessage] = []
     with contextlib.suppress(ConnectionError, OSError):
         while True:
             seen.append(c.recv())
+    return seen
+
+
+def test_a_statement_pipelined_behind_a_refused_switch_is_read_as_postgres_reads_it(
+        proxy: Proxy) -> None:
+    """The switch is refused before anything behind it is read: both the proxy and Postgres
+    read the second Query as UTF-8, where it is one literal."""
+    c = RawClient(proxy.host, proxy.port)
+    c.login("alice", "alice", TEST_DATABASE)
+    c.send_raw(p.Query("SET client_encoding TO 'SJIS'").encode() + _evil_query())
+    assert errors(c.recv_until_ready()) == ["0A000"]
+    msgs = c.recv_until_ready()
+    rows = [m.values for m in msgs if isinstance(m, p.DataRow)]
+    assert errors(msgs) == [] and len(rows) == 1 and b"FROM visits" in (rows[0][0] or b"")
+    # extended protocol: the refusal fails the batch, so what follows it up to Sync is skipped
+    c.send_raw(b"".join(m.encode() for m in (
+        p.Parse("", "SET client_encoding TO 'SJIS'"), p.Bind("", "", (), (), ()),
+        p.Execute("", 0), p.Parse("", EVIL.decode()), p.Bind("", "", (), (), ()),
+        p.Execute("", 0), p.Sync())))
+    msgs = c.recv_until_ready()
+    assert errors(msgs) == ["0A000"]
+    assert not any(isinstance(m, (p.RowDescription, p.DataRow)) for m in msgs), msgs
+    c.close()
+
+
+def test_a_statement_pipelined_behind_an_unseen_switch_is_not_answered(
+        proxy: Proxy, switch_function: str) -> None:
+    """A switch the classifier cannot see (inside a function): the statement sent behind it in
+    the same write has been forwarded before the backend reports the new encoding; the
+    session ends there and none of its rows reach the client (and the restricted role sees no
+    rows of visits anyway: the second wall)."""
+    c = RawClient(proxy.host, proxy.port)
+    c.login("alice", "alice", TEST_DATABASE)
+    c.send_raw(p.Query(f"SELECT {switch_function}('client_encoding', 'SJIS')").encode()
+               + _evil_query())
+    seen = _until_closed(c)
     fatal = [m for m in seen if isinstance(m, p.ErrorResponse) and m.get("S") == "FATAL"]
     assert [m.sqlstate for m in fatal] == ["0A000"], seen
-    assert not any(isinstance(m, (p.RowDescription, p.DataRow)) for m in seen), seen
+    described = [m for m in seen if isinstance(m, p.RowDescription)]
+    # (the first statement's own reply may be cut short too)
+    assert all(f.name == switch_function for m in described for f in m.fields), seen
