@@ -62,6 +62,17 @@ class Effect(Enum):
     portal the proxy holds."""
     DEALLOCATE = "deallocate"
     """DEALLOCATE name (`Statement.setting`), or ALL (None): the proxy's ones too."""
+    SAVEPOINT = "savepoint"
+    """SAVEPOINT name: where a ROLLBACK TO takes dp.* settings back to."""
+    RELEASE = "release"
+    ROLLBACK_TO = "rollback-to"
+    ROLLBACK_AND_CHAIN = "rollback-and-chain"
+    """Ends the block as ROLLBACK does, and opens another."""
+
+
+TRANSACTION_EFFECTS = frozenset({Effect.SAVEPOINT, Effect.RELEASE, Effect.ROLLBACK_TO,
+                                 Effect.ROLLBACK_AND_CHAIN})
+"""Effects that matter only while dp.* settings have changed in the open transaction block."""
 
 
 @dataclass(frozen=True)
@@ -404,7 +415,8 @@ def _walk(node: Any, wanted: str, skip: frozenset[str] = frozenset()) -> Iterato
 
 
 _SESSION_WORDS = ("standard_conforming_strings", "client_encoding", "names", "set_config",
-                  "pg_settings", "reset", "discard", "deallocate")
+                  "pg_settings", "reset", "discard", "deallocate", "savepoint", "release",
+                  "rollback", "chain")
 """Words of the statements `Classifier._changes_lexing` refuses and `_effect` marks."""
 _LEXING_SETTINGS = frozenset({"standard_conforming_strings", "client_encoding"})
 _TRUE = frozenset({"on", "1", "t", "tr", "tru", "true", "y", "ye", "yes"})
@@ -438,7 +450,17 @@ def _effect(ntype: str, body: Mapping[str, Any]) -> dict[str, Any]:
     if ntype == "DeallocateStmt":
         return {"effect": Effect.DEALLOCATE, "setting": None if body.get("isall") else
                 body.get("name")}
+    if ntype == "TransactionStmt":
+        kind = body.get("kind")
+        if kind in _SAVEPOINT_KINDS:
+            return {"effect": _SAVEPOINT_KINDS[kind], "setting": body.get("savepoint_name")}
+        if kind == "TRANS_STMT_ROLLBACK" and body.get("chain"):
+            return {"effect": Effect.ROLLBACK_AND_CHAIN}
     return {}
+
+
+_SAVEPOINT_KINDS = {"TRANS_STMT_SAVEPOINT": Effect.SAVEPOINT, "TRANS_STMT_RELEASE": Effect.RELEASE,
+                    "TRANS_STMT_ROLLBACK_TO": Effect.ROLLBACK_TO}
 
 
 def _funcname(fc: Mapping[str, Any]) -> str:

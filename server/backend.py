@@ -343,7 +343,8 @@ class BackendLink(asyncio.Protocol):
                 self.tx_ends.append(command == b"COMMIT")  # (COMMIT of a failed block: ROLLBACK)
             elif command == b"COMMIT":
                 self.tx_ends.append(True)  # COMMIT AND CHAIN: a new block began
-            # ROLLBACK with the block still open: ROLLBACK TO SAVEPOINT (or ROLLBACK AND CHAIN)
+            # ROLLBACK with the block still open: ROLLBACK TO SAVEPOINT or ROLLBACK AND CHAIN,
+            # which the session follows itself (it knows which statement it was)
 
     def _cycle_done(self, started: float, sqlstate: str | None) -> None:
         """A client cycle that did pass-through work ended: count it or report it."""

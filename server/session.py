@@ -19,12 +19,12 @@ import struct
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, cast
 
 from config import AuthMethod
-from dp_core.classify import Effect, Statement, StatementKind
+from dp_core.classify import TRANSACTION_EFFECTS, Effect, Statement, StatementKind
 from dp_core.errors import (
     BindMismatch,
     ConnectionFailure,
@@ -150,6 +150,9 @@ class _TxSettings:
     """Before the block: what a rollback goes back to."""
     session: DPSettings
     """With the block's SETs but not its SET LOCALs: what a commit keeps."""
+    savepoints: list[tuple[str, DPSettings, DPSettings]] = field(default_factory=list)
+    """Savepoints made since the block first changed dp.* settings, oldest first: name, and
+    the settings and `session` to go back to."""
 
 
 def _unsupported_encoding(exc: UnsupportedEncoding) -> DPError:
@@ -627,7 +630,7 @@ class Session:
                 link.forward(raw, tag)
                 return None
             stmts = self.server.classifier.classify(sql)
-            if all(s.kind in _FORWARDED and s.effect is None for s in stmts):
+            if all(s.kind in _FORWARDED and not self._follows(s) for s in stmts):
                 link.forward(raw, tag)
                 return None
             return self._simple_query(stmts)
@@ -642,7 +645,7 @@ class Session:
             if len(stmts) > 1:
                 raise SyntaxError_("cannot insert multiple commands into a prepared statement")
             st = stmts[0]
-            if st.kind in _FORWARDED and st.effect is None:
+            if st.kind in _FORWARDED and not self._follows(st, prepared=bool(msg.name)):
                 self.local_statements.pop(msg.name, None)
                 link.forward(raw, tag)
                 return None
@@ -811,8 +814,10 @@ class Session:
     async def _answer_local(
         self, st: Statement, describe: bool, bind: p.Bind | None, param_types: tuple[int, ...],
     ) -> None:
-        """Answer one non-pass-through statement: its rows (with RowDescription if asked)."""
-        self._check_transaction()
+        """Answer one non-pass-through statement (or a forwarded one the proxy follows): its
+        rows (with RowDescription if asked)."""
+        if st.kind is not StatementKind.PASS_THROUGH or self._local_deallocate(st):
+            self._check_transaction()  # (a forwarded one is the backend's to refuse)
         if st.kind is StatementKind.REFUSED:
             assert st.refusal is not None
             raise st.refusal
@@ -860,21 +865,25 @@ class Session:
 
     @property
     def settings(self) -> DPSettings:
-        """The session's dp.* settings now (a transaction block that changed them and has
-        ended since is settled first)."""
+        """The session's dp.* settings now."""
+        self._settle()
+        return self._settings
+
+    def _settle(self) -> None:
+        """Settle the dp.* settings of a transaction block that changed them and has ended
+        since (the relay notes how blocks end)."""
         tx, link = self._tx_settings, self.link
         if tx is not None and link is not None and link.tx_ends:
             self._settings = tx.session if link.tx_ends[0] else tx.start
             self._tx_settings = None
             link.watch_tx = False
             link.tx_ends.clear()
-        return self._settings
 
     def _set(self, st: Statement) -> None:
         """SET [LOCAL] / RESET dp.*, with Postgres's transaction semantics: inside a block, a
         SET lasts if the block commits and a SET LOCAL until the block ends either way;
-        outside one, SET LOCAL only warns. (Savepoints are not followed: ROLLBACK TO SAVEPOINT
-        leaves dp.* settings as they are.)"""
+        outside one, SET LOCAL only warns; ROLLBACK TO SAVEPOINT undoes what was set since the
+        savepoint (`_follow_savepoints`)."""
         assert st.setting is not None
         name = st.setting
         body = st.tree.get("VariableSetStmt", {})
@@ -913,6 +922,17 @@ class Session:
                 tx.session = change(tx.session)
         self._settings = new
 
+    def _follows(self, st: Statement, prepared: bool = False) -> bool:
+        """A forwarded statement the proxy must see run, to follow what it does to its own
+        state: savepoints only while dp.* settings have changed in the open block, unless it
+        is `prepared` by name (it may run later, in another block)."""
+        if st.effect is None:
+            return False
+        if st.effect in TRANSACTION_EFFECTS and not prepared:
+            self._settle()
+            return self._tx_settings is not None
+        return True
+
     def _local_deallocate(self, st: Statement) -> bool:
         """DEALLOCATE of a prepared statement the proxy holds (a DP query a driver prepared by
         name): the proxy answers it."""
@@ -921,6 +941,9 @@ class Session:
     def _follow(self, st: Statement) -> None:
         """After the backend ran `st`: what it also does to the proxy's own session state."""
         effect = st.effect
+        if effect in TRANSACTION_EFFECTS:
+            self._follow_savepoints(st)
+            return
         if effect is Effect.DEALLOCATE:
             if st.setting is None:
                 self.local_statements.clear()
@@ -933,6 +956,32 @@ class Session:
             defaults = self.server.default_settings()
             self._assign(lambda _: defaults, is_local=False)
 
+    def _follow_savepoints(self, st: Statement) -> None:
+        """SAVEPOINT, RELEASE, ROLLBACK TO and ROLLBACK AND CHAIN in a block whose dp.*
+        settings have changed (before they changed, nothing needs following: going back to a
+        savepoint made then is going back to the block's start)."""
+        self._settle()
+        tx, link = self._tx_settings, self.link
+        if tx is None or link is None:
+            return
+        marks = tx.savepoints
+        at = next((i for i in range(len(marks) - 1, -1, -1) if marks[i][0] == st.setting), None)
+        if st.effect is Effect.SAVEPOINT:
+            assert st.setting is not None
+            marks.append((st.setting, self._settings, tx.session))
+        elif st.effect is Effect.RELEASE:
+            del marks[at or 0:]  # (a savepoint made before: every one we know of is later)
+        elif st.effect is Effect.ROLLBACK_TO:
+            # the savepoint stays, the ones after it go
+            _, self._settings, tx.session = marks[at] if at is not None else ("", tx.start,
+                                                                             tx.start)
+            del marks[at + 1 if at is not None else 0:]
+        else:  # ROLLBACK AND CHAIN: the block rolled back; the next one has changed nothing
+            self._settings = tx.start
+            self._tx_settings = None
+            link.watch_tx = False
+            link.tx_ends.clear()
+
     # ------------------------------------------------------------------ extended protocol, local
 
     async def _local_parse(self, msg: p.Parse, st: Statement) -> None:
@@ -941,7 +990,8 @@ class Session:
         if self._backend_failed_batch():
             self.state = State.FAILED_BATCH
             return
-        failure = self._transaction_failure() or st.refusal
+        failure = (None if st.kind is StatementKind.PASS_THROUGH else
+                   self._transaction_failure()) or st.refusal
         if failure is not None:
             self.statement_done("refused", time.perf_counter(), failure.sqlstate)
             self.send_error(failure)
@@ -965,7 +1015,8 @@ class Session:
             raise failure
 
     def _local_bind(self, bind: p.Bind, local: LocalStatement) -> None:
-        self._check_transaction()
+        if local.statement.kind is not StatementKind.PASS_THROUGH:
+            self._check_transaction()
         if len(bind.params) != local.n_params:
             raise BindMismatch(f"bind message supplies {len(bind.params)} parameters, but prepared "
                                f'statement "{bind.statement}" requires {local.n_params}')
@@ -981,7 +1032,8 @@ class Session:
         self.send(p.CloseComplete())
 
     async def _local_describe(self, msg: p.Describe) -> None:
-        self._check_transaction()  # describing a DP query reads the catalog
+        self._check_transaction()  # describing a DP query reads the catalog (Postgres too
+        # refuses a Describe in a failed block, even of ROLLBACK)
         if msg.kind == b"S":
             local = self.local_statements[msg.name]
             st = local.statement

@@ -348,6 +348,12 @@ def test_the_encoding_predicate_decides(classifier: Classifier) -> None:
     ("DEALLOCATE s1", Effect.DEALLOCATE, "s1"),
     ('DEALLOCATE PREPARE "S 1"', Effect.DEALLOCATE, "S 1"),
     ("DEALLOCATE ALL", Effect.DEALLOCATE, None),
+    ("SAVEPOINT a", Effect.SAVEPOINT, "a"),
+    ('RELEASE SAVEPOINT "A"', Effect.RELEASE, "A"),
+    ("ROLLBACK TO a", Effect.ROLLBACK_TO, "a"),
+    ("ABORT AND CHAIN", Effect.ROLLBACK_AND_CHAIN, None),
+    ("ROLLBACK", None, None),
+    ("COMMIT AND CHAIN", None, None),  # the relay sees it end the block
     ("DISCARD PLANS", None, None),
     ("RESET search_path", None, None),
 ])

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from .conftest import Proxy, reset_budget
+from .conftest import Backend, Proxy, reset_budget
 
 DP_COUNT = "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits"
 
@@ -57,8 +57,8 @@ def test_a_dp_answer_in_a_transaction_stays_charged_after_rollback(
     assert _spent(px) == 1.0
 
 
-def _show(conn: psycopg.Connection) -> str:
-    (value,) = conn.execute("SHOW dp.epsilon").fetchone()
+def _show(conn: psycopg.Connection, name: str = "dp.epsilon") -> str:
+    (value,) = conn.execute(f"SHOW {name}").fetchone()
     return str(value)
 
 
@@ -78,16 +78,55 @@ def _show(conn: psycopg.Connection) -> str:
     # several statements in one Query (split by the proxy)
     (["BEGIN; SET dp.epsilon = 0.5; ROLLBACK"], "1.0"),
     (["BEGIN; SET dp.epsilon = 0.5; COMMIT; BEGIN; SET LOCAL dp.epsilon = 0.25; COMMIT"], "0.5"),
+    # savepoints
+    (["BEGIN", "SET dp.epsilon = 0.5", "SAVEPOINT a", "SET dp.epsilon = 0.25", "ROLLBACK TO a",
+      "COMMIT"], "0.5"),
+    (["BEGIN", "SAVEPOINT a", "SET dp.epsilon = 0.5", "ROLLBACK TO SAVEPOINT a", "COMMIT"],
+     "1.0"),
+    (["BEGIN", "SET dp.epsilon = 0.5", "SAVEPOINT a", "SET dp.epsilon = 0.25", "RELEASE a",
+      "COMMIT"], "0.25"),
+    (["BEGIN", "SET dp.epsilon = 0.5", "SAVEPOINT a", "SET LOCAL dp.epsilon = 0.25",
+      "ROLLBACK TO a", "SET LOCAL dp.epsilon = 2.0", "RELEASE SAVEPOINT a", "COMMIT"], "0.5"),
+    (["BEGIN", "SET dp.epsilon = 0.5", "SAVEPOINT a", "SET dp.epsilon = 0.25", "SAVEPOINT b",
+      "SET dp.epsilon = 2.0", "ROLLBACK TO b", "RELEASE a", "COMMIT"], "0.25"),
+    (["BEGIN", "SET dp.epsilon = 0.5", "SAVEPOINT a", "SET dp.epsilon = 0.25", "SAVEPOINT b",
+      "SET dp.epsilon = 2.0", "ROLLBACK TO a", "COMMIT"], "0.5"),
+    # the same name twice: the newer one hides the older until released
+    (["BEGIN", "SET dp.epsilon = 0.5", "SAVEPOINT a", "SET dp.epsilon = 0.25", "SAVEPOINT a",
+      "SET dp.epsilon = 2.0", "ROLLBACK TO a", "RELEASE a", "ROLLBACK TO a", "COMMIT"], "0.5"),
+    (["BEGIN", "SAVEPOINT a", "SET dp.epsilon = 0.5", "SAVEPOINT a", "SET dp.epsilon = 0.25",
+      "RELEASE a", "ROLLBACK TO a", "COMMIT"], "1.0"),
+    # a failed block brought back by ROLLBACK TO
+    (["BEGIN", "SET dp.epsilon = 0.5", "SAVEPOINT a", "SET dp.epsilon = 0.25", "SELECT 1/0",
+      "ROLLBACK TO a", "COMMIT"], "0.5"),
+    (["BEGIN", "SET dp.epsilon = 0.5", "SAVEPOINT a", "SELECT 1/0", "ROLLBACK", ], "1.0"),
+    # ROLLBACK AND CHAIN rolls back and opens another block
+    (["BEGIN", "SET dp.epsilon = 0.5", "ROLLBACK AND CHAIN", "SET dp.epsilon = 0.25",
+      "COMMIT"], "0.25"),
+    (["BEGIN", "SET dp.epsilon = 0.5", "ABORT AND CHAIN", "COMMIT"], "1.0"),
+    (["BEGIN; SET dp.epsilon = 0.5; SAVEPOINT a; SET dp.epsilon = 0.25; ROLLBACK TO a; COMMIT"],
+     "0.5"),
+    (["BEGIN; SET dp.epsilon = 0.5; SAVEPOINT a; SET dp.epsilon = 0.25; RELEASE a",
+      "ROLLBACK AND CHAIN; COMMIT"], "1.0"),
 ])
 def test_dp_settings_follow_the_transaction_block(
-        px: Proxy, statements: list[str], after: str) -> None:
+        px: Proxy, backend: Backend, statements: list[str], after: str) -> None:
     """As any Postgres setting: a SET inside a block lasts if it commits, a SET LOCAL until the
-    block ends."""
-    with psycopg.connect(px.dsn(), autocommit=True) as conn:
+    block ends, and ROLLBACK TO SAVEPOINT undoes what was set since the savepoint. Checked
+    after every statement against Postgres itself, on a setting of its own (ref.epsilon)."""
+    with psycopg.connect(px.dsn(), autocommit=True) as conn, \
+            psycopg.connect(backend.admin_dsn, autocommit=True,
+                            options="-c ref.epsilon=1.0") as ref:
         assert _show(conn) == "1.0"
         for sql in statements:
-            with contextlib.suppress(psycopg.errors.DivisionByZero):
-                conn.execute(sql)
+            seen = []
+            for c, name in ((conn, "dp.epsilon"), (ref, "ref.epsilon")):
+                with contextlib.suppress(psycopg.errors.DivisionByZero):
+                    c.execute(sql.replace("dp.epsilon", name))
+                status = c.info.transaction_status
+                seen.append(status.name if status == psycopg.pq.TransactionStatus.INERROR
+                            else _show(c, name))
+            assert seen[0] == seen[1], (sql, seen)
         assert _show(conn) == after
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
@@ -123,3 +162,41 @@ def test_dp_settings_in_driver_transactions(px: Proxy) -> None:
         conn.commit()
         assert _show(conn) == "0.5"
     assert _spent(px) == 0.25
+
+
+def test_dp_settings_in_driver_savepoints(px: Proxy) -> None:
+    """psycopg's nested transaction() blocks are savepoints."""
+    with psycopg.connect(px.dsn(), autocommit=True) as conn:
+        with conn.transaction():
+            conn.execute("SET dp.epsilon = 0.5")
+            with contextlib.suppress(ZeroDivisionError), conn.transaction():
+                conn.execute("SET dp.epsilon = 0.25")
+                assert _show(conn) == "0.25"
+                raise ZeroDivisionError  # rolls back to the savepoint
+            assert _show(conn) == "0.5"
+            with conn.transaction():
+                conn.execute("SET LOCAL dp.epsilon = 0.25", prepare=True)
+            assert _show(conn) == "0.25"
+            (n,) = conn.execute(DP_COUNT, prepare=True).fetchone()
+            assert n > 100
+        assert _show(conn) == "0.5"
+    assert _spent(px) == 0.25
+
+
+def test_a_savepoint_prepared_by_name_before_any_dp_setting(px: Proxy) -> None:
+    """psycopg prepares a statement by name after its fifth run (SQLAlchemy's savepoint names
+    recur from block to block): prepared while no dp.* setting had changed, it still counts
+    when it runs in a block where one has."""
+    with psycopg.connect(px.dsn(), autocommit=True, prepare_threshold=0) as conn:
+        conn.execute("BEGIN")
+        conn.execute("SAVEPOINT sp1")  # prepared here (psycopg forgets all at a ROLLBACK)
+        conn.execute("RELEASE sp1")
+        conn.execute("COMMIT")
+        conn.execute("BEGIN")
+        conn.execute("SET dp.epsilon = 0.5")
+        conn.execute("SAVEPOINT sp1")  # the prepared statement, run again
+        conn.execute("SET dp.epsilon = 0.25")
+        conn.execute("ROLLBACK TO sp1")
+        assert _show(conn) == "0.5"
+        conn.execute("COMMIT")
+        assert _show(conn) == "0.5"
