@@ -463,6 +463,21 @@ _SAVEPOINT_KINDS = {"TRANS_STMT_SAVEPOINT": Effect.SAVEPOINT, "TRANS_STMT_RELEAS
                     "TRANS_STMT_ROLLBACK_TO": Effect.ROLLBACK_TO}
 
 
+def highest_parameter(tree: Any) -> int:
+    """The highest $n in a statement's JSON parse tree (0 when there is none)."""
+    highest, stack = 0, [tree]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, dict):
+            ref = cur.get("ParamRef")
+            if isinstance(ref, dict):
+                highest = max(highest, int(ref.get("number", 0)))
+            stack.extend(v for v in cur.values() if isinstance(v, (dict, list)))
+        elif isinstance(cur, list):
+            stack.extend(cur)
+    return highest
+
+
 def _funcname(fc: Mapping[str, Any]) -> str:
     parts = [p.get("String", {}).get("sval", "") for p in fc.get("funcname", [])]
     return parts[-1].lower() if parts else ""

@@ -40,7 +40,7 @@ from dp_core.analysis import (
     check_casts,
     parse_select,
 )
-from dp_core.classify import Statement, StatementKind
+from dp_core.classify import Statement, StatementKind, highest_parameter
 from dp_core.errors import (
     DPError,
     FeatureNotSupported,
@@ -586,7 +586,8 @@ class DPService:
             return row_description(["QUERY PLAN"], [_OIDS["text"]], formats)
         if st.kind is StatementKind.LOCAL_FUNCTION:
             # the rewritten query (with a reset not performed) tells its own columns
-            sql = await self.local_function(session, st, dry_run=True)
+            sql = await self.local_function(session, st, dry_run=True, bind=bind,
+                                            param_types=param_types)
             async with self._acquire() as conn:
                 attrs = (await conn.prepare(sql)).get_attributes()
             return row_description([a.name for a in attrs], [a.type.oid for a in attrs], formats)
@@ -617,6 +618,9 @@ class DPService:
             found = list(prepared.param_oids)
             return tuple(d or f for d, f in zip(list(declared) + [0] * len(found), found,
                                                 strict=False))
+        if st.kind is StatementKind.LOCAL_FUNCTION:  # analyst names: text
+            n = max(len(declared), highest_parameter(st.tree))
+            return tuple(d or _OIDS["text"] for d in list(declared) + [0] * (n - len(declared)))
         return tuple(declared)
 
     async def answer(self, session: Session, st: Statement, bind: p.Bind | None,
@@ -868,12 +872,22 @@ class DPService:
 
     # ------------------------------------------------------------------ dp_budget() and friends
 
-    async def local_function(self, session: Session, st: Statement, dry_run: bool = False) -> str:
-        """Rewrite the statement with the function's result in place; returns SQL to relay."""
+    async def local_function(self, session: Session, st: Statement, dry_run: bool = False,
+                             bind: p.Bind | None = None, param_types: Sequence[int] = ()) -> str:
+        """Rewrite the statement with the function's result in place; returns SQL to relay.
+
+        With `dry_run` nothing is changed (a reset is not done): the SQL only tells the
+        columns, and an analyst name still unbound (`$1` before Bind) stands for the caller.
+        """
         if st.protected:
             raise FeatureNotSupported("dp_budget(), dp_ledger() and dp_reset_budget() cannot be "
                                       "combined with protected tables")
-        stmt = parse_select(st.stripped_sql)
+        params = None
+        if bind is not None:
+            link = session.link
+            assert link is not None
+            params = await self._bind_params(bind, param_types, link.codec, link.encoding)
+        stmt = parse_select(st.stripped_sql, params)
         is_admin = session.config.analysts[session.user].admin
         replacer = _LocalFunctions(self, session.user, is_admin, dry_run)
         await replacer.resolve(stmt)
@@ -903,9 +917,15 @@ class _LocalFunctions(Visitor):
             args = list(fc.args or ())
             target = self.user
             if name != "dp_budget" or args:
-                if len(args) != 1 or const_string(args[0]) is None:
-                    raise FeatureNotSupported(f"{name}() takes one analyst name as a string literal")
-                target = str(const_string(args[0]))
+                arg = args[0] if len(args) == 1 else None
+                if isinstance(arg, ast.TypeCast):  # a typed parameter, bound
+                    arg = arg.arg
+                if self.dry_run and isinstance(arg, ast.ParamRef):
+                    arg = ast.A_Const(val=ast.String(sval=self.user))  # (for the columns)
+                if const_string(arg) is None:
+                    raise FeatureNotSupported(f"{name}() takes one analyst name: a string "
+                                              "literal or a parameter")
+                target = str(const_string(arg))
             if name == "dp_budget":
                 if target != self.user:
                     require_admin(self.is_admin, "dp_budget(analyst)")

@@ -24,7 +24,13 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, cast
 
 from config import AuthMethod
-from dp_core.classify import TRANSACTION_EFFECTS, Effect, Statement, StatementKind
+from dp_core.classify import (
+    TRANSACTION_EFFECTS,
+    Effect,
+    Statement,
+    StatementKind,
+    highest_parameter,
+)
 from dp_core.errors import (
     BindMismatch,
     ConnectionFailure,
@@ -834,7 +840,8 @@ class Session:
             self.send(p.DataRow((value.encode(),)), p.CommandComplete("SHOW"))
             return
         if st.kind is StatementKind.LOCAL_FUNCTION:
-            await self.relay_result(await self.server.dp.local_function(self, st), bind)
+            sql = await self.server.dp.local_function(self, st, bind=bind, param_types=param_types)
+            await self.relay_result(sql, bind)
             return
         if st.kind is StatementKind.PASS_THROUGH:  # one with an effect on the proxy's state
             if self._local_deallocate(st):
@@ -998,7 +1005,7 @@ class Session:
             self.state = State.FAILED_BATCH
             return
         self.local_statements[msg.name] = LocalStatement(
-            st, msg.param_types, max(len(msg.param_types), _highest_parameter(st.tree)))
+            st, msg.param_types, max(len(msg.param_types), highest_parameter(st.tree)))
         self.send(p.ParseComplete())
 
     def _transaction_failure(self) -> InFailedSqlTransaction | None:
@@ -1108,21 +1115,6 @@ class Session:
             self._dp_task.cancel()
         if self.link is not None and self.link.key is not None and self.link.pending:
             asyncio.get_running_loop().create_task(self.server.cancel_backend(self.link.key))
-
-
-def _highest_parameter(tree: Any) -> int:
-    """The highest $n in a statement's JSON parse tree (0 when there is none)."""
-    highest, stack = 0, [tree]
-    while stack:
-        cur = stack.pop()
-        if isinstance(cur, dict):
-            ref = cur.get("ParamRef")
-            if isinstance(ref, dict):
-                highest = max(highest, int(ref.get("number", 0)))
-            stack.extend(v for v in cur.values() if isinstance(v, (dict, list)))
-        elif isinstance(cur, list):
-            stack.extend(cur)
-    return highest
 
 
 def _query_text(raw: bytes, encoding: str) -> str:

@@ -243,6 +243,43 @@ def test_exact_charge_refusal_reset_and_ledger(proxy: Proxy, reset: None) -> Non
         assert kinds[-1] == "reset" and kinds.count("charge") >= 3, "a reset appends, never deletes"
 
 
+def test_admin_functions_take_parameters(proxy: Proxy, reset: None) -> None:
+    """Drivers send `%s` as a bound parameter ($1): the analyst name may be one."""
+    with psycopg.connect(proxy.dsn("bob"), autocommit=True) as bob:
+        bob.execute(Q).fetchall()
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            bob.execute("SELECT dp_reset_budget(%s)", ("bob",))
+        (own,) = bob.execute("SELECT analyst FROM dp_budget()").fetchone()
+        assert own == "bob"
+    with psycopg.connect(proxy.dsn("admin"), autocommit=True) as admin:
+        (eps,) = admin.execute("SELECT epsilon_spent FROM dp_budget(%s)", ("bob",)).fetchone()
+        assert float(eps) == pytest.approx(0.1)
+        rows = admin.execute("SELECT kind FROM dp_ledger(%s)", ("bob",), prepare=True).fetchall()
+        assert ("charge",) in rows
+        (msg,) = admin.execute("SELECT dp_reset_budget(%s)", ("bob",), prepare=True).fetchone()
+        assert "budget of bob reset" in msg
+        (eps,) = admin.execute("SELECT epsilon_spent FROM dp_budget(%s::text)",
+                               ("bob",)).fetchone()
+        assert float(eps) == 0.0
+        with pytest.raises(psycopg.errors.FeatureNotSupported, match="one analyst name"):
+            admin.execute("SELECT dp_reset_budget(%s)", (None,))
+
+    async def with_asyncpg() -> tuple[str, str]:
+        # asyncpg describes the statement (its parameter types) before it binds
+        conn = await asyncpg.connect(host=proxy.host, port=proxy.port, user="admin",
+                                     password="admin", database=TEST_DATABASE, ssl=False)
+        try:
+            stmt = await conn.prepare("SELECT analyst, epsilon_spent FROM dp_budget($1)")
+            row = await stmt.fetchrow("bob")
+            reset = await conn.fetchval("SELECT dp_reset_budget($1)", "bob")
+            return row["analyst"], reset
+        finally:
+            await conn.close()
+
+    analyst, reset_msg = asyncio.run(with_asyncpg())
+    assert analyst == "bob" and "budget of bob reset" in reset_msg
+
+
 def test_concurrent_queries_never_overspend(proxy: Proxy, reset: None) -> None:
     """Bob has ε = 1; 20 racing queries of ε = 0.1 each: exactly 10 are answered."""
     answered: list[int] = []
@@ -361,7 +398,7 @@ def test_restricted_and_pushdown_roles_see_different_worlds(backend: Backend) ->
     assert asyncio.run(count(backend.pushdown.uri())) > 100_000
 
 
-del Path, TEST_DATABASE
+del Path
 
 
 def test_refused_and_failed_attempts_are_audited(proxy: Proxy, reset: None) -> None:
