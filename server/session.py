@@ -1039,10 +1039,13 @@ class Session:
         self.send(p.CloseComplete())
 
     async def _local_describe(self, msg: p.Describe) -> None:
-        self._check_transaction()  # describing a DP query reads the catalog (Postgres too
-        # refuses a Describe in a failed block, even of ROLLBACK)
+        local = self.local_statements[msg.name] if msg.kind == b"S" else \
+            self.local_portals[msg.name].statement
+        if local.statement.kind is not StatementKind.PASS_THROUGH:
+            # describing a DP query reads the catalog; Postgres too refuses to describe a
+            # statement that returns rows in a failed block (not a ROLLBACK TO, which has none)
+            self._check_transaction()
         if msg.kind == b"S":
-            local = self.local_statements[msg.name]
             st = local.statement
             types = tuple(local.param_types)
             if st.kind in _DP_KINDS:

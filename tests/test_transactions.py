@@ -8,7 +8,10 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from .conftest import Backend, Proxy, reset_budget
+from server import protocol as p
+
+from .conftest import TEST_DATABASE, Backend, Proxy, reset_budget
+from .rawclient import RawClient, errors
 
 DP_COUNT = "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits"
 
@@ -200,3 +203,41 @@ def test_a_savepoint_prepared_by_name_before_any_dp_setting(px: Proxy) -> None:
         assert _show(conn) == "0.5"
         conn.execute("COMMIT")
         assert _show(conn) == "0.5"
+
+
+def test_a_failed_savepoint_block_is_rolled_back_by_the_driver(px: Proxy) -> None:
+    """psycopg rolls a failed nested block back to its savepoint (a Describe and an Execute of
+    ROLLBACK TO in the failed block, which Postgres allows)."""
+    with psycopg.connect(px.dsn(), autocommit=True) as conn:
+        with conn.transaction():
+            conn.execute("SET dp.epsilon = 0.5")
+            with pytest.raises(psycopg.errors.DivisionByZero), conn.transaction():
+                conn.execute("SET dp.epsilon = 0.25")
+                conn.execute("SELECT 1/0")
+            assert _show(conn) == "0.5"
+            (n,) = conn.execute(DP_COUNT).fetchone()
+            assert n > 100
+        assert _show(conn) == "0.5"
+    assert _spent(px) == 0.5
+
+
+def test_rollback_to_in_a_failed_block_on_the_extended_protocol(px: Proxy) -> None:
+    """Postgres parses, binds, describes and runs a ROLLBACK TO in a failed block (it returns
+    no rows); so does the proxy when it follows one."""
+    c = RawClient(px.host, px.port)
+    c.login("alice", "alice", TEST_DATABASE)
+    try:
+        c.send(p.Query("BEGIN; SET dp.epsilon = 0.5; SAVEPOINT a; SET dp.epsilon = 0.25"))
+        assert errors(c.recv_until_ready()) == []
+        c.send(p.Query("SELECT 1/0"))
+        assert errors(c.recv_until_ready()) == ["22012"]
+        c.send(p.Parse("", "ROLLBACK TO a"), p.Bind("", "", (), (), ()), p.Describe(b"P", ""),
+               p.Execute("", 0), p.Sync())
+        msgs = c.recv_until_ready()
+        assert errors(msgs) == [] and isinstance(msgs[-1], p.ReadyForQuery), msgs
+        assert msgs[-1].status == b"T"
+        c.send(p.Query("SHOW dp.epsilon"))
+        rows = [m.values for m in c.recv_until_ready() if isinstance(m, p.DataRow)]
+        assert rows == [(b"0.5",)]
+    finally:
+        c.close()
