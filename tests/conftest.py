@@ -189,4 +189,11 @@ def reset_budget(proxy: Proxy, analyst: str = "alice") -> None:
     import psycopg
 
     with psycopg.connect(proxy.dsn("admin"), autocommit=True) as adm:
-        adm.execute(f"SELECT dp_reset_budget('{analyst}')")  # (a literal: the proxy asks one)
+        adm.execute("SELECT dp_reset_budget(%s)", (analyst,))
+
+
+@pytest.fixture
+def px(proxy: Proxy) -> Proxy:
+    """A fresh proxy, with alice's budget full."""
+    reset_budget(proxy)
+    return proxy

@@ -13,16 +13,10 @@ import pytest
 
 from server import protocol as p
 
-from .conftest import TEST_DATABASE, Proxy, reset_budget
+from .conftest import TEST_DATABASE, Proxy
 from .rawclient import RawClient, close_all, errors
 
 DP_COUNT = "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits"
-
-
-@pytest.fixture
-def px(proxy: Proxy) -> Proxy:
-    reset_budget(proxy)
-    return proxy
 
 
 @pytest.fixture

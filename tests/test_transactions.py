@@ -10,16 +10,10 @@ import pytest
 
 from server import protocol as p
 
-from .conftest import TEST_DATABASE, Backend, Proxy, reset_budget
+from .conftest import TEST_DATABASE, Backend, Proxy
 from .rawclient import RawClient, errors
 
 DP_COUNT = "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits"
-
-
-@pytest.fixture
-def px(proxy: Proxy) -> Proxy:
-    reset_budget(proxy)
-    return proxy
 
 
 @pytest.fixture
