@@ -90,7 +90,8 @@ class Statement:
     tree: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The statement's node in pglast's JSON parse tree."""
     setting: str | None = None
-    """For LOCAL_SET / LOCAL_SHOW: the `dp.*` name; for LOCAL_FUNCTION: the function."""
+    """For LOCAL_SET / LOCAL_SHOW: the `dp.*` name; for LOCAL_FUNCTION: the function; for an
+    `effect`, the prepared statement's or savepoint's name."""
     refusal: DPError | None = field(default=None, compare=False)
     effect: Effect | None = None
     """For PASS_THROUGH: what it does to the proxy's own session state."""
@@ -427,18 +428,26 @@ def _utf8(value: str) -> bool:
     return re.sub(r"[^0-9a-z]", "", value.lower()) in ("utf8", "unicode")
 
 
+def const_value(node: Any) -> str | float | int | None:
+    """A constant of a JSON parse tree (string, integer or float); None for anything else."""
+    const = node.get("A_Const") if isinstance(node, dict) else None
+    if const is None:
+        return None
+    if "ival" in const:
+        return int(const["ival"].get("ival", 0))  # protobuf omits zero
+    if "fval" in const:
+        return float(const["fval"].get("fval", "0"))
+    if "sval" in const:
+        return str(const["sval"].get("sval", ""))
+    return None
+
+
 def _literal(node: Any) -> str | int | None:
     """A string or integer constant, also cast (`'x'::text`); None for anything else."""
     if isinstance(node, dict) and "TypeCast" in node:
         node = node["TypeCast"].get("arg")
-    const = node.get("A_Const") if isinstance(node, dict) else None
-    if const is None:
-        return None
-    if "sval" in const:
-        return str(const["sval"].get("sval", ""))
-    if "ival" in const:
-        return int(const["ival"].get("ival", 0))
-    return None
+    value = const_value(node)
+    return None if isinstance(value, float) else value
 
 
 def _effect(ntype: str, body: Mapping[str, Any]) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from dp_core.analysis import (
     check_casts,
     parse_select,
 )
-from dp_core.classify import Statement, StatementKind, highest_parameter
+from dp_core.classify import Statement, StatementKind
 from dp_core.errors import (
     DPError,
     FeatureNotSupported,
@@ -619,8 +619,7 @@ class DPService:
             return tuple(d or f for d, f in zip(list(declared) + [0] * len(found), found,
                                                 strict=False))
         if st.kind is StatementKind.LOCAL_FUNCTION:  # analyst names: text
-            n = max(len(declared), highest_parameter(st.tree))
-            return tuple(d or _OIDS["text"] for d in list(declared) + [0] * (n - len(declared)))
+            return tuple(d or _OIDS["text"] for d in declared)
         return tuple(declared)
 
     async def answer(self, session: Session, st: Statement, bind: p.Bind | None,

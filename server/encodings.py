@@ -77,8 +77,6 @@ def codec(name: str) -> str | None:
     return CODECS[canonical] if canonical is not None else None
 
 
-
-
 def _hex(raw: bytes) -> str:
     return " ".join(f"0x{b:02x}" for b in raw)
 

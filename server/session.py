@@ -29,6 +29,7 @@ from dp_core.classify import (
     Effect,
     Statement,
     StatementKind,
+    const_value,
     highest_parameter,
 )
 from dp_core.errors import (
@@ -822,8 +823,7 @@ class Session:
     ) -> None:
         """Answer one non-pass-through statement (or a forwarded one the proxy follows): its
         rows (with RowDescription if asked)."""
-        if st.kind is not StatementKind.PASS_THROUGH or self._local_deallocate(st):
-            self._check_transaction()  # (a forwarded one is the backend's to refuse)
+        self._check_transaction(st)
         if st.kind is StatementKind.REFUSED:
             assert st.refusal is not None
             raise st.refusal
@@ -846,6 +846,7 @@ class Session:
         if st.kind is StatementKind.PASS_THROUGH:  # one with an effect on the proxy's state
             if self._local_deallocate(st):
                 assert st.setting is not None
+                self._check_transaction()  # (the proxy answers it: it refuses it as Postgres)
                 del self.local_statements[st.setting]  # (the backend never had it)
                 self.send(p.CommandComplete("DEALLOCATE"))
                 return
@@ -879,12 +880,18 @@ class Session:
     def _settle(self) -> None:
         """Settle the dp.* settings of a transaction block that changed them and has ended
         since (the relay notes how blocks end)."""
+        link = self.link
+        if self._tx_settings is not None and link is not None and link.tx_ends:
+            self._end_block(committed=link.tx_ends[0])
+
+    def _end_block(self, committed: bool) -> None:
+        """The transaction block that changed dp.* settings ended: keep what it committed."""
         tx, link = self._tx_settings, self.link
-        if tx is not None and link is not None and link.tx_ends:
-            self._settings = tx.session if link.tx_ends[0] else tx.start
-            self._tx_settings = None
-            link.watch_tx = False
-            link.tx_ends.clear()
+        assert tx is not None and link is not None
+        self._settings = tx.session if committed else tx.start
+        self._tx_settings = None
+        link.watch_tx = False
+        link.tx_ends.clear()
 
     def _set(self, st: Statement) -> None:
         """SET [LOCAL] / RESET dp.*, with Postgres's transaction semantics: inside a block, a
@@ -902,7 +909,7 @@ class Session:
             args = body.get("args", [])
             if len(args) != 1:
                 raise SyntaxError_(f"SET {name} takes one value")
-            value = _const_value(args[0])
+            value = const_value(args[0])
             if value is None:
                 raise SyntaxError_(f"SET {name} takes a number or a name")
         caps = self.server.caps
@@ -968,26 +975,28 @@ class Session:
         settings have changed (before they changed, nothing needs following: going back to a
         savepoint made then is going back to the block's start)."""
         self._settle()
-        tx, link = self._tx_settings, self.link
-        if tx is None or link is None:
+        tx = self._tx_settings
+        if tx is None:
+            return
+        if st.effect is Effect.ROLLBACK_AND_CHAIN:  # the next block has changed nothing
+            self._end_block(committed=False)
             return
         marks = tx.savepoints
-        at = next((i for i in range(len(marks) - 1, -1, -1) if marks[i][0] == st.setting), None)
         if st.effect is Effect.SAVEPOINT:
             assert st.setting is not None
             marks.append((st.setting, self._settings, tx.session))
-        elif st.effect is Effect.RELEASE:
-            del marks[at or 0:]  # (a savepoint made before: every one we know of is later)
-        elif st.effect is Effect.ROLLBACK_TO:
-            # the savepoint stays, the ones after it go
-            _, self._settings, tx.session = marks[at] if at is not None else ("", tx.start,
-                                                                             tx.start)
-            del marks[at + 1 if at is not None else 0:]
-        else:  # ROLLBACK AND CHAIN: the block rolled back; the next one has changed nothing
-            self._settings = tx.start
-            self._tx_settings = None
-            link.watch_tx = False
-            link.tx_ends.clear()
+            return
+        # the newest savepoint of the name; one we do not know was made before the first
+        # change, so every one we know of is later
+        at = next((i for i in range(len(marks) - 1, -1, -1) if marks[i][0] == st.setting), None)
+        if st.effect is Effect.RELEASE:
+            del marks[0 if at is None else at:]
+        elif at is None:  # ROLLBACK TO a savepoint made before the first change
+            self._settings = tx.session = tx.start
+            marks.clear()
+        else:  # ROLLBACK TO: the savepoint stays, the ones after it go
+            _, self._settings, tx.session = marks[at]
+            del marks[at + 1:]
 
     # ------------------------------------------------------------------ extended protocol, local
 
@@ -997,8 +1006,7 @@ class Session:
         if self._backend_failed_batch():
             self.state = State.FAILED_BATCH
             return
-        failure = (None if st.kind is StatementKind.PASS_THROUGH else
-                   self._transaction_failure()) or st.refusal
+        failure = self._transaction_failure(st) or st.refusal
         if failure is not None:
             self.statement_done("refused", time.perf_counter(), failure.sqlstate)
             self.send_error(failure)
@@ -1008,22 +1016,24 @@ class Session:
             st, msg.param_types, max(len(msg.param_types), highest_parameter(st.tree)))
         self.send(p.ParseComplete())
 
-    def _transaction_failure(self) -> InFailedSqlTransaction | None:
+    def _transaction_failure(self, st: Statement | None = None) -> InFailedSqlTransaction | None:
         """As Postgres, statements in a transaction that failed are refused: a DP query there
-        would be charged and then its answer refused by the backend."""
+        would be charged and then its answer refused by the backend. A forwarded statement
+        `st` the proxy follows is the backend's to refuse (it runs ROLLBACK TO there)."""
+        if st is not None and st.kind is StatementKind.PASS_THROUGH:
+            return None
         if self.link is not None and self.link.tx_status == b"E":
             return InFailedSqlTransaction(
                 "current transaction is aborted, commands ignored until end of transaction block")
         return None
 
-    def _check_transaction(self) -> None:
-        failure = self._transaction_failure()
+    def _check_transaction(self, st: Statement | None = None) -> None:
+        failure = self._transaction_failure(st)
         if failure is not None:
             raise failure
 
     def _local_bind(self, bind: p.Bind, local: LocalStatement) -> None:
-        if local.statement.kind is not StatementKind.PASS_THROUGH:
-            self._check_transaction()
+        self._check_transaction(local.statement)
         if len(bind.params) != local.n_params:
             raise BindMismatch(f"bind message supplies {len(bind.params)} parameters, but prepared "
                                f'statement "{bind.statement}" requires {local.n_params}')
@@ -1041,15 +1051,15 @@ class Session:
     async def _local_describe(self, msg: p.Describe) -> None:
         local = self.local_statements[msg.name] if msg.kind == b"S" else \
             self.local_portals[msg.name].statement
-        if local.statement.kind is not StatementKind.PASS_THROUGH:
-            # describing a DP query reads the catalog; Postgres too refuses to describe a
-            # statement that returns rows in a failed block (not a ROLLBACK TO, which has none)
-            self._check_transaction()
+        # describing a DP query reads the catalog; Postgres too refuses to describe a statement
+        # that returns rows in a failed block (not a ROLLBACK TO, which has none)
+        self._check_transaction(local.statement)
         if msg.kind == b"S":
             st = local.statement
             types = tuple(local.param_types)
             if st.kind in _DP_KINDS:
-                types = await self.server.dp.parameter_types(self, st, local.param_types)
+                declared = types + (0,) * (local.n_params - len(types))
+                types = await self.server.dp.parameter_types(self, st, declared)
             self.send(p.ParameterDescription(types))
             self.send(await self._row_description(st, None, local.param_types, ()))
         else:
@@ -1162,19 +1172,6 @@ def _name_after_kind(raw: bytes, encoding: str) -> str:
     if end < 0:
         raise p.ProtocolViolation("unterminated string in message")
     return raw[6:end].decode(encoding, errors="replace")
-
-
-def _const_value(node: Any) -> str | float | int | None:
-    const = node.get("A_Const") if isinstance(node, dict) else None
-    if const is None:
-        return None
-    if "ival" in const:
-        return int(const["ival"].get("ival", 0))
-    if "fval" in const:
-        return float(const["fval"].get("fval", "0"))
-    if "sval" in const:
-        return str(const["sval"].get("sval", ""))
-    return None
 
 
 __all__ = ["ClientProtocol", "Session", "State"]

@@ -192,6 +192,12 @@ def reset_budget(proxy: Proxy, analyst: str = "alice") -> None:
         adm.execute("SELECT dp_reset_budget(%s)", (analyst,))
 
 
+def show(conn: Any, name: str = "dp.epsilon") -> str:
+    """A setting as SHOW gives it, on a psycopg connection."""
+    (value,) = conn.execute(f"SHOW {name}").fetchone()
+    return str(value)
+
+
 @pytest.fixture
 def px(proxy: Proxy) -> Proxy:
     """A fresh proxy, with alice's budget full."""

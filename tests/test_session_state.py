@@ -13,7 +13,7 @@ import pytest
 
 from server import protocol as p
 
-from .conftest import TEST_DATABASE, Proxy
+from .conftest import TEST_DATABASE, Proxy, show
 from .rawclient import RawClient, close_all, errors
 
 DP_COUNT = "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits"
@@ -27,17 +27,12 @@ def raw(px: Proxy) -> Iterator[RawClient]:
     close_all()
 
 
-def _show(conn: psycopg.Connection, name: str = "dp.epsilon") -> str:
-    (value,) = conn.execute(f"SHOW {name}").fetchone()
-    return str(value)
-
-
 @pytest.mark.parametrize("reset", ["RESET ALL", "DISCARD ALL", "reset all; select 1"])
 @pytest.mark.parametrize("prepare", [False, True], ids=["simple", "extended"])
 def test_reset_all_and_discard_all_reset_dp_settings(px: Proxy, reset: str,
                                                      prepare: bool) -> None:
     with psycopg.connect(px.dsn(), autocommit=True) as conn:
-        default = _show(conn)
+        default = show(conn)
         conn.execute("SET dp.epsilon = 0.25")
         conn.execute("SET dp.max_groups_contributed = 3")
         conn.execute("SET search_path = pg_catalog")
@@ -45,24 +40,24 @@ def test_reset_all_and_discard_all_reset_dp_settings(px: Proxy, reset: str,
             conn.execute(reset)  # several statements: the simple protocol
         else:
             conn.execute(reset, prepare=prepare)
-        assert _show(conn) == default
-        assert _show(conn, "dp.max_groups_contributed") != "3"
-        assert _show(conn, "search_path") != "pg_catalog"  # and Postgres's own, as ever
+        assert show(conn) == default
+        assert show(conn, "dp.max_groups_contributed") != "3"
+        assert show(conn, "search_path") != "pg_catalog"  # and Postgres's own, as ever
 
 
 def test_reset_all_in_a_block_follows_the_block(px: Proxy) -> None:
     with psycopg.connect(px.dsn(), autocommit=True) as conn:
-        default = _show(conn)
+        default = show(conn)
         conn.execute("SET dp.epsilon = 0.25")
         conn.execute("BEGIN")
         conn.execute("RESET ALL")
-        assert _show(conn) == default
+        assert show(conn) == default
         conn.execute("ROLLBACK")
-        assert _show(conn) == "0.25"
+        assert show(conn) == "0.25"
         conn.execute("BEGIN")
         conn.execute("RESET ALL")
         conn.execute("COMMIT")
-        assert _show(conn) == default
+        assert show(conn) == default
 
 
 def test_discard_all_in_a_block_is_refused_and_changes_nothing(px: Proxy) -> None:
@@ -72,7 +67,7 @@ def test_discard_all_in_a_block_is_refused_and_changes_nothing(px: Proxy) -> Non
         with pytest.raises(psycopg.errors.ActiveSqlTransaction):
             conn.execute("DISCARD ALL")
         conn.execute("ROLLBACK")
-        assert _show(conn) == "0.25"
+        assert show(conn) == "0.25"
 
 
 def _prepare_dp(c: RawClient, name: str) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from server import protocol as p
 
-from .conftest import TEST_DATABASE, Backend, Proxy
+from .conftest import TEST_DATABASE, Backend, Proxy, show
 from .rawclient import RawClient, errors
 
 DP_COUNT = "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits"
@@ -52,11 +52,6 @@ def test_a_dp_answer_in_a_transaction_stays_charged_after_rollback(
     assert n > 100
     conn.rollback()  # the answer was released: its cost is spent whatever happens to the block
     assert _spent(px) == 1.0
-
-
-def _show(conn: psycopg.Connection, name: str = "dp.epsilon") -> str:
-    (value,) = conn.execute(f"SHOW {name}").fetchone()
-    return str(value)
 
 
 @pytest.mark.parametrize(("statements", "after"), [
@@ -114,7 +109,7 @@ def test_dp_settings_follow_the_transaction_block(
     with psycopg.connect(px.dsn(), autocommit=True) as conn, \
             psycopg.connect(backend.admin_dsn, autocommit=True,
                             options="-c ref.epsilon=1.0") as ref:
-        assert _show(conn) == "1.0"
+        assert show(conn) == "1.0"
         for sql in statements:
             seen = []
             for c, name in ((conn, "dp.epsilon"), (ref, "ref.epsilon")):
@@ -122,9 +117,9 @@ def test_dp_settings_follow_the_transaction_block(
                     c.execute(sql.replace("dp.epsilon", name))
                 status = c.info.transaction_status
                 seen.append(status.name if status == psycopg.pq.TransactionStatus.INERROR
-                            else _show(c, name))
+                            else show(c, name))
             assert seen[0] == seen[1], (sql, seen)
-        assert _show(conn) == after
+        assert show(conn) == after
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
 
@@ -134,13 +129,13 @@ def test_set_local_applies_inside_the_block_and_warns_outside(px: Proxy) -> None
         conn.add_notice_handler(lambda d: notices.append((d.severity, d.sqlstate)))
         conn.execute("SET LOCAL dp.epsilon = 0.5")
         assert notices == [("WARNING", "25P01")]
-        assert _show(conn) == "1.0"
+        assert show(conn) == "1.0"
         conn.execute("BEGIN")
         conn.execute("SET LOCAL dp.epsilon = 0.25")
-        assert _show(conn) == "0.25"
+        assert show(conn) == "0.25"
         conn.execute(DP_COUNT)  # charged at the block's setting
         conn.execute("COMMIT")
-        assert _show(conn) == "1.0"
+        assert show(conn) == "1.0"
     assert _spent(px) == 0.25
 
 
@@ -149,15 +144,15 @@ def test_dp_settings_in_driver_transactions(px: Proxy) -> None:
     with psycopg.connect(px.dsn()) as conn:
         conn.execute("SET dp.epsilon = 0.5", prepare=True)
         conn.rollback()
-        assert _show(conn) == "1.0"
+        assert show(conn) == "1.0"
         conn.execute("SET dp.epsilon = 0.5", prepare=True)
         conn.commit()
-        assert _show(conn) == "0.5"
+        assert show(conn) == "0.5"
         conn.execute("SET LOCAL dp.epsilon = 0.25")
         (n,) = conn.execute(DP_COUNT, prepare=True).fetchone()
         assert n > 100
         conn.commit()
-        assert _show(conn) == "0.5"
+        assert show(conn) == "0.5"
     assert _spent(px) == 0.25
 
 
@@ -168,15 +163,15 @@ def test_dp_settings_in_driver_savepoints(px: Proxy) -> None:
             conn.execute("SET dp.epsilon = 0.5")
             with contextlib.suppress(ZeroDivisionError), conn.transaction():
                 conn.execute("SET dp.epsilon = 0.25")
-                assert _show(conn) == "0.25"
+                assert show(conn) == "0.25"
                 raise ZeroDivisionError  # rolls back to the savepoint
-            assert _show(conn) == "0.5"
+            assert show(conn) == "0.5"
             with conn.transaction():
                 conn.execute("SET LOCAL dp.epsilon = 0.25", prepare=True)
-            assert _show(conn) == "0.25"
+            assert show(conn) == "0.25"
             (n,) = conn.execute(DP_COUNT, prepare=True).fetchone()
             assert n > 100
-        assert _show(conn) == "0.5"
+        assert show(conn) == "0.5"
     assert _spent(px) == 0.25
 
 
@@ -194,9 +189,9 @@ def test_a_savepoint_prepared_by_name_before_any_dp_setting(px: Proxy) -> None:
         conn.execute("SAVEPOINT sp1")  # the prepared statement, run again
         conn.execute("SET dp.epsilon = 0.25")
         conn.execute("ROLLBACK TO sp1")
-        assert _show(conn) == "0.5"
+        assert show(conn) == "0.5"
         conn.execute("COMMIT")
-        assert _show(conn) == "0.5"
+        assert show(conn) == "0.5"
 
 
 def test_a_failed_savepoint_block_is_rolled_back_by_the_driver(px: Proxy) -> None:
@@ -208,10 +203,10 @@ def test_a_failed_savepoint_block_is_rolled_back_by_the_driver(px: Proxy) -> Non
             with pytest.raises(psycopg.errors.DivisionByZero), conn.transaction():
                 conn.execute("SET dp.epsilon = 0.25")
                 conn.execute("SELECT 1/0")
-            assert _show(conn) == "0.5"
+            assert show(conn) == "0.5"
             (n,) = conn.execute(DP_COUNT).fetchone()
             assert n > 100
-        assert _show(conn) == "0.5"
+        assert show(conn) == "0.5"
     assert _spent(px) == 0.5
 
 
