@@ -100,6 +100,45 @@ class Statement:
     def node_type(self) -> str:
         return next(iter(self.tree), "")
 
+    @property
+    def cursor(self) -> Cursor | None:
+        """For a DP query declared as a cursor (`DECLARE c CURSOR FOR SELECT WITH
+        ANONYMIZATION ...`): the cursor's name and options."""
+        body = self.tree.get("DeclareCursorStmt")
+        if body is None:
+            return None
+        return Cursor(body.get("portalname", ""), body.get("options", 0))
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A DECLARE CURSOR's name and option bits (Postgres's CURSOR_OPT_*)."""
+
+    name: str
+    options: int
+
+    BINARY = 0x01
+    SCROLL = 0x02
+    NO_SCROLL = 0x04
+    INSENSITIVE = 0x08
+    ASENSITIVE = 0x10
+    HOLD = 0x20
+
+    @property
+    def hold(self) -> bool:
+        return bool(self.options & self.HOLD)
+
+    def declare(self, query: str, quote: Callable[[str], str]) -> str:
+        """DECLARE this cursor (its options as written) for `query`; `quote` quotes the name."""
+        words = [f"DECLARE {quote(self.name)}"]
+        for bit, word in ((self.BINARY, "BINARY"), (self.INSENSITIVE, "INSENSITIVE"),
+                          (self.ASENSITIVE, "ASENSITIVE"), (self.SCROLL, "SCROLL"),
+                          (self.NO_SCROLL, "NO SCROLL")):
+            if self.options & bit:
+                words.append(word)
+        words.append("CURSOR WITH HOLD FOR" if self.hold else "CURSOR FOR")
+        return " ".join(words) + " " + query
+
 
 class ProtectionPolicy:
     """Which relations are protected: qualified (schema, name) and bare names."""
@@ -305,6 +344,11 @@ class Classifier:
             if _is_schema_probe(body):
                 return make(StatementKind.PASS_THROUGH)
             if _is_aggregate_select(body):
+                return make(StatementKind.DP_QUERY)
+        if ntype == "DeclareCursorStmt":
+            # a cursor over the plain DP form (psql's FETCH_COUNT, ODBC's declare/fetch mode)
+            inner_body = body.get("query", {}).get("SelectStmt")
+            if inner_body is not None and _is_aggregate_select(inner_body):
                 return make(StatementKind.DP_QUERY)
         if ntype == "ExplainStmt" and not _explain_analyze(body):
             inner = body.get("query", {})

@@ -66,6 +66,10 @@ class InFailedSqlTransaction(DPError):
     sqlstate = "25P02"
 
 
+class NoActiveSqlTransaction(DPError):
+    sqlstate = "25P01"
+
+
 class BindMismatch(DPError):
     """A Bind that does not fit its statement: an error in the batch, not the end of the session."""
 

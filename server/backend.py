@@ -423,6 +423,27 @@ class BackendLink(asyncio.Protocol):
                              Pending.INTERNAL_CLOSE, Pending.INTERNAL_CLOSE, Pending.INTERNAL_SYNC])
         self.transport.write(frames)
 
+    def open_portal(self, sql: str, portal: str, result_formats: tuple[int, ...],
+                    max_rows: int) -> None:
+        """Run one statement of the proxy's own as the client's portal `portal`, to its first
+        `max_rows` rows, and leave the portal open for the client's further Executes.
+
+        Only its rows and CommandComplete or PortalSuspended (or its error) reach the
+        client; no Sync is sent (the client's own ends the batch, and with it an
+        implicit transaction's portal, as in Postgres). Await `drain()` for it.
+        Raises UnicodeEncodeError, having sent nothing, when `sql` has a character
+        the client encoding lacks.
+        """
+        assert self.transport is not None
+        n = INTERNAL_NAME
+        frames = b"".join(m.encode(self.codec) for m in (
+            p.Close(b"P", portal), p.Parse(n, sql), p.Bind(portal, n, (), (), result_formats),
+            p.Execute(portal, max_rows), p.Close(b"S", n)))
+        self.uncork()
+        self.pending.extend([Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE,
+                             Pending.INTERNAL_BIND, Pending.EXECUTE, Pending.INTERNAL_CLOSE])
+        self.transport.write(frames)
+
     async def drain(self) -> None:
         """Wait until every forwarded message has its reply relayed (sending Flush if needed)."""
         self.uncork()

@@ -81,6 +81,7 @@ from dp_core.rewrite import (
 )
 from dp_core.settings import Caps, validate
 from server import protocol as p
+from server.backend_setup import quote_ident
 from server.encodings import invalid_text
 from server.ledger import (
     BUDGET_COLUMNS,
@@ -240,10 +241,6 @@ async def _merged_trees(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIt
                 if nxt is not None and tree_order(nxt, keys) <= first:
                     raise InternalError("quantile-tree rows out of order")
         yield add_trees(parts)
-
-
-def _ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
 
 
 def _uid_table(query: AnalyzedQuery) -> TableRef | None:
@@ -535,9 +532,9 @@ class DPService:
         if rows is None or rows < max(1, self.config.backend.pushdown_split_min_rows):
             return None  # (-1: never analysed or vacuumed)
         percent = min(100.0, max(0.01, 100.0 * _SAMPLE_ROWS / rows))
-        name = f"{_ident(schema)}.{_ident(table.name)}"
+        name = f"{quote_ident(schema)}.{quote_ident(table.name)}"
         bounds = await conn.fetchval(
-            f"SELECT (percentile_disc($1::float8[]) WITHIN GROUP (ORDER BY {_ident(table.uid_column)}"
+            f"SELECT (percentile_disc($1::float8[]) WITHIN GROUP (ORDER BY {quote_ident(table.uid_column)}"
             f"))::text[] FROM {name} TABLESAMPLE SYSTEM ($2)", _PERCENTILES, percent)
         if not bounds or any(b is None for b in bounds):
             return None

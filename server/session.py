@@ -41,6 +41,7 @@ from dp_core.errors import (
     InternalError,
     InvalidAuthorization,
     InvalidPassword,
+    NoActiveSqlTransaction,
     ProtocolViolationError,
     QueryCanceled,
     SyntaxError_,
@@ -48,6 +49,7 @@ from dp_core.errors import (
 from dp_core.settings import DPSettings
 from server import backend
 from server import protocol as p
+from server.backend_setup import quote_ident
 from server.encodings import UnsupportedEncoding, codec, invalid_text, untranslatable
 from server.scram import MECHANISM, ScramError, ScramServer, Verifier
 
@@ -801,13 +803,13 @@ class Session:
 
     async def _run_local_statement(
         self, st: Statement, describe: bool, bind: p.Bind | None = None,
-        param_types: tuple[int, ...] = (),
+        param_types: tuple[int, ...] = (), execute: p.Execute | None = None,
     ) -> None:
         """Answer one non-pass-through statement, counted and logged with its outcome."""
         started = time.perf_counter()
         sqlstate: str | None = "XX000"
         try:
-            await self._answer_local(st, describe, bind, param_types)
+            await self._answer_local(st, describe, bind, param_types, execute)
             sqlstate = None
         except DPError as e:
             sqlstate = e.sqlstate
@@ -820,9 +822,10 @@ class Session:
 
     async def _answer_local(
         self, st: Statement, describe: bool, bind: p.Bind | None, param_types: tuple[int, ...],
+        execute: p.Execute | None = None,
     ) -> None:
         """Answer one non-pass-through statement (or a forwarded one the proxy follows): its
-        rows (with RowDescription if asked)."""
+        rows (with RowDescription if asked); `execute`, the client's Execute of its portal."""
         self._check_transaction(st)
         if st.kind is StatementKind.REFUSED:
             assert st.refusal is not None
@@ -840,8 +843,9 @@ class Session:
             self.send(p.DataRow((value.encode(),)), p.CommandComplete("SHOW"))
             return
         if st.kind is StatementKind.LOCAL_FUNCTION:
+            self._check_cursor_block(st)
             sql = await self.server.dp.local_function(self, st, bind=bind, param_types=param_types)
-            await self.relay_result(sql, bind)
+            await self.relay_result(_declared(st, sql), bind, execute=execute)
             return
         if st.kind is StatementKind.PASS_THROUGH:  # one with an effect on the proxy's state
             if self._local_deallocate(st):
@@ -854,6 +858,7 @@ class Session:
             self._follow(st)
             return
         if st.kind in _DP_KINDS:
+            self._check_cursor_block(st)
             # its own task, so that a CancelRequest can stop it (and its pushdown) alone
             self._dp_task = asyncio.get_running_loop().create_task(
                 self.server.dp.answer(self, st, bind, param_types))
@@ -866,7 +871,7 @@ class Session:
                 raise QueryCanceled("canceling statement due to user request") from None
             finally:
                 self._dp_task = None
-            await self.relay_result(sql, bind)
+            await self.relay_result(_declared(st, sql), bind, execute=execute)
             self.send(*notices)
             return
         raise InternalError()
@@ -1032,6 +1037,17 @@ class Session:
         if failure is not None:
             raise failure
 
+    def _check_cursor_block(self, st: Statement) -> None:
+        """As Postgres, a cursor without WITH HOLD is declared only in a transaction block:
+        refused before the DP answer is charged, since the backend would refuse the DECLARE
+        only after. Where an extended batch has run statements since the last ReadyForQuery
+        (a BEGIN among them, as pgjdbc sends), the backend decides."""
+        link = self.link
+        assert link is not None
+        if st.cursor is not None and not st.cursor.hold and link.tx_status == b"I" \
+                and link.batch_started is None:
+            raise NoActiveSqlTransaction("DECLARE CURSOR can only be used in transaction blocks")
+
     def _local_bind(self, bind: p.Bind, local: LocalStatement) -> None:
         self._check_transaction(local.statement)
         if len(bind.params) != local.n_params:
@@ -1075,31 +1091,43 @@ class Session:
             assert st.setting is not None
             return p.RowDescription((p.FieldDescription(
                 st.setting, type_oid=TEXT_OID, format=formats[0] if formats else 0),))
-        if st.kind in (StatementKind.LOCAL_SET, StatementKind.PASS_THROUGH):
-            return p.NoData()  # (a forwarded statement the proxy follows returns no rows)
+        if st.kind in (StatementKind.LOCAL_SET, StatementKind.PASS_THROUGH) \
+                or st.cursor is not None:
+            # (a forwarded statement the proxy follows returns no rows, nor does a DECLARE)
+            return p.NoData()
         desc: p.RowDescription = await self.server.dp.describe(self, st, bind, param_types, formats)
         return desc
 
     async def _local_execute(self, ex: p.Execute, portal: LocalPortal) -> None:
         st = portal.statement.statement
         if st.kind in _DP_KINDS:
-            # a DP answer is one release, sent whole whatever the row limit; executing the
-            # portal again finds it exhausted, as Postgres does: no second answer, no charge
+            # a DP answer is one release: executing the portal again finds it exhausted, as
+            # Postgres does (no second answer, no charge); with a row limit the released rows
+            # stay in the backend's portal of that name, read by the client's next Executes
             if ex.portal in self.exhausted_portals:
                 self.send(p.CommandComplete("SELECT 0"))
                 return
             self.exhausted_portals.add(ex.portal)
         await self._run_local_statement(st, describe=False, bind=portal.bind,
-                                        param_types=portal.statement.param_types)
+                                        param_types=portal.statement.param_types, execute=ex)
+        if ex.max_rows > 0 and st.kind in _DP_KINDS:
+            # the answer is the backend's portal now (`relay_result`): the client's further
+            # Executes, Describe and Close of it go there
+            self.local_portals.pop(ex.portal, None)
+            self.exhausted_portals.discard(ex.portal)
 
     async def relay_result(self, sql: str, bind: p.Bind | None,
-                           client_statement: bool = False) -> None:
+                           client_statement: bool = False,
+                           execute: p.Execute | None = None) -> None:
         """Have the backend answer `sql` (the proxy's own query, or the client's statement
         that the proxy must follow) to the client.
 
         Simple protocol: its RowDescription, rows and CommandComplete are
-        relayed. Extended: only rows and CommandComplete, in the Bind's formats.
-        An error is relayed too; it raises _AlreadyReported.
+        relayed. Extended: only rows and CommandComplete, in the Bind's formats;
+        for an `execute` with a row limit, its first rows and PortalSuspended as
+        Postgres sends them, the rest left in the backend's portal of that name
+        (what the client's next Execute reads). An error is relayed too; it
+        raises _AlreadyReported.
         """
         link = self.link
         assert link is not None
@@ -1107,6 +1135,8 @@ class Session:
         try:
             if bind is None:
                 link.send_split_query(sql)
+            elif execute is not None and execute.max_rows > 0:
+                link.open_portal(sql, execute.portal, bind.result_formats, execute.max_rows)
             else:
                 link.run_internal(sql, bind.result_formats)
         except UnicodeEncodeError as e:
@@ -1128,6 +1158,12 @@ class Session:
             self._dp_task.cancel()
         if self.link is not None and self.link.key is not None and self.link.pending:
             asyncio.get_running_loop().create_task(self.server.cancel_backend(self.link.key))
+
+
+def _declared(st: Statement, sql: str) -> str:
+    """The proxy's result query `sql` for `st`, declared as the cursor `st` declares, if any:
+    the cursor then holds the released rows only."""
+    return sql if st.cursor is None else st.cursor.declare(sql, quote_ident)
 
 
 def _query_text(raw: bytes, encoding: str) -> str:
