@@ -597,8 +597,9 @@ def parse_select(stripped_sql: str, params: Mapping[int, ast.Node] | None = None
     if len(stmts) != 1:
         raise SyntaxError_("a DP query is exactly one statement")
     stmt = stmts[0].stmt
-    if isinstance(stmt, (ast.ExplainStmt, ast.DeclareCursorStmt)):
-        stmt = stmt.query  # (a cursor is declared over the released answer)
+    if isinstance(stmt, (ast.ExplainStmt, ast.DeclareCursorStmt, ast.CopyStmt)) \
+            and stmt.query is not None:
+        stmt = stmt.query  # (a cursor is declared over the released answer, or it is copied)
     if not isinstance(stmt, ast.SelectStmt):
         raise _refuse("only SELECT", type(stmt).__name__)
     if params:

@@ -101,6 +101,13 @@ class Statement:
         return next(iter(self.tree), "")
 
     @property
+    def wraps_result(self) -> bool:
+        """A DP query or local function inside DECLARE ... CURSOR or COPY ... TO STDOUT: the
+        proxy's result query is declared or copied the same way (and returns no rows itself)."""
+        return self.kind in (StatementKind.DP_QUERY, StatementKind.LOCAL_FUNCTION) \
+            and self.node_type in _WRAPPERS
+
+    @property
     def cursor(self) -> Cursor | None:
         """For a DP query declared as a cursor (`DECLARE c CURSOR FOR SELECT WITH
         ANONYMIZATION ...`): the cursor's name and options."""
@@ -314,6 +321,9 @@ class Classifier:
         def make(kind: StatementKind, **kw: Any) -> Statement:
             return Statement(kind, sql, stripped, protected=protected, tree=node, **kw)
 
+        if (clauses or protected or _local_function(body)) and _copies_to_server(ntype, body):
+            return self._refuse(make, protected, "a DP answer can only be copied TO STDOUT (as "
+                                "psql's \\copy does)")
         if clauses:
             if len(clauses) > 1:
                 return self._refuse(make, protected, "only one WITH ANONYMIZATION clause per query")
@@ -345,8 +355,9 @@ class Classifier:
                 return make(StatementKind.PASS_THROUGH)
             if _is_aggregate_select(body):
                 return make(StatementKind.DP_QUERY)
-        if ntype == "DeclareCursorStmt":
-            # a cursor over the plain DP form (psql's FETCH_COUNT, ODBC's declare/fetch mode)
+        if ntype in _WRAPPERS:
+            # a cursor over the plain DP form (psql's FETCH_COUNT, ODBC's declare/fetch mode),
+            # or a copy of it to the client (psql's \copy)
             inner_body = body.get("query", {}).get("SelectStmt")
             if inner_body is not None and _is_aggregate_select(inner_body):
                 return make(StatementKind.DP_QUERY)
@@ -423,6 +434,18 @@ class Classifier:
             name = rv.get("relname", "")
             if self.policy.matches(rv.get("schemaname"), name):
                 yield name
+
+
+_WRAPPERS = ("DeclareCursorStmt", "CopyStmt")
+"""Statements that may wrap a DP query or local function: its released rows, declared as a
+cursor or copied to the client."""
+
+
+def _copies_to_server(ntype: str, body: Mapping[str, Any]) -> bool:
+    """A COPY of a query to a file or program: never a DP answer's (the restricted role could
+    not write it anyway, but only after the answer was charged)."""
+    return ntype == "CopyStmt" and "query" in body \
+        and (body.get("filename") is not None or bool(body.get("is_program")))
 
 
 def _range_vars(node: Any) -> Iterator[Mapping[str, Any]]:

@@ -786,6 +786,20 @@ TypeRef = tuple[str, str]
 """(schema, type name) of a result column, e.g. ("pg_catalog", "int8")."""
 
 
+_COPY_PLACEHOLDER = "COPY (SELECT 1)"
+
+
+def copy_result(copy_sql: str, query: str) -> str:
+    """`COPY (query) TO STDOUT` with the options of the client's `copy_sql` (a COPY of a DP
+    query or local function to the client, its DP clause blanked)."""
+    stmt = parse_sql(copy_sql)[0].stmt
+    assert isinstance(stmt, ast.CopyStmt) and stmt.filename is None and not stmt.is_program
+    stmt.query = parse_sql("SELECT 1")[0].stmt
+    text = RawStream()(stmt)
+    assert text.startswith(_COPY_PLACEHOLDER), text
+    return f"COPY ({query}){text[len(_COPY_PLACEHOLDER):]}"
+
+
 def _quoted(text: str) -> str:
     """A string constant as pglast prints one (the proxy keeps standard_conforming_strings on
     in every session it relays)."""

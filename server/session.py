@@ -46,6 +46,7 @@ from dp_core.errors import (
     QueryCanceled,
     SyntaxError_,
 )
+from dp_core.rewrite import copy_result
 from dp_core.settings import DPSettings
 from server import backend
 from server import protocol as p
@@ -845,7 +846,7 @@ class Session:
         if st.kind is StatementKind.LOCAL_FUNCTION:
             self._check_cursor_block(st)
             sql = await self.server.dp.local_function(self, st, bind=bind, param_types=param_types)
-            await self.relay_result(_declared(st, sql), bind, execute=execute)
+            await self.relay_result(_wrapped(st, sql), bind, execute=execute)
             return
         if st.kind is StatementKind.PASS_THROUGH:  # one with an effect on the proxy's state
             if self._local_deallocate(st):
@@ -871,7 +872,7 @@ class Session:
                 raise QueryCanceled("canceling statement due to user request") from None
             finally:
                 self._dp_task = None
-            await self.relay_result(_declared(st, sql), bind, execute=execute)
+            await self.relay_result(_wrapped(st, sql), bind, execute=execute)
             self.send(*notices)
             return
         raise InternalError()
@@ -1091,9 +1092,8 @@ class Session:
             assert st.setting is not None
             return p.RowDescription((p.FieldDescription(
                 st.setting, type_oid=TEXT_OID, format=formats[0] if formats else 0),))
-        if st.kind in (StatementKind.LOCAL_SET, StatementKind.PASS_THROUGH) \
-                or st.cursor is not None:
-            # (a forwarded statement the proxy follows returns no rows, nor does a DECLARE)
+        if st.kind in (StatementKind.LOCAL_SET, StatementKind.PASS_THROUGH) or st.wraps_result:
+            # (a forwarded statement the proxy follows returns no rows, nor DECLARE or COPY)
             return p.NoData()
         desc: p.RowDescription = await self.server.dp.describe(self, st, bind, param_types, formats)
         return desc
@@ -1160,10 +1160,14 @@ class Session:
             asyncio.get_running_loop().create_task(self.server.cancel_backend(self.link.key))
 
 
-def _declared(st: Statement, sql: str) -> str:
-    """The proxy's result query `sql` for `st`, declared as the cursor `st` declares, if any:
-    the cursor then holds the released rows only."""
-    return sql if st.cursor is None else st.cursor.declare(sql, quote_ident)
+def _wrapped(st: Statement, sql: str) -> str:
+    """The proxy's result query `sql` for `st`, declared as the cursor `st` declares or
+    copied as it copies, if it does: the cursor or copy has the released rows only."""
+    if st.cursor is not None:
+        return st.cursor.declare(sql, quote_ident)
+    if st.wraps_result:
+        return copy_result(st.stripped_sql, sql)
+    return sql
 
 
 def _query_text(raw: bytes, encoding: str) -> str:

@@ -1,7 +1,8 @@
-"""DP answers read a few rows at a time: cursors (DECLARE ... FOR a DP query) and row-limited
-Executes of a DP portal, as psql's FETCH_COUNT, psycopg's and psycopg2's named cursors,
-asyncpg's cursors and JDBC's fetch size read them. Each is one answer, charged once; the rows
-come back in as many pieces as the client asks, as Postgres sends any query's."""
+"""DP answers read a few rows at a time or copied: cursors (DECLARE ... FOR a DP query),
+row-limited Executes of a DP portal, as psql's FETCH_COUNT, psycopg's and psycopg2's named
+cursors, asyncpg's cursors and JDBC's fetch size read them, and COPY (...) TO STDOUT (psql's
+\\copy). Each is one answer, charged once; the rows come back in as many pieces as the client
+asks, or in COPY's format, as Postgres sends any query's."""
 
 from __future__ import annotations
 
@@ -259,3 +260,62 @@ def test_row_limited_executes_match_postgres(px: Proxy, portal: str) -> None:
     assert all(len(r.values[1] or b"") == 8 for r in rows)  # bigint, in binary as bound
     assert kinds(dp[1]) == kinds(raw[1])
     assert kinds(dp[2]) == kinds(raw[2]) and errors(dp[2]) == ["34000"]
+
+
+# ---------------------------------------------------------------------------- COPY
+
+
+def test_psql_copy_of_a_dp_answer(px: Proxy, tmp_path: Any) -> None:
+    """psql's \\copy (query) TO file sends COPY (query) TO STDOUT with the options."""
+    n = browsers(px)
+    before = spent(px)
+    out_file = tmp_path / "answer.csv"
+    argv = [str(find_bindir() / "psql"), "-X", "-v", "ON_ERROR_STOP=1", "-h", px.host, "-p",
+            str(px.port), "-U", "alice", "-d", TEST_DATABASE,
+            "-c", f"\\copy ({DP}) TO '{out_file}' WITH (FORMAT csv, HEADER, DELIMITER ';')"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PGPASSWORD="alice", PGSSLMODE="disable"))
+    assert out.returncode == 0, out.stderr
+    lines = out_file.read_text().splitlines()
+    assert lines[0] == "browser;n" and len(lines) == n + 1
+    assert all(int(ln.split(";")[1]) >= 0 for ln in lines[1:])
+    assert spent(px) == pytest.approx(before + EPSILON)
+
+
+def test_copy_of_dp_answers_through_drivers(px: Proxy) -> None:
+    n = browsers(px)
+    before = spent(px)
+    with psycopg.connect(px.dsn(), autocommit=True) as c:
+        with c.cursor() as cur, cur.copy(f"COPY ({PLAIN}) TO STDOUT") as copy:
+            rows = list(copy.rows())
+        assert len(rows) == n and all(int(k) >= 0 for _, k in rows)
+        with c.cursor() as cur, cur.copy(f"COPY ({DP}) TO STDOUT (FORMAT binary)") as copy:
+            copy.set_types(["text", "int8"])
+            assert len(list(copy.rows())) == n
+        with c.cursor() as cur, cur.copy("COPY (SELECT analyst FROM dp_budget()) TO STDOUT") as copy:
+            assert [r[0] for r in copy.rows()] == ["alice"]
+    c2 = psycopg2.connect(px.dsn())
+    try:
+        import io
+        buf = io.StringIO()
+        c2.cursor().copy_expert(f"COPY ({DP}) TO STDOUT WITH CSV", buf)
+        assert len(buf.getvalue().splitlines()) == n
+    finally:
+        c2.close()
+    assert spent(px) == pytest.approx(before + 3 * EPSILON)
+
+
+def test_copy_refusals_cost_nothing(px: Proxy) -> None:
+    before = spent(px)
+    with psycopg.connect(px.dsn(), autocommit=True) as c:
+        for sql in (f"COPY ({DP}) TO '/tmp/dp_answer.csv'", f"COPY ({PLAIN}) TO PROGRAM 'cat'",
+                    "COPY (SELECT * FROM dp_budget()) TO '/tmp/budget'",
+                    "COPY (SELECT * FROM visits) TO STDOUT", "COPY visits TO STDOUT"):
+            with pytest.raises(psycopg.Error) as err:
+                c.execute(sql)
+            assert err.value.sqlstate == "42501", sql
+        # an unprotected query's COPY to a file is Postgres's to refuse, as it is
+        with pytest.raises(psycopg.Error) as err:
+            c.execute("COPY (SELECT * FROM countries) TO '/tmp/countries'")
+        assert err.value.sqlstate == "42501" and "pg_write_server_files" in str(err.value.diag.message_detail)
+    assert spent(px) == before
