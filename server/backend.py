@@ -49,6 +49,7 @@ class Pending(Enum):
 
     QUERY = "Q"  # simple query: ends with ReadyForQuery, relayed
     QUERY_SPLIT = "q"  # one statement of a split simple query: ReadyForQuery swallowed
+    INTERNAL_QUERY = "iQ"  # the proxy's own BEGIN / COMMIT around one: all but errors swallowed
     PARSE = "P"
     BIND = "B"
     DESCRIBE = "D"  # ends with RowDescription or NoData
@@ -80,7 +81,9 @@ _COMPLETES = {
     b"I": (Pending.EXECUTE,),
     b"s": (Pending.EXECUTE,),
 }
-_SIMPLE = (Pending.QUERY, Pending.QUERY_SPLIT)
+_SIMPLE = (Pending.QUERY, Pending.QUERY_SPLIT, Pending.INTERNAL_QUERY)
+_UNRELAYED_READY = (Pending.QUERY_SPLIT, Pending.INTERNAL_QUERY, Pending.INTERNAL_SYNC)
+"""Cycles whose ReadyForQuery the client does not see: the proxy's own."""
 _QUERY, _SYNC = Pending.QUERY, Pending.SYNC
 """For the relay loop (an Enum member is a slow class attribute on Python 3.11)."""
 _INTERNAL_COMPLETES = {
@@ -287,7 +290,7 @@ class BackendLink(asyncio.Protocol):
             self.errors_at_ready = self.errors
             if head in _SIMPLE or head in _SYNCS:
                 pending.popleft()
-                relay = head is not Pending.QUERY_SPLIT and head is not Pending.INTERNAL_SYNC
+                relay = head not in _UNRELAYED_READY
                 if relay and self.cycles:
                     started = self.cycles.popleft()
                     if started is not None:
@@ -314,6 +317,8 @@ class BackendLink(asyncio.Protocol):
                 if msg.name == "client_encoding" and not self._client_encoding(msg.value):
                     self._lose(UnsupportedEncoding(msg.value))
                     return False
+        elif head is Pending.INTERNAL_QUERY:
+            relay = False  # (its CommandComplete)
         elif head is not None and head is _INTERNAL_COMPLETES.get(tag):
             pending.popleft()
             relay = False
@@ -405,6 +410,14 @@ class BackendLink(asyncio.Protocol):
         self.last_split_failed = False
         self.uncork()
         self.transport.write(frame)
+
+    def run_quietly(self, sql: str) -> None:
+        """Send a transaction command of the proxy's own (BEGIN, COMMIT, ROLLBACK) whose
+        replies the client does not see but for an error; await `drain()` for it."""
+        assert self.transport is not None
+        self.pending.append(Pending.INTERNAL_QUERY)
+        self.uncork()
+        self.transport.write(p.Query(sql).encode(self.codec))
 
     def run_internal(self, sql: str, result_formats: tuple[int, ...]) -> None:
         """Run one statement of the proxy's own in the client's result formats.

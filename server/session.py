@@ -769,12 +769,28 @@ class Session:
     # ------------------------------------------------------------------ simple query
 
     async def _simple_query(self, stmts: tuple[Statement, ...]) -> None:
+        """A Query the proxy answers statement by statement (some are its own).
+
+        As Postgres runs the statements of one Query in one implicit transaction
+        (an error rolls back those before it; a cursor lives until the end), the
+        proxy runs them inside its own BEGIN and COMMIT (ROLLBACK after an error)
+        when there are several and no block is open, unless they control
+        transactions themselves.
+        """
         link = self.link
         assert link is not None
         await link.drain()
+        implicit = link.tx_status == b"I" and not any(
+            st.node_type == "TransactionStmt" for st in stmts) \
+            and sum(st.kind is not StatementKind.EMPTY for st in stmts) > 1
+        if implicit:
+            link.run_quietly("BEGIN")
+            await link.drain()
+        failed = False
         for st in stmts:
             if st.kind is StatementKind.EMPTY:
                 continue
+            failed = True
             if st.kind is StatementKind.PASS_THROUGH and not self._local_deallocate(st):
                 started = time.perf_counter()
                 try:
@@ -783,11 +799,13 @@ class Session:
                     self.send_error(untranslatable(e, link.encoding))
                     break
                 await link.drain()
-                failed = self._backend_failed_batch_since_split()
-                self.statement_done("pass_through", started, link.last_sqlstate if failed else None)
-                if failed:
+                split_failed = self._backend_failed_batch_since_split()
+                self.statement_done("pass_through", started,
+                                    link.last_sqlstate if split_failed else None)
+                if split_failed:
                     break
                 self._follow(st)
+                failed = False
                 continue
             try:
                 await self._run_local_statement(st, describe=True)
@@ -796,6 +814,10 @@ class Session:
             except DPError as e:
                 self.send_error(e)
                 break
+            failed = False
+        if implicit and not link.closed:
+            link.run_quietly("ROLLBACK" if failed else "COMMIT")
+            await link.drain()
         self.send(p.ReadyForQuery(link.tx_status))
 
     def _backend_failed_batch_since_split(self) -> bool:

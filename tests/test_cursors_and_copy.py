@@ -136,6 +136,24 @@ def test_declare_outside_a_block_is_refused_before_the_charge(px: Proxy) -> None
     assert spent(px) == pytest.approx(before + 2 * EPSILON)
 
 
+def test_a_cursor_lives_through_its_query(px: Proxy) -> None:
+    """One Query with DECLARE and FETCH needs no BEGIN: Postgres runs its statements in one
+    implicit block, and so does the proxy (which runs them one by one)."""
+    n = browsers(px)
+    before = spent(px)
+    with psycopg.connect(px.dsn(), autocommit=True) as c:
+        c.execute(f"SET dp.epsilon = 0.5; DECLARE dp CURSOR FOR {DP}; MOVE 2 IN dp")
+        cur = c.execute(f"DECLARE dp CURSOR FOR {DP}; FETCH 2 FROM dp; FETCH ALL FROM dp")
+        assert cur.statusmessage == "DECLARE CURSOR"
+        assert cur.nextset() and len(cur.fetchall()) == 2
+        assert cur.nextset() and len(cur.fetchall()) == n - 2
+        assert c.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        with pytest.raises(psycopg.Error) as err:
+            c.execute("FETCH 1 FROM dp")  # ended with its block
+        assert err.value.sqlstate == "34000"
+    assert spent(px) == pytest.approx(before + 2 * 0.5)
+
+
 def test_cursor_refusals(px: Proxy) -> None:
     with psycopg.connect(px.dsn()) as c:
         with pytest.raises(psycopg.Error) as err:

@@ -69,6 +69,14 @@ def test_a_dp_answer_in_a_transaction_stays_charged_after_rollback(
       "ROLLBACK"], "0.5"),
     # several statements in one Query (split by the proxy)
     (["BEGIN; SET dp.epsilon = 0.5; ROLLBACK"], "1.0"),
+    # ... in one implicit block when none is open: an error rolls back what came before it
+    (["SET dp.epsilon = 0.5; SELECT 1/0"], "1.0"),
+    (["SET dp.epsilon = 0.5; SELECT 1; SHOW dp.epsilon"], "0.5"),
+    (["SELECT 1; SET dp.epsilon = 0.5; SELECT 1/0; SET dp.epsilon = 0.25"], "1.0"),
+    (["SET LOCAL dp.epsilon = 0.5; SHOW dp.epsilon"], "1.0"),
+    (["SET dp.epsilon = 0.5", "RESET ALL; SELECT 1/0"], "0.5"),
+    (["SET dp.epsilon = 0.5", "RESET ALL; SHOW dp.epsilon"], "1.0"),
+    (["BEGIN", "SET dp.epsilon = 0.5; SELECT 1/0", "ROLLBACK"], "1.0"),
     (["BEGIN; SET dp.epsilon = 0.5; COMMIT; BEGIN; SET LOCAL dp.epsilon = 0.25; COMMIT"], "0.5"),
     # savepoints
     (["BEGIN", "SET dp.epsilon = 0.5", "SAVEPOINT a", "SET dp.epsilon = 0.25", "ROLLBACK TO a",
