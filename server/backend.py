@@ -60,7 +60,6 @@ class Pending(Enum):
     INTERNAL_PARSE = "iP"
     INTERNAL_BIND = "iB"
     INTERNAL_CLOSE = "iC"
-    INTERNAL_SYNC = "iS"
 
 
 _EXTENDED_TAGS = {
@@ -82,7 +81,7 @@ _COMPLETES = {
     b"s": (Pending.EXECUTE,),
 }
 _SIMPLE = (Pending.QUERY, Pending.QUERY_SPLIT, Pending.INTERNAL_QUERY)
-_UNRELAYED_READY = (Pending.QUERY_SPLIT, Pending.INTERNAL_QUERY, Pending.INTERNAL_SYNC)
+_UNRELAYED_READY = (Pending.QUERY_SPLIT, Pending.INTERNAL_QUERY)
 """Cycles whose ReadyForQuery the client does not see: the proxy's own."""
 _QUERY, _SYNC = Pending.QUERY, Pending.SYNC
 """For the relay loop (an Enum member is a slow class attribute on Python 3.11)."""
@@ -91,7 +90,7 @@ _INTERNAL_COMPLETES = {
     b"2": Pending.INTERNAL_BIND,
     b"3": Pending.INTERNAL_CLOSE,
 }
-_SYNCS = (Pending.SYNC, Pending.INTERNAL_SYNC)
+_SYNCS = (Pending.SYNC,)
 _NOT_ENDING_A_QUERY = frozenset(_COMPLETES) - {b"Z", b"E"}
 INTERNAL_NAME = "dp_proxy_internal"
 _TRACKED = frozenset({b"Z", b"E", b"S", *_COMPLETES})
@@ -136,6 +135,12 @@ class BackendLink(asyncio.Protocol):
         """`errors` when the last ReadyForQuery arrived: more since means a failed batch."""
         self.last_split_failed = False
         self.tx_status = b"I"
+        self.skipping = False
+        """The backend ignores what it gets until the client's next Sync (an error came back
+        before that Sync was forwarded): nothing but the Sync may be forwarded."""
+        self.idle_readies = 0
+        """ReadyForQuery messages with status idle so far: each ends a transaction, and with
+        it every portal."""
         self.parameters: dict[str, str] = {}
         self.watch_tx = False
         """Set while the session has dp.* settings changed in an open transaction block: the
@@ -232,7 +237,10 @@ class BackendLink(asyncio.Protocol):
                     # a client cycle that succeeded: `_track`'s common case
                     pending.popleft()
                     head = pending[0] if pending else None
-                    self.tx_status = _BYTES[buf[pos + 5]]
+                    status = buf[pos + 5]
+                    self.tx_status = _BYTES[status]
+                    if status == _I:
+                        self.idle_readies += 1
                     started = self.cycles.popleft()
                     if started is not None:
                         self._cycle_done(started, None)
@@ -286,6 +294,8 @@ class BackendLink(asyncio.Protocol):
         relay = True
         if tag == b"Z":
             self.tx_status = buf[start + 5 : start + 6]
+            if self.tx_status == b"I":
+                self.idle_readies += 1
             failed = self.errors > self.errors_at_ready
             self.errors_at_ready = self.errors
             if head in _SIMPLE or head in _SYNCS:
@@ -306,6 +316,8 @@ class BackendLink(asyncio.Protocol):
                 # the backend now skips everything up to the next Sync
                 while pending and pending[0] not in _SYNCS:
                     pending.popleft()
+                if not pending:
+                    self.skipping = True  # (the error came before the Sync was forwarded)
         elif tag == b"S":
             with contextlib.suppress(p.ProtocolViolation):
                 msg = p.decode_backend(tag, buf[start + 5 : end], self.codec)
@@ -363,6 +375,8 @@ class BackendLink(asyncio.Protocol):
         """Send one raw client frame to the backend and note the reply it awaits."""
         assert self.transport is not None
         kind = Pending.QUERY if tag == b"Q" else _EXTENDED_TAGS.get(tag)
+        if kind is _SYNC:
+            self.skipping = False
         if kind is not None:
             self.pending.append(kind)
             self.note_cycle(tag[0], time.perf_counter())
@@ -419,43 +433,43 @@ class BackendLink(asyncio.Protocol):
         self.uncork()
         self.transport.write(p.Query(sql).encode(self.codec))
 
-    def run_internal(self, sql: str, result_formats: tuple[int, ...]) -> None:
+    def run_internal(self, sql: str, result_formats: tuple[int, ...], portal: str = INTERNAL_NAME,
+                     max_rows: int = 0) -> None:
         """Run one statement of the proxy's own in the client's result formats.
 
-        Only its DataRows and CommandComplete (or its error) reach the client;
-        await `drain()` for it to finish. Raises UnicodeEncodeError, having sent
-        nothing, when `sql` has a character the client encoding lacks.
-        """
-        assert self.transport is not None
-        n = INTERNAL_NAME
-        frames = b"".join(m.encode(self.codec) for m in (
-            p.Parse(n, sql), p.Bind(n, n, (), (), result_formats), p.Execute(n, 0),
-            p.Close(b"P", n), p.Close(b"S", n), p.Sync()))
-        self.uncork()
-        self.pending.extend([Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND, Pending.EXECUTE,
-                             Pending.INTERNAL_CLOSE, Pending.INTERNAL_CLOSE, Pending.INTERNAL_SYNC])
-        self.transport.write(frames)
-
-    def open_portal(self, sql: str, portal: str, result_formats: tuple[int, ...],
-                    max_rows: int) -> None:
-        """Run one statement of the proxy's own as the client's portal `portal`, to its first
-        `max_rows` rows, and leave the portal open for the client's further Executes.
-
-        Only its rows and CommandComplete or PortalSuspended (or its error) reach the
-        client; no Sync is sent (the client's own ends the batch, and with it an
-        implicit transaction's portal, as in Postgres). Await `drain()` for it.
+        Only its rows and CommandComplete (or its error) reach the client; await
+        `drain()` for it to finish. No Sync is sent: it runs in the client's
+        transaction, and after an error the backend skips to the client's Sync as
+        the client does. With a client's `portal` and a row limit, it runs as that
+        portal to its first `max_rows` rows (then PortalSuspended) and the portal
+        stays open for the client's further Executes, until the transaction ends.
         Raises UnicodeEncodeError, having sent nothing, when `sql` has a character
         the client encoding lacks.
         """
         assert self.transport is not None
         n = INTERNAL_NAME
-        frames = b"".join(m.encode(self.codec) for m in (
-            p.Close(b"P", portal), p.Parse(n, sql), p.Bind(portal, n, (), (), result_formats),
-            p.Execute(portal, max_rows), p.Close(b"S", n)))
+        # the statement is closed first too: after an error the backend skipped the last one's
+        # Close, and a named statement outlives the transaction
+        messages: list[p.FrontendMessage] = [
+            p.Close(b"P", portal), p.Close(b"S", n), p.Parse(n, sql),
+            p.Bind(portal, n, (), (), result_formats), p.Close(b"S", n),
+            p.Execute(portal, max_rows)]
+        kinds = [Pending.INTERNAL_CLOSE, Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE,
+                 Pending.INTERNAL_BIND, Pending.INTERNAL_CLOSE, Pending.EXECUTE]
+        if portal == INTERNAL_NAME:
+            messages.append(p.Close(b"P", portal))
+            kinds.append(Pending.INTERNAL_CLOSE)
+        frames = b"".join(m.encode(self.codec) for m in messages)
         self.uncork()
-        self.pending.extend([Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE,
-                             Pending.INTERNAL_BIND, Pending.EXECUTE, Pending.INTERNAL_CLOSE])
+        self.pending.extend(kinds)
         self.transport.write(frames)
+
+    def close_quietly(self, kind: bytes, name: str) -> None:
+        """Close a statement (b"S") or portal (b"P") of the backend's, the client not told."""
+        assert self.transport is not None
+        self.pending.append(Pending.INTERNAL_CLOSE)
+        self.uncork()
+        self.transport.write(p.Close(kind, name).encode(self.codec))
 
     async def drain(self) -> None:
         """Wait until every forwarded message has its reply relayed (sending Flush if needed)."""

@@ -42,6 +42,7 @@ from dp_core.analysis import (
 )
 from dp_core.classify import Statement, StatementKind
 from dp_core.errors import (
+    BindMismatch,
     DPError,
     FeatureNotSupported,
     InternalError,
@@ -645,6 +646,13 @@ class DPService:
     async def _answer(self, session: Session, st: Statement, bind: p.Bind | None,
                       param_types: Sequence[int], conn: Any) -> tuple[str, list[p.NoticeResponse]]:
         prepared = await self.prepare(session, st, bind, param_types, conn)
+        if bind is not None and len(bind.result_formats) > 1:
+            # Postgres checks this at Bind; the proxy, before the charge
+            columns = 0 if st.wraps_result else 1 if st.kind is StatementKind.DP_EXPLAIN \
+                else len(prepared.columns)
+            if len(bind.result_formats) != columns:
+                raise BindMismatch(f"bind message has {len(bind.result_formats)} result formats "
+                                   f"but query has {columns} columns")
         # (EXPLAIN shows nothing that depends on the data: it does not choose a prefilter)
         await self._split(prepared, conn, choose_prefilter=st.kind is StatementKind.DP_QUERY)
         plan = prepared.plan

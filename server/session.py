@@ -220,6 +220,9 @@ class Session:
         self.local_statements: dict[str, LocalStatement] = {}
         self.local_portals: dict[str, LocalPortal] = {}
         self.exhausted_portals: set[str] = set()
+        self._portals_epoch = 0
+        """The link's `idle_readies` when the local portals were last known open: once it
+        moves on, their transaction has ended, and they with it."""
         """Local portals whose DP answer has been sent (until the name is bound again)."""
         self.backlog: deque[tuple[bytes, bytes]] = deque()
         self.busy = False
@@ -248,7 +251,7 @@ class Session:
         self._last_input = self._clock()  # the idle timer reads it when it fires
         link = self.link
         if (state is _READY and not self.busy and not self.backlog
-                and not self.frames.buffered and link is not None):
+                and not self.frames.buffered and link is not None and not link.skipping):
             rest = self._fast_forward(link, data)  # the common case: no copy into the buffer
             if not rest:
                 return
@@ -266,7 +269,7 @@ class Session:
     def _pump(self, fast: bool = True) -> None:
         link = self.link
         if fast and link is not None and self.state is State.READY and not self.busy \
-                and not self.backlog:
+                and not self.backlog and not link.skipping:
             rest = self._fast_forward(link, self.frames.take_buffer())
             if not rest:
                 return
@@ -312,6 +315,8 @@ class Session:
             if tag == _Q:
                 if data[end - 1] != 0 or not plain(data[pos + 5 : end - 1]):
                     break
+                if local:
+                    self._drop_unnamed()
                 if unsynced:
                     pending.extend(unsynced)
                     unsynced.clear()
@@ -618,7 +623,9 @@ class Session:
         """Handle one client message; returns work to await when it cannot finish now."""
         link = self.link
         assert link is not None
-        if self.state is State.FAILED_BATCH:
+        if self.state is State.FAILED_BATCH or link.skipping:
+            # after an error in an extended batch, everything up to Sync is ignored (by the
+            # backend too, for its own errors: it would answer nothing the proxy forwarded)
             if tag == b"S":
                 self.state = State.READY
                 link.forward(raw, tag)
@@ -635,6 +642,7 @@ class Session:
 
     def _route(self, tag: bytes, raw: bytes, link: backend.BackendLink) -> Awaitable[None] | None:
         if tag == b"Q":
+            self._drop_unnamed()
             sql = _query_text(raw, link.codec)
             if self.server.classifier.is_plain_pass_through(sql):
                 link.forward(raw, tag)
@@ -780,6 +788,11 @@ class Session:
         link = self.link
         assert link is not None
         await link.drain()
+        # as Postgres, a Query drops the unnamed statement, and the unnamed portal when it
+        # runs a statement (not when it fails before: a divergence only for a client that
+        # would use the unnamed portal after a Query failed in planning)
+        link.close_quietly(b"S", "")
+        link.close_quietly(b"P", "")
         implicit = link.tx_status == b"I" and not any(
             st.node_type == "TransactionStmt" for st in stmts) \
             and sum(st.kind is not StatementKind.EMPTY for st in stmts) > 1
@@ -1034,6 +1047,11 @@ class Session:
         if self._backend_failed_batch():
             self.state = State.FAILED_BATCH
             return
+        if msg.name == "":
+            # as Postgres, a Parse of the unnamed statement drops the one before, even when
+            # it fails, and that one may be the backend's
+            self.local_statements.pop("", None)
+            self.link.close_quietly(b"S", "")
         failure = self._transaction_failure(st) or st.refusal
         if failure is not None:
             self.statement_done("refused", time.perf_counter(), failure.sqlstate)
@@ -1071,11 +1089,40 @@ class Session:
                 and link.batch_started is None:
             raise NoActiveSqlTransaction("DECLARE CURSOR can only be used in transaction blocks")
 
+    def _drop_unnamed(self) -> None:
+        """As Postgres, a simple Query drops the unnamed statement and portal."""
+        if self.local_statements or self.local_portals:
+            self.local_statements.pop("", None)
+            self.local_portals.pop("", None)
+            self.exhausted_portals.discard("")
+
+    def _open_portal(self, name: str) -> LocalPortal | None:
+        """The local portal `name`, if it is still open (call after draining the link): every
+        portal ends with its transaction."""
+        link = self.link
+        assert link is not None
+        if self._portals_epoch != link.idle_readies:
+            self._portals_epoch = link.idle_readies
+            self.local_portals.clear()
+            self.exhausted_portals.clear()
+        return self.local_portals.get(name)
+
+    def _forward_instead(self, msg: p.Execute | p.Describe | p.Close) -> None:
+        """The local portal `msg` names has ended with its transaction: the backend answers
+        (it knows of no such portal either, unless one was made since)."""
+        assert self.link is not None
+        self.link.forward(msg.encode(self.link.codec), msg.tag)
+
     def _local_bind(self, bind: p.Bind, local: LocalStatement) -> None:
-        self._check_transaction(local.statement)
         if len(bind.params) != local.n_params:
             raise BindMismatch(f"bind message supplies {len(bind.params)} parameters, but prepared "
                                f'statement "{bind.statement}" requires {local.n_params}')
+        self._check_transaction(local.statement)
+        self._open_portal(bind.portal)  # (ends the portals of a transaction that has ended)
+        if bind.portal == "":
+            # it replaces the unnamed portal, which may be the backend's
+            assert self.link is not None
+            self.link.close_quietly(b"P", "")
         self.local_portals[bind.portal] = LocalPortal(local, bind)
         self.exhausted_portals.discard(bind.portal)
         self.send(p.BindComplete())
@@ -1083,11 +1130,17 @@ class Session:
     def _local_close(self, msg: p.Close) -> None:
         if msg.kind == b"S":
             self.local_statements.pop(msg.name, None)
+        elif self._open_portal(msg.name) is None:
+            self._forward_instead(msg)
+            return
         else:
             self.local_portals.pop(msg.name, None)
         self.send(p.CloseComplete())
 
     async def _local_describe(self, msg: p.Describe) -> None:
+        if msg.kind == b"P" and self._open_portal(msg.name) is None:
+            self._forward_instead(msg)
+            return
         local = self.local_statements[msg.name] if msg.kind == b"S" else \
             self.local_portals[msg.name].statement
         # describing a DP query reads the catalog; Postgres too refuses to describe a statement
@@ -1121,6 +1174,9 @@ class Session:
         return desc
 
     async def _local_execute(self, ex: p.Execute, portal: LocalPortal) -> None:
+        if self._open_portal(ex.portal) is not portal:
+            self._forward_instead(ex)
+            return
         st = portal.statement.statement
         if st.kind in _DP_KINDS:
             # a DP answer is one release: executing the portal again finds it exhausted, as
@@ -1158,7 +1214,7 @@ class Session:
             if bind is None:
                 link.send_split_query(sql)
             elif execute is not None and execute.max_rows > 0:
-                link.open_portal(sql, execute.portal, bind.result_formats, execute.max_rows)
+                link.run_internal(sql, bind.result_formats, execute.portal, execute.max_rows)
             else:
                 link.run_internal(sql, bind.result_formats)
         except UnicodeEncodeError as e:
