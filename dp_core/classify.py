@@ -68,10 +68,12 @@ class Effect(Enum):
     ROLLBACK_TO = "rollback-to"
     ROLLBACK_AND_CHAIN = "rollback-and-chain"
     """Ends the block as ROLLBACK does, and opens another."""
+    COMMIT_AND_CHAIN = "commit-and-chain"
+    """Ends the block as COMMIT does (a failed one rolls back), and opens another."""
 
 
 TRANSACTION_EFFECTS = frozenset({Effect.SAVEPOINT, Effect.RELEASE, Effect.ROLLBACK_TO,
-                                 Effect.ROLLBACK_AND_CHAIN})
+                                 Effect.ROLLBACK_AND_CHAIN, Effect.COMMIT_AND_CHAIN})
 """Effects that matter only while dp.* settings have changed in the open transaction block."""
 
 
@@ -532,6 +534,8 @@ def _effect(ntype: str, body: Mapping[str, Any]) -> dict[str, Any]:
             return {"effect": _SAVEPOINT_KINDS[kind], "setting": body.get("savepoint_name")}
         if kind == "TRANS_STMT_ROLLBACK" and body.get("chain"):
             return {"effect": Effect.ROLLBACK_AND_CHAIN}
+        if kind == "TRANS_STMT_COMMIT" and body.get("chain"):
+            return {"effect": Effect.COMMIT_AND_CHAIN}
     return {}
 
 

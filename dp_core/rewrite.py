@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pglast import ast, parse_sql
-from pglast.enums import A_Expr_Kind, BoolExprType, JoinType, NullTestType
+from pglast.enums import A_Expr_Kind, BoolExprType, JoinType, NullTestType, VariableSetKind
 from pglast.stream import RawStream
 from pglast.visitors import Visitor
 
@@ -798,6 +798,15 @@ def copy_result(copy_sql: str, query: str) -> str:
     text = RawStream()(stmt)
     assert text.startswith(_COPY_PLACEHOLDER), text
     return f"COPY ({query}){text[len(_COPY_PLACEHOLDER):]}"
+
+
+def set_transaction_sql(begin_sql: str) -> str:
+    """`SET TRANSACTION` with the modes of `begin_sql` (BEGIN or START TRANSACTION with
+    ISOLATION LEVEL, READ ONLY...): what such a BEGIN does inside a block already open."""
+    stmt = parse_sql(begin_sql)[0].stmt
+    assert isinstance(stmt, ast.TransactionStmt) and stmt.options
+    return RawStream()(ast.VariableSetStmt(kind=VariableSetKind.VAR_SET_MULTI,
+                                           name="TRANSACTION", args=stmt.options))
 
 
 def _quoted(text: str) -> str:

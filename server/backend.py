@@ -148,6 +148,8 @@ class BackendLink(asyncio.Protocol):
         self.tx_ends: list[bool] = []
         """While watching: one entry per transaction block ended, True when it committed."""
         self._end_tag: bytes | None = None
+        self._began_after_end = False
+        """A BEGIN since `_end_tag`: the block ended and another began (in one Query)."""
         """The COMMIT or ROLLBACK CommandComplete since the last ReadyForQuery, while watching."""
         self.encoding = "UTF8"
         """The session's client_encoding, as the backend last reported it (and a name Postgres
@@ -349,19 +351,28 @@ class BackendLink(asyncio.Protocol):
 
     def _note_transaction(self, tag: int, buf: bytes, start: int, end: int) -> None:
         """While watching: note a transaction block that ends (before `_track` reads the new
-        transaction status), and whether it committed."""
+        transaction status), and whether it committed.
+
+        The first COMMIT or ROLLBACK since the last ReadyForQuery ends the block (later
+        ones in the same Query end implicit blocks, or blocks it began itself)."""
         if tag == _C:
             text = buf[start + 5 : end - 1]
             if text in (b"COMMIT", b"ROLLBACK"):
-                self._end_tag = text
+                if self._end_tag is None:
+                    self._end_tag = text
+            elif text in (b"BEGIN", b"START TRANSACTION") and self._end_tag is not None:
+                self._began_after_end = True
         elif tag == _Z:
             command, self._end_tag = self._end_tag, None
-            if buf[start + 5] == _I and self.tx_status != b"I":
+            began, self._began_after_end = self._began_after_end, False
+            if command is None:
+                return
+            if (buf[start + 5] == _I and self.tx_status != b"I") or began:
                 self.tx_ends.append(command == b"COMMIT")  # (COMMIT of a failed block: ROLLBACK)
             elif command == b"COMMIT":
                 self.tx_ends.append(True)  # COMMIT AND CHAIN: a new block began
-            # ROLLBACK with the block still open: ROLLBACK TO SAVEPOINT or ROLLBACK AND CHAIN,
-            # which the session follows itself (it knows which statement it was)
+            # ROLLBACK with the block still open and none begun: ROLLBACK TO SAVEPOINT or
+            # ROLLBACK AND CHAIN, which the session follows itself (it knows which it was)
 
     def _cycle_done(self, started: float, sqlstate: str | None) -> None:
         """A client cycle that did pass-through work ended: count it or report it."""

@@ -46,7 +46,7 @@ from dp_core.errors import (
     QueryCanceled,
     SyntaxError_,
 )
-from dp_core.rewrite import copy_result
+from dp_core.rewrite import copy_result, set_transaction_sql
 from dp_core.settings import DPSettings
 from server import backend
 from server import protocol as p
@@ -779,11 +779,13 @@ class Session:
     async def _simple_query(self, stmts: tuple[Statement, ...]) -> None:
         """A Query the proxy answers statement by statement (some are its own).
 
-        As Postgres runs the statements of one Query in one implicit transaction
-        (an error rolls back those before it; a cursor lives until the end), the
-        proxy runs them inside its own BEGIN and COMMIT (ROLLBACK after an error)
-        when there are several and no block is open, unless they control
-        transactions themselves.
+        Postgres runs the statements of a Query of several in an implicit block
+        wherever no block is open: an error rolls back those before it, a cursor
+        lives until the end, SET LOCAL lasts until then; BEGIN makes it the
+        client's block, COMMIT and ROLLBACK end it with a warning, savepoints are
+        refused. The proxy opens its own BEGIN for such a block (COMMIT or, after
+        an error, ROLLBACK at its end, the client told nothing) and answers the
+        transaction commands inside it as Postgres does (`_in_implicit_block`).
         """
         link = self.link
         assert link is not None
@@ -793,17 +795,30 @@ class Session:
         # would use the unnamed portal after a Query failed in planning)
         link.close_quietly(b"S", "")
         link.close_quietly(b"P", "")
-        implicit = link.tx_status == b"I" and not any(
-            st.node_type == "TransactionStmt" for st in stmts) \
-            and sum(st.kind is not StatementKind.EMPTY for st in stmts) > 1
-        if implicit:
-            link.run_quietly("BEGIN")
-            await link.drain()
+        several = sum(st.kind is not StatementKind.EMPTY for st in stmts) > 1 \
+            and not any(_transaction_command(st) in _NOT_EMULATED for st in stmts)
+        implicit = False
+        """The proxy's own block is open (the client sees no block)."""
         failed = False
         for st in stmts:
             if st.kind is StatementKind.EMPTY:
                 continue
             failed = True
+            command = _transaction_command(st)
+            if several and not implicit and link.tx_status == b"I" and command not in _BEGINS:
+                link.run_quietly("BEGIN")
+                await link.drain()
+                implicit = True
+            if implicit and command is not None:
+                try:
+                    implicit = await self._in_implicit_block(st, command)
+                except _AlreadyReported:
+                    break
+                except DPError as e:
+                    self.send_error(e)
+                    break
+                failed = False
+                continue
             if st.kind is StatementKind.PASS_THROUGH and not self._local_deallocate(st):
                 started = time.perf_counter()
                 try:
@@ -832,6 +847,38 @@ class Session:
             link.run_quietly("ROLLBACK" if failed else "COMMIT")
             await link.drain()
         self.send(p.ReadyForQuery(link.tx_status))
+
+    async def _in_implicit_block(self, st: Statement, command: str) -> bool:
+        """A transaction command inside the proxy's implicit block, answered as Postgres
+        answers it inside its own (xact.c); returns whether the block stays the proxy's."""
+        link = self.link
+        assert link is not None
+        tag = "START TRANSACTION" if command == "TRANS_STMT_START" else "BEGIN"
+        if command in _BEGINS:
+            if st.tree["TransactionStmt"].get("options"):
+                before = link.errors
+                link.run_quietly(set_transaction_sql(st.sql))  # (its own errors as BEGIN's)
+                await link.drain()
+                if link.errors > before:
+                    raise _AlreadyReported()
+            self.send(p.CommandComplete(tag))  # the block is the client's from now on
+            return False
+        chain = bool(st.tree["TransactionStmt"].get("chain"))
+        if command in _ENDS:
+            commit = command == "TRANS_STMT_COMMIT"
+            if chain:
+                raise NoActiveSqlTransaction(
+                    f"{'COMMIT' if commit else 'ROLLBACK'} AND CHAIN can only be used in "
+                    "transaction blocks")
+            link.run_quietly("COMMIT" if commit else "ROLLBACK")
+            await link.drain()
+            self.send(p.NoticeResponse((
+                (p.FIELD_SEVERITY, "WARNING"), (p.FIELD_SEVERITY_V, "WARNING"),
+                (p.FIELD_CODE, "25P01"), (p.FIELD_MESSAGE, "there is no transaction in progress"))),
+                p.CommandComplete("COMMIT" if commit else "ROLLBACK"))
+            return False
+        raise NoActiveSqlTransaction(f"{_SAVEPOINT_COMMANDS[command]} can only be used in "
+                                     "transaction blocks")
 
     def _backend_failed_batch_since_split(self) -> bool:
         assert self.link is not None
@@ -1019,7 +1066,9 @@ class Session:
         tx = self._tx_settings
         if tx is None:
             return
-        if st.effect is Effect.ROLLBACK_AND_CHAIN:  # the next block has changed nothing
+        if st.effect in (Effect.ROLLBACK_AND_CHAIN, Effect.COMMIT_AND_CHAIN):
+            # the next block has changed nothing; a COMMIT AND CHAIN that committed was settled
+            # above (the relay notes it), so this one was of a failed block: rolled back
             self._end_block(committed=False)
             return
         marks = tx.savepoints
@@ -1236,6 +1285,21 @@ class Session:
             self._dp_task.cancel()
         if self.link is not None and self.link.key is not None and self.link.pending:
             asyncio.get_running_loop().create_task(self.server.cancel_backend(self.link.key))
+
+
+_BEGINS = ("TRANS_STMT_BEGIN", "TRANS_STMT_START")
+_ENDS = ("TRANS_STMT_COMMIT", "TRANS_STMT_ROLLBACK")
+_SAVEPOINT_COMMANDS = {"TRANS_STMT_SAVEPOINT": "SAVEPOINT", "TRANS_STMT_RELEASE": "RELEASE SAVEPOINT",
+                       "TRANS_STMT_ROLLBACK_TO": "ROLLBACK TO SAVEPOINT"}
+_NOT_EMULATED = ("TRANS_STMT_PREPARE", "TRANS_STMT_COMMIT_PREPARED",
+                 "TRANS_STMT_ROLLBACK_PREPARED")
+"""Queries with these run statement by statement, without an implicit block of the proxy's."""
+
+
+def _transaction_command(st: Statement) -> str | None:
+    """The kind of a transaction command (TransactionStmt), None for any other statement."""
+    body = st.tree.get("TransactionStmt")
+    return None if body is None else str(body.get("kind", ""))
 
 
 def _wrapped(st: Statement, sql: str) -> str:

@@ -353,7 +353,7 @@ def test_the_encoding_predicate_decides(classifier: Classifier) -> None:
     ("ROLLBACK TO a", Effect.ROLLBACK_TO, "a"),
     ("ABORT AND CHAIN", Effect.ROLLBACK_AND_CHAIN, None),
     ("ROLLBACK", None, None),
-    ("COMMIT AND CHAIN", None, None),  # the relay sees it end the block
+    ("COMMIT AND CHAIN", Effect.COMMIT_AND_CHAIN, None),  # (of a failed block: a rollback)
     ("DISCARD PLANS", None, None),
     ("RESET search_path", None, None),
 ])

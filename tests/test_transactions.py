@@ -77,6 +77,21 @@ def test_a_dp_answer_in_a_transaction_stays_charged_after_rollback(
     (["SET dp.epsilon = 0.5", "RESET ALL; SELECT 1/0"], "0.5"),
     (["SET dp.epsilon = 0.5", "RESET ALL; SHOW dp.epsilon"], "1.0"),
     (["BEGIN", "SET dp.epsilon = 0.5; SELECT 1/0", "ROLLBACK"], "1.0"),
+    # transaction commands inside an implicit block, as Postgres answers them (found by
+    # tests/test_fuzz_settings.py)
+    (["SET dp.epsilon = 0.5; SAVEPOINT a"], "1.0"),
+    (["SET dp.epsilon = 0.5; COMMIT; SET dp.epsilon = 0.25; SELECT 1/0"], "0.5"),
+    (["SET dp.epsilon = 0.5; ROLLBACK; SHOW dp.epsilon"], "1.0"),
+    (["SET LOCAL dp.epsilon = 0.5; BEGIN ISOLATION LEVEL REPEATABLE READ; SHOW dp.epsilon",
+      "COMMIT"], "1.0"),
+    (["SET dp.epsilon = 0.5; START TRANSACTION; SELECT 1/0", "ROLLBACK"], "1.0"),
+    (["SET dp.epsilon = 0.5; COMMIT AND CHAIN"], "1.0"),
+    # a block ended and another begun in one Query the proxy forwards whole
+    (["BEGIN", "SET dp.epsilon = 0.5", "ROLLBACK; BEGIN", "COMMIT"], "1.0"),
+    (["BEGIN", "SET dp.epsilon = 0.5", "ROLLBACK; COMMIT"], "1.0"),
+    (["BEGIN", "SET dp.epsilon = 0.5", "COMMIT; BEGIN; ROLLBACK"], "0.5"),
+    # COMMIT AND CHAIN of a failed block rolls it back
+    (["BEGIN", "SET dp.epsilon = 0.5", "SELECT 1/0", "COMMIT AND CHAIN", "COMMIT"], "1.0"),
     (["BEGIN; SET dp.epsilon = 0.5; COMMIT; BEGIN; SET LOCAL dp.epsilon = 0.25; COMMIT"], "0.5"),
     # savepoints
     (["BEGIN", "SET dp.epsilon = 0.5", "SAVEPOINT a", "SET dp.epsilon = 0.25", "ROLLBACK TO a",
@@ -121,7 +136,8 @@ def test_dp_settings_follow_the_transaction_block(
         for sql in statements:
             seen = []
             for c, name in ((conn, "dp.epsilon"), (ref, "ref.epsilon")):
-                with contextlib.suppress(psycopg.errors.DivisionByZero):
+                with contextlib.suppress(psycopg.errors.DivisionByZero,
+                                         psycopg.errors.NoActiveSqlTransaction):
                     c.execute(sql.replace("dp.epsilon", name))
                 status = c.info.transaction_status
                 seen.append(status.name if status == psycopg.pq.TransactionStatus.INERROR
