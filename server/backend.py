@@ -93,6 +93,7 @@ _INTERNAL_COMPLETES = {
 _SYNCS = (Pending.SYNC,)
 _NOT_ENDING_A_QUERY = frozenset(_COMPLETES) - {b"Z", b"E"}
 INTERNAL_NAME = "dp_proxy_internal"
+SHADOW_NAME = "dp_proxy_shadow"
 _TRACKED = frozenset({b"Z", b"E", b"S", *_COMPLETES})
 _LENGTH = struct.Struct("!i")
 # the same sets keyed by the tag's byte value, for the relay loop
@@ -120,6 +121,15 @@ class RelayTarget:
 
 
 class BackendLink(asyncio.Protocol):
+    # slots: more than 30 instance attributes in a dict would cost every attribute read on
+    # the relay's path (CPython 3.11 stops sharing the keys and inlining the values)
+    __slots__ = ("_began_after_end", "_corked", "_drained", "_end_tag", "_frames", "_handshake",
+                 "_partial", "_relaying", "_skip", "batch_started", "closed", "codec", "counter",
+                 "cycles", "encoding", "errors", "errors_at_ready", "idle_readies", "key",
+                 "last_split_failed", "last_sqlstate", "log_cycles", "on_cycle", "parameters",
+                 "pending", "skipping", "startup_frames", "target", "transport", "tx_ends",
+                 "tx_status", "watch_tx")
+
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self._frames = p.FrameReader(max_size=1 << 30)
@@ -148,9 +158,10 @@ class BackendLink(asyncio.Protocol):
         self.tx_ends: list[bool] = []
         """While watching: one entry per transaction block ended, True when it committed."""
         self._end_tag: bytes | None = None
+        """The first COMMIT or ROLLBACK CommandComplete since the last ReadyForQuery, while
+        watching."""
         self._began_after_end = False
         """A BEGIN since `_end_tag`: the block ended and another began (in one Query)."""
-        """The COMMIT or ROLLBACK CommandComplete since the last ReadyForQuery, while watching."""
         self.encoding = "UTF8"
         """The session's client_encoding, as the backend last reported it (and a name Postgres
         uses in messages)."""
@@ -475,12 +486,30 @@ class BackendLink(asyncio.Protocol):
         self.pending.extend(kinds)
         self.transport.write(frames)
 
+    def shadow_statement(self, name: str) -> None:
+        """Prepare a placeholder statement of the name of one the proxy holds, so that the
+        backend refuses the name as in use (42P05) until it is closed or deallocated; an error
+        (the name is in use) is relayed. Await `drain()` for it."""
+        self._quietly([p.Parse(name, "SELECT")], [Pending.INTERNAL_PARSE])
+
+    def shadow_portal(self, name: str) -> None:
+        """Bind a placeholder portal of the name of one the proxy holds (see
+        `shadow_statement`; 42P03 for a portal)."""
+        n = SHADOW_NAME
+        self._quietly([p.Close(b"S", n), p.Parse(n, "SELECT"), p.Bind(name, n, (), (), ()),
+                       p.Close(b"S", n)],
+                      [Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND,
+                       Pending.INTERNAL_CLOSE])
+
+    def _quietly(self, messages: list[p.FrontendMessage], kinds: list[Pending]) -> None:
+        assert self.transport is not None
+        self.pending.extend(kinds)
+        self.uncork()
+        self.transport.write(b"".join(m.encode(self.codec) for m in messages))
+
     def close_quietly(self, kind: bytes, name: str) -> None:
         """Close a statement (b"S") or portal (b"P") of the backend's, the client not told."""
-        assert self.transport is not None
-        self.pending.append(Pending.INTERNAL_CLOSE)
-        self.uncork()
-        self.transport.write(p.Close(kind, name).encode(self.codec))
+        self._quietly([p.Close(kind, name)], [Pending.INTERNAL_CLOSE])
 
     async def drain(self) -> None:
         """Wait until every forwarded message has its reply relayed (sending Flush if needed)."""

@@ -202,6 +202,13 @@ class ClientProtocol(asyncio.Protocol):
 
 
 class Session:
+    # slots: attribute reads stay fast however many there are (see BackendLink)
+    __slots__ = ("_clock", "_dp_task", "_idle_handle", "_input", "_last_input", "_plain",
+                 "_portals_epoch", "_ran_query", "_settings", "_startup_task", "_task", "_tls_ok",
+                 "_tx_settings", "backlog", "busy", "config", "exhausted_portals", "frames", "link",
+                 "local_portals", "local_statements", "process_id", "proto", "reading_paused",
+                 "secret_key", "server", "state", "transport", "user")
+
     def __init__(
         self, server: ProxyServer, transport: asyncio.Transport, proto: ClientProtocol
     ) -> None:
@@ -220,10 +227,10 @@ class Session:
         self.local_statements: dict[str, LocalStatement] = {}
         self.local_portals: dict[str, LocalPortal] = {}
         self.exhausted_portals: set[str] = set()
+        """Local portals whose DP answer has been sent (until the name is bound again)."""
         self._portals_epoch = 0
         """The link's `idle_readies` when the local portals were last known open: once it
         moves on, their transaction has ended, and they with it."""
-        """Local portals whose DP answer has been sent (until the name is bound again)."""
         self.backlog: deque[tuple[bytes, bytes]] = deque()
         self.busy = False
         self.reading_paused = False
@@ -656,7 +663,7 @@ class Session:
             msg = p.decode_frontend(tag, raw[5:], link.codec)
             assert isinstance(msg, p.Parse)
             if self.server.classifier.is_plain_pass_through(msg.sql):
-                self.local_statements.pop(msg.name, None)
+                self._forwarded_parse(msg.name)
                 link.forward(raw, tag)
                 return None
             stmts = self.server.classifier.classify(msg.sql)
@@ -664,7 +671,7 @@ class Session:
                 raise SyntaxError_("cannot insert multiple commands into a prepared statement")
             st = stmts[0]
             if st.kind in _FORWARDED and not self._follows(st, prepared=bool(msg.name)):
-                self.local_statements.pop(msg.name, None)
+                self._forwarded_parse(msg.name)
                 link.forward(raw, tag)
                 return None
             return self._local_parse(msg, st)
@@ -673,13 +680,13 @@ class Session:
             portal_name, statement_name = _two_names(raw, link.codec)
             local = self.local_statements.get(statement_name)
             if local is None:
-                if self.local_portals:
-                    self.local_portals.pop(portal_name, None)
+                if portal_name == "" and self.local_portals:
+                    self.local_portals.pop("", None)  # (a named one's shadow: 42P03, as Postgres)
                 link.forward(raw, tag)
                 return None
             bind = p.decode_frontend(tag, raw[5:], link.codec)
             assert isinstance(bind, p.Bind)
-            return self._local(lambda: self._local_bind(bind, local))
+            return self._local_async(self._local_bind(bind, local))
         if tag in (b"D", b"C"):
             table: dict[str, Any] = (
                 self.local_statements if raw[5:6] == b"S" else self.local_portals
@@ -819,7 +826,7 @@ class Session:
                     break
                 failed = False
                 continue
-            if st.kind is StatementKind.PASS_THROUGH and not self._local_deallocate(st):
+            if st.kind is StatementKind.PASS_THROUGH:
                 started = time.perf_counter()
                 try:
                     link.send_split_query(st.sql)
@@ -931,12 +938,6 @@ class Session:
             await self.relay_result(_wrapped(st, sql), bind, execute=execute)
             return
         if st.kind is StatementKind.PASS_THROUGH:  # one with an effect on the proxy's state
-            if self._local_deallocate(st):
-                assert st.setting is not None
-                self._check_transaction()  # (the proxy answers it: it refuses it as Postgres)
-                del self.local_statements[st.setting]  # (the backend never had it)
-                self.send(p.CommandComplete("DEALLOCATE"))
-                return
             await self.relay_result(st.sql, bind, client_statement=True)
             self._follow(st)
             return
@@ -1035,20 +1036,17 @@ class Session:
             return self._tx_settings is not None
         return True
 
-    def _local_deallocate(self, st: Statement) -> bool:
-        """DEALLOCATE of a prepared statement the proxy holds (a DP query a driver prepared by
-        name): the proxy answers it."""
-        return st.effect is Effect.DEALLOCATE and st.setting in self.local_statements
-
     def _follow(self, st: Statement) -> None:
         """After the backend ran `st`: what it also does to the proxy's own session state."""
         effect = st.effect
         if effect in TRANSACTION_EFFECTS:
             self._follow_savepoints(st)
             return
-        if effect is Effect.DEALLOCATE:
+        if effect is Effect.DEALLOCATE:  # (the backend dropped the statement's shadow too)
             if st.setting is None:
                 self.local_statements.clear()
+            else:
+                self.local_statements.pop(st.setting, None)
             return
         if effect is Effect.DISCARD_ALL:
             self.local_statements.clear()
@@ -1107,6 +1105,15 @@ class Session:
             self.send_error(failure)
             self.state = State.FAILED_BATCH
             return
+        if msg.name:
+            # the name is taken on the backend too: Postgres refuses a name in use (42P05)
+            # whichever kind of statement has it
+            before = self.link.errors
+            self.link.shadow_statement(msg.name)
+            await self.link.drain()
+            if self.link.errors > before:
+                self.state = State.FAILED_BATCH  # (its error relayed)
+                return
         self.local_statements[msg.name] = LocalStatement(
             st, msg.param_types, max(len(msg.param_types), highest_parameter(st.tree)))
         self.send(p.ParseComplete())
@@ -1138,6 +1145,13 @@ class Session:
                 and link.batch_started is None:
             raise NoActiveSqlTransaction("DECLARE CURSOR can only be used in transaction blocks")
 
+    def _forwarded_parse(self, name: str) -> None:
+        """A Parse the backend answers replaces the unnamed statement, local or not; for a
+        named one, a local statement's shadow makes the backend refuse it (42P05), as
+        Postgres refuses a name in use."""
+        if name == "":
+            self.local_statements.pop("", None)
+
     def _drop_unnamed(self) -> None:
         """As Postgres, a simple Query drops the unnamed statement and portal."""
         if self.local_statements or self.local_portals:
@@ -1162,16 +1176,24 @@ class Session:
         assert self.link is not None
         self.link.forward(msg.encode(self.link.codec), msg.tag)
 
-    def _local_bind(self, bind: p.Bind, local: LocalStatement) -> None:
+    async def _local_bind(self, bind: p.Bind, local: LocalStatement) -> None:
         if len(bind.params) != local.n_params:
             raise BindMismatch(f"bind message supplies {len(bind.params)} parameters, but prepared "
                                f'statement "{bind.statement}" requires {local.n_params}')
         self._check_transaction(local.statement)
         self._open_portal(bind.portal)  # (ends the portals of a transaction that has ended)
+        link = self.link
+        assert link is not None
         if bind.portal == "":
-            # it replaces the unnamed portal, which may be the backend's
-            assert self.link is not None
-            self.link.close_quietly(b"P", "")
+            link.close_quietly(b"P", "")  # it replaces the unnamed portal, maybe the backend's
+        else:
+            # the name is taken on the backend too, until the portal is closed or its
+            # transaction ends: Postgres refuses a name in use (42P03) whatever portal has it
+            before = link.errors
+            link.shadow_portal(bind.portal)
+            await link.drain()
+            if link.errors > before:
+                raise _AlreadyReported()
         self.local_portals[bind.portal] = LocalPortal(local, bind)
         self.exhausted_portals.discard(bind.portal)
         self.send(p.BindComplete())
@@ -1179,12 +1201,12 @@ class Session:
     def _local_close(self, msg: p.Close) -> None:
         if msg.kind == b"S":
             self.local_statements.pop(msg.name, None)
-        elif self._open_portal(msg.name) is None:
-            self._forward_instead(msg)
-            return
-        else:
+        elif self._open_portal(msg.name) is not None:
             self.local_portals.pop(msg.name, None)
-        self.send(p.CloseComplete())
+        if msg.name:
+            self._forward_instead(msg)  # (and its shadow, if it is still there)
+        else:
+            self.send(p.CloseComplete())
 
     async def _local_describe(self, msg: p.Describe) -> None:
         if msg.kind == b"P" and self._open_portal(msg.name) is None:
@@ -1193,10 +1215,11 @@ class Session:
         local = self.local_statements[msg.name] if msg.kind == b"S" else \
             self.local_portals[msg.name].statement
         # describing a DP query reads the catalog; Postgres too refuses to describe a statement
-        # that returns rows in a failed block (not a ROLLBACK TO, which has none)
-        self._check_transaction(local.statement)
+        # that returns rows in a failed block (not ROLLBACK TO, SET, DECLARE or COPY)
+        st = local.statement
+        if not (st.wraps_result or st.kind is StatementKind.LOCAL_SET):
+            self._check_transaction(st)
         if msg.kind == b"S":
-            st = local.statement
             types = tuple(local.param_types)
             if st.kind in _DP_KINDS:
                 declared = types + (0,) * (local.n_params - len(types))

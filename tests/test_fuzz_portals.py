@@ -32,6 +32,12 @@ SHAPES = {
     "dp": ("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.01) ANON_COUNT(*) AS n FROM visits",
            "SELECT count(*) AS n FROM countries"),
     "fails": ("SELECT 1/0", "SELECT 1/0"),
+    "copy": ("COPY (SELECT x.* FROM dp_budget() AS b, generate_series(1, 3) AS x) TO STDOUT",
+             "COPY (SELECT x.* FROM (VALUES (1)) AS b, generate_series(1, 3) AS x) TO STDOUT"),
+    "cursor": ("DECLARE c NO SCROLL CURSOR FOR SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.01) "
+               "ANON_COUNT(*) AS n FROM visits",
+               "DECLARE c NO SCROLL CURSOR FOR SELECT count(*) AS n FROM countries"),
+    "fetch": ("FETCH 2 FROM c", "FETCH 2 FROM c"),
 }
 
 
