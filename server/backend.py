@@ -377,8 +377,12 @@ class BackendLink(asyncio.Protocol):
             command, self._end_tag = self._end_tag, None
             began, self._began_after_end = self._began_after_end, False
             if command is None:
+                if buf[start + 5] == _I:
+                    # an implicit transaction ended (an extended batch's, at its Sync): it
+                    # committed unless something in it failed
+                    self.tx_ends.append(self.errors == self.errors_at_ready)
                 return
-            if (buf[start + 5] == _I and self.tx_status != b"I") or began:
+            if buf[start + 5] == _I or began:
                 self.tx_ends.append(command == b"COMMIT")  # (COMMIT of a failed block: ROLLBACK)
             elif command == b"COMMIT":
                 self.tx_ends.append(True)  # COMMIT AND CHAIN: a new block began

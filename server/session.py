@@ -921,7 +921,7 @@ class Session:
             assert st.refusal is not None
             raise st.refusal
         if st.kind is StatementKind.LOCAL_SET:
-            self._set(st)
+            self._set(st, extended=bind is not None)
             reset = st.tree.get("VariableSetStmt", {}).get("kind") == "VAR_RESET"
             self.send(p.CommandComplete("RESET" if reset else "SET"))
             return
@@ -939,7 +939,7 @@ class Session:
             return
         if st.kind is StatementKind.PASS_THROUGH:  # one with an effect on the proxy's state
             await self.relay_result(st.sql, bind, client_statement=True)
-            self._follow(st)
+            self._follow(st, extended=bind is not None)
             return
         if st.kind in _DP_KINDS:
             self._check_cursor_block(st)
@@ -982,7 +982,7 @@ class Session:
         link.watch_tx = False
         link.tx_ends.clear()
 
-    def _set(self, st: Statement) -> None:
+    def _set(self, st: Statement, extended: bool = False) -> None:
         """SET [LOCAL] / RESET dp.*, with Postgres's transaction semantics: inside a block, a
         SET lasts if the block commits and a SET LOCAL until the block ends either way;
         outside one, SET LOCAL only warns; ROLLBACK TO SAVEPOINT undoes what was set since the
@@ -1002,24 +1002,33 @@ class Session:
             if value is None:
                 raise SyntaxError_(f"SET {name} takes a number or a name")
         caps = self.server.caps
-        self._assign(lambda s: s.with_value(name, value, caps), bool(body.get("is_local")))
+        self._assign(lambda s: s.with_value(name, value, caps), bool(body.get("is_local")),
+                     extended)
 
-    def _assign(self, change: Callable[[DPSettings], DPSettings], is_local: bool) -> None:
-        """Change the session's dp.* settings as a SET [LOCAL] does (see `_set`)."""
-        assert self.link is not None
+    def _assign(self, change: Callable[[DPSettings], DPSettings], is_local: bool,
+                extended: bool = False) -> None:
+        """Change the session's dp.* settings as a SET [LOCAL] does (see `_set`).
+
+        On the extended protocol, outside a block, the statements up to Sync are one
+        implicit transaction: a SET lasts if it commits, a SET LOCAL until it ends (with
+        the warning a SET LOCAL gets outside a block, unless the batch may have begun one)."""
+        link = self.link
+        assert link is not None
         new = change(self.settings)
-        if self.link.tx_status == b"I":
+        outside = link.tx_status == b"I"
+        if outside and is_local and (not extended or link.batch_started is None):
+            self.send(p.NoticeResponse((
+                (p.FIELD_SEVERITY, "WARNING"), (p.FIELD_SEVERITY_V, "WARNING"),
+                (p.FIELD_CODE, "25P01"),
+                (p.FIELD_MESSAGE, "SET LOCAL can only be used in transaction blocks"))))
+        if outside and not extended:
             if is_local:
-                self.send(p.NoticeResponse((
-                    (p.FIELD_SEVERITY, "WARNING"), (p.FIELD_SEVERITY_V, "WARNING"),
-                    (p.FIELD_CODE, "25P01"),
-                    (p.FIELD_MESSAGE, "SET LOCAL can only be used in transaction blocks"))))
                 return
         else:
             if self._tx_settings is None:
                 self._tx_settings = _TxSettings(start=self._settings, session=self._settings)
-                self.link.tx_ends.clear()
-                self.link.watch_tx = True
+                link.tx_ends.clear()
+                link.watch_tx = True
             if not is_local:
                 tx = self._tx_settings
                 tx.session = change(tx.session)
@@ -1036,8 +1045,9 @@ class Session:
             return self._tx_settings is not None
         return True
 
-    def _follow(self, st: Statement) -> None:
-        """After the backend ran `st`: what it also does to the proxy's own session state."""
+    def _follow(self, st: Statement, extended: bool = False) -> None:
+        """After the backend ran `st`: what it also does to the proxy's own session state
+        (`extended`: run on the extended protocol)."""
         effect = st.effect
         if effect in TRANSACTION_EFFECTS:
             self._follow_savepoints(st)
@@ -1054,7 +1064,7 @@ class Session:
             self.exhausted_portals.clear()
         if effect in (Effect.DISCARD_ALL, Effect.RESET_ALL):
             defaults = self.server.default_settings()
-            self._assign(lambda _: defaults, is_local=False)
+            self._assign(lambda _: defaults, is_local=False, extended=extended)
 
     def _follow_savepoints(self, st: Statement) -> None:
         """SAVEPOINT, RELEASE, ROLLBACK TO and ROLLBACK AND CHAIN in a block whose dp.*
