@@ -810,50 +810,46 @@ class Session:
         for st in stmts:
             if st.kind is StatementKind.EMPTY:
                 continue
-            failed = True
             command = _transaction_command(st)
             if several and not implicit and link.tx_status == b"I" and command not in _BEGINS:
                 link.run_quietly("BEGIN")
                 await link.drain()
                 implicit = True
-            if implicit and command is not None:
-                try:
-                    implicit = await self._in_implicit_block(st, command)
-                except _AlreadyReported:
-                    break
-                except DPError as e:
-                    self.send_error(e)
-                    break
-                failed = False
-                continue
-            if st.kind is StatementKind.PASS_THROUGH:
-                started = time.perf_counter()
-                try:
-                    link.send_split_query(st.sql)
-                except UnicodeEncodeError as e:
-                    self.send_error(untranslatable(e, link.encoding))
-                    break
-                await link.drain()
-                split_failed = self._backend_failed_batch_since_split()
-                self.statement_done("pass_through", started,
-                                    link.last_sqlstate if split_failed else None)
-                if split_failed:
-                    break
-                self._follow(st)
-                failed = False
-                continue
             try:
-                await self._run_local_statement(st, describe=True)
+                if implicit and command is not None:
+                    implicit = await self._in_implicit_block(st, command)
+                elif st.kind is StatementKind.PASS_THROUGH:
+                    await self._split_statement(st)
+                else:
+                    await self._run_local_statement(st, describe=True)
             except _AlreadyReported:
+                failed = True
                 break
             except DPError as e:
                 self.send_error(e)
+                failed = True
                 break
-            failed = False
         if implicit and not link.closed:
             link.run_quietly("ROLLBACK" if failed else "COMMIT")
             await link.drain()
         self.send(p.ReadyForQuery(link.tx_status))
+
+    async def _split_statement(self, st: Statement) -> None:
+        """Run one forwarded statement of a split Query on the backend (its replies relayed
+        but its ReadyForQuery); raises _AlreadyReported when it fails."""
+        link = self.link
+        assert link is not None
+        started = time.perf_counter()
+        try:
+            link.send_split_query(st.sql)
+        except UnicodeEncodeError as e:
+            raise untranslatable(e, link.encoding) from None
+        await link.drain()
+        failed = link.last_split_failed
+        self.statement_done("pass_through", started, link.last_sqlstate if failed else None)
+        if failed:
+            raise _AlreadyReported()
+        self._follow(st)
 
     async def _in_implicit_block(self, st: Statement, command: str) -> bool:
         """A transaction command inside the proxy's implicit block, answered as Postgres
@@ -886,10 +882,6 @@ class Session:
             return False
         raise NoActiveSqlTransaction(f"{_SAVEPOINT_COMMANDS[command]} can only be used in "
                                      "transaction blocks")
-
-    def _backend_failed_batch_since_split(self) -> bool:
-        assert self.link is not None
-        return self.link.last_split_failed
 
     async def _run_local_statement(
         self, st: Statement, describe: bool, bind: p.Bind | None = None,
