@@ -126,7 +126,8 @@ class BackendLink(asyncio.Protocol):
     __slots__ = ("_began_after_end", "_corked", "_drained", "_end_tag", "_frames", "_handshake",
                  "_partial", "_relaying", "_skip", "batch_started", "closed", "codec", "counter",
                  "cycles", "encoding", "errors", "errors_at_ready", "idle_readies", "key",
-                 "last_split_failed", "last_sqlstate", "log_cycles", "on_cycle", "parameters",
+                 "last_split_failed", "last_sqlstate", "log_cycles", "on_cycle", "on_tx_end",
+                 "parameters",
                  "pending", "skipping", "startup_frames", "target", "transport", "tx_ends",
                  "tx_status", "watch_tx")
 
@@ -157,6 +158,9 @@ class BackendLink(asyncio.Protocol):
         relay then notes in `tx_ends` how transaction blocks end."""
         self.tx_ends: list[bool] = []
         """While watching: one entry per transaction block ended, True when it committed."""
+        self.on_tx_end: Callable[[], None] | None = None
+        """Called when an entry is added to `tx_ends` (the session settles its settings at
+        once, and the relay stops watching)."""
         self._end_tag: bytes | None = None
         """The first COMMIT or ROLLBACK CommandComplete since the last ReadyForQuery, while
         watching."""
@@ -380,14 +384,19 @@ class BackendLink(asyncio.Protocol):
                 if buf[start + 5] == _I:
                     # an implicit transaction ended (an extended batch's, at its Sync): it
                     # committed unless something in it failed
-                    self.tx_ends.append(self.errors == self.errors_at_ready)
+                    self._tx_end(self.errors == self.errors_at_ready)
                 return
             if buf[start + 5] == _I or began:
-                self.tx_ends.append(command == b"COMMIT")  # (COMMIT of a failed block: ROLLBACK)
+                self._tx_end(command == b"COMMIT")  # (COMMIT of a failed block: ROLLBACK)
             elif command == b"COMMIT":
-                self.tx_ends.append(True)  # COMMIT AND CHAIN: a new block began
+                self._tx_end(True)  # COMMIT AND CHAIN: a new block began
             # ROLLBACK with the block still open and none begun: ROLLBACK TO SAVEPOINT or
             # ROLLBACK AND CHAIN, which the session follows itself (it knows which it was)
+
+    def _tx_end(self, committed: bool) -> None:
+        self.tx_ends.append(committed)
+        if self.on_tx_end is not None:
+            self.on_tx_end()
 
     def _cycle_done(self, started: float, sqlstate: str | None) -> None:
         """A client cycle that did pass-through work ended: count it or report it."""

@@ -561,6 +561,7 @@ class Session:
         self.link.target = backend.RelayTarget(self.transport.write, self._backend_lost)
         self.link.on_cycle = functools.partial(self.statement_done, "pass_through")
         self.link.counter = self.server.metrics
+        self.link.on_tx_end = self._settle
         self.link.log_cycles = self.server.statement_log.log_all
         self.write(b"".join(self.link.startup_frames))
         self.send(p.BackendKeyData(self.process_id, self.secret_key),

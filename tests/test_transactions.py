@@ -254,3 +254,22 @@ def test_rollback_to_in_a_failed_block_on_the_extended_protocol(px: Proxy) -> No
         assert rows == [(b"0.5",)]
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("statements", [
+    ["BEGIN", "SET dp.epsilon = 0.5", "COMMIT"],
+    ["BEGIN", "SET dp.epsilon = 0.5", "SELECT 1/0", "ROLLBACK"],
+    ["SET dp.epsilon = 0.5; SELECT 1"],
+])
+def test_the_relay_stops_watching_when_the_block_ends(px: Proxy, statements: list[str]) -> None:
+    """While dp.* settings have changed in an open block the relay reads every reply (to
+    see how the block ends); it goes back to its fast path as soon as the block has ended,
+    not at the next dp.* statement (pass-through traffic would stay on the slow path)."""
+    with psycopg.connect(px.dsn(), autocommit=True) as conn:
+        (pid,) = conn.execute("SELECT pg_backend_pid()").fetchone()  # (the restricted role's)
+        session = next(s for s in px.server.sessions.values()
+                       if s.link is not None and s.link.key and s.link.key[0] == pid)
+        for sql in statements:
+            with contextlib.suppress(psycopg.errors.DivisionByZero):
+                conn.execute(sql)
+        assert session.link is not None and not session.link.watch_tx
