@@ -127,9 +127,8 @@ class BackendLink(asyncio.Protocol):
                  "_partial", "_relaying", "_skip", "batch_started", "closed", "codec", "counter",
                  "cycles", "encoding", "errors", "errors_at_ready", "idle_readies", "key",
                  "last_split_failed", "last_sqlstate", "log_cycles", "on_cycle", "on_tx_end",
-                 "parameters",
-                 "pending", "skipping", "startup_frames", "target", "transport", "tx_ends",
-                 "tx_status", "watch_tx")
+                 "parameters", "pending", "skipping", "startup_frames", "target", "transport",
+                 "tx_ends", "tx_status", "watch_tx")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -463,10 +462,7 @@ class BackendLink(asyncio.Protocol):
     def run_quietly(self, sql: str) -> None:
         """Send a transaction command of the proxy's own (BEGIN, COMMIT, ROLLBACK) whose
         replies the client does not see but for an error; await `drain()` for it."""
-        assert self.transport is not None
-        self.pending.append(Pending.INTERNAL_QUERY)
-        self.uncork()
-        self.transport.write(p.Query(sql).encode(self.codec))
+        self._send_own([p.Query(sql)], [Pending.INTERNAL_QUERY])
 
     def run_internal(self, sql: str, result_formats: tuple[int, ...], portal: str = INTERNAL_NAME,
                      max_rows: int = 0) -> None:
@@ -494,35 +490,35 @@ class BackendLink(asyncio.Protocol):
         if portal == INTERNAL_NAME:
             messages.append(p.Close(b"P", portal))
             kinds.append(Pending.INTERNAL_CLOSE)
-        frames = b"".join(m.encode(self.codec) for m in messages)
-        self.uncork()
-        self.pending.extend(kinds)
-        self.transport.write(frames)
+        self._send_own(messages, kinds)
 
     def shadow_statement(self, name: str) -> None:
         """Prepare a placeholder statement of the name of one the proxy holds, so that the
         backend refuses the name as in use (42P05) until it is closed or deallocated; an error
         (the name is in use) is relayed. Await `drain()` for it."""
-        self._quietly([p.Parse(name, "SELECT")], [Pending.INTERNAL_PARSE])
+        self._send_own([p.Parse(name, "SELECT")], [Pending.INTERNAL_PARSE])
 
     def shadow_portal(self, name: str) -> None:
         """Bind a placeholder portal of the name of one the proxy holds (see
         `shadow_statement`; 42P03 for a portal)."""
         n = SHADOW_NAME
-        self._quietly([p.Close(b"S", n), p.Parse(n, "SELECT"), p.Bind(name, n, (), (), ()),
-                       p.Close(b"S", n)],
-                      [Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND,
-                       Pending.INTERNAL_CLOSE])
+        self._send_own([p.Close(b"S", n), p.Parse(n, "SELECT"), p.Bind(name, n, (), (), ()),
+                        p.Close(b"S", n)],
+                       [Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND,
+                        Pending.INTERNAL_CLOSE])
 
-    def _quietly(self, messages: list[p.FrontendMessage], kinds: list[Pending]) -> None:
+    def _send_own(self, messages: list[p.FrontendMessage], kinds: list[Pending]) -> None:
+        """Send messages of the proxy's own, awaiting `kinds` of replies; encoded first, so
+        that a UnicodeEncodeError leaves nothing sent nor awaited."""
         assert self.transport is not None
-        self.pending.extend(kinds)
+        frames = b"".join(m.encode(self.codec) for m in messages)
         self.uncork()
-        self.transport.write(b"".join(m.encode(self.codec) for m in messages))
+        self.pending.extend(kinds)
+        self.transport.write(frames)
 
     def close_quietly(self, kind: bytes, name: str) -> None:
         """Close a statement (b"S") or portal (b"P") of the backend's, the client not told."""
-        self._quietly([p.Close(kind, name)], [Pending.INTERNAL_CLOSE])
+        self._send_own([p.Close(kind, name)], [Pending.INTERNAL_CLOSE])
 
     async def drain(self) -> None:
         """Wait until every forwarded message has its reply relayed (sending Flush if needed)."""

@@ -835,6 +835,16 @@ class Session:
             await link.drain()
         self.send(p.ReadyForQuery(link.tx_status))
 
+    async def _backend_accepts(self, send: Callable[[], None]) -> bool:
+        """Send messages of the proxy's own (`send`) and wait for their replies: False when
+        the backend refused one (its error relayed; the backend then skips to Sync)."""
+        link = self.link
+        assert link is not None
+        before = link.errors
+        send()
+        await link.drain()
+        return link.errors == before
+
     async def _split_statement(self, st: Statement) -> None:
         """Run one forwarded statement of a split Query on the backend (its replies relayed
         but its ReadyForQuery); raises _AlreadyReported when it fails."""
@@ -857,15 +867,13 @@ class Session:
         answers it inside its own (xact.c); returns whether the block stays the proxy's."""
         link = self.link
         assert link is not None
-        tag = "START TRANSACTION" if command == "TRANS_STMT_START" else "BEGIN"
         if command in _BEGINS:
-            if st.tree["TransactionStmt"].get("options"):
-                before = link.errors
-                link.run_quietly(set_transaction_sql(st.sql))  # (its own errors as BEGIN's)
-                await link.drain()
-                if link.errors > before:
-                    raise _AlreadyReported()
-            self.send(p.CommandComplete(tag))  # the block is the client's from now on
+            if st.tree["TransactionStmt"].get("options") and not await self._backend_accepts(
+                    lambda: link.run_quietly(set_transaction_sql(st.sql))):
+                raise _AlreadyReported()  # (its errors as BEGIN's)
+            # the block is the client's from now on
+            self.send(p.CommandComplete(
+                "START TRANSACTION" if command == "TRANS_STMT_START" else "BEGIN"))
             return False
         chain = bool(st.tree["TransactionStmt"].get("chain"))
         if command in _ENDS:
@@ -876,10 +884,8 @@ class Session:
                     "transaction blocks")
             link.run_quietly("COMMIT" if commit else "ROLLBACK")
             await link.drain()
-            self.send(p.NoticeResponse((
-                (p.FIELD_SEVERITY, "WARNING"), (p.FIELD_SEVERITY_V, "WARNING"),
-                (p.FIELD_CODE, "25P01"), (p.FIELD_MESSAGE, "there is no transaction in progress"))),
-                p.CommandComplete("COMMIT" if commit else "ROLLBACK"))
+            self.send(_no_transaction_warning("there is no transaction in progress"),
+                      p.CommandComplete("COMMIT" if commit else "ROLLBACK"))
             return False
         raise NoActiveSqlTransaction(f"{_SAVEPOINT_COMMANDS[command]} can only be used in "
                                      "transaction blocks")
@@ -1010,10 +1016,7 @@ class Session:
         new = change(self.settings)
         outside = link.tx_status == b"I"
         if outside and is_local and (not extended or link.batch_started is None):
-            self.send(p.NoticeResponse((
-                (p.FIELD_SEVERITY, "WARNING"), (p.FIELD_SEVERITY_V, "WARNING"),
-                (p.FIELD_CODE, "25P01"),
-                (p.FIELD_MESSAGE, "SET LOCAL can only be used in transaction blocks"))))
+            self.send(_no_transaction_warning("SET LOCAL can only be used in transaction blocks"))
         if outside and not extended:
             if is_local:
                 return
@@ -1111,10 +1114,8 @@ class Session:
         if msg.name:
             # the name is taken on the backend too: Postgres refuses a name in use (42P05)
             # whichever kind of statement has it
-            before = self.link.errors
-            self.link.shadow_statement(msg.name)
-            await self.link.drain()
-            if self.link.errors > before:
+            link = self.link
+            if not await self._backend_accepts(lambda: link.shadow_statement(msg.name)):
                 self.state = State.FAILED_BATCH  # (its error relayed)
                 return
         self.local_statements[msg.name] = LocalStatement(
@@ -1192,10 +1193,7 @@ class Session:
         else:
             # the name is taken on the backend too, until the portal is closed or its
             # transaction ends: Postgres refuses a name in use (42P03) whatever portal has it
-            before = link.errors
-            link.shadow_portal(bind.portal)
-            await link.drain()
-            if link.errors > before:
+            if not await self._backend_accepts(lambda: link.shadow_portal(bind.portal)):
                 raise _AlreadyReported()
         self.local_portals[bind.portal] = LocalPortal(local, bind)
         self.exhausted_portals.discard(bind.portal)
@@ -1320,6 +1318,12 @@ _SAVEPOINT_COMMANDS = {"TRANS_STMT_SAVEPOINT": "SAVEPOINT", "TRANS_STMT_RELEASE"
 _NOT_EMULATED = ("TRANS_STMT_PREPARE", "TRANS_STMT_COMMIT_PREPARED",
                  "TRANS_STMT_ROLLBACK_PREPARED")
 """Queries with these run statement by statement, without an implicit block of the proxy's."""
+
+
+def _no_transaction_warning(message: str) -> p.NoticeResponse:
+    """Postgres's WARNING 25P01 (a transaction command where no block is open)."""
+    return p.NoticeResponse(((p.FIELD_SEVERITY, "WARNING"), (p.FIELD_SEVERITY_V, "WARNING"),
+                             (p.FIELD_CODE, "25P01"), (p.FIELD_MESSAGE, message)))
 
 
 def _transaction_command(st: Statement) -> str | None:
