@@ -11,8 +11,8 @@ with noisy counts (`dp_core.quantiles`).
 
 from __future__ import annotations
 
+import dataclasses
 import decimal
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +42,9 @@ class Released:
     rows: tuple[tuple[str | int | float | None, ...], ...]
     groups_in: int
     """Groups the pushdown returned (before thresholding); not to be shown to analysts."""
+    spread: Mapping[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    """For each AVG, VAR and STDDEV (by aggregate index): the smallest and largest 95% noise
+    half-width over the released groups (`noise_half_widths`)."""
 
 
 GroupKey = tuple[str | int | None, ...]
@@ -226,6 +229,9 @@ def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str,
             values.append(column)
             continue
         values.append(list(_aggregate_values(i, agg, plan, noisy, len(rows))))
+    spread = {i: noise_half_widths(i, agg, plan, noisy, kept)
+              for i, agg in enumerate(query.aggregates)
+              if agg.kind in _DERIVED and not reads_user_count(agg) and kept}
     out = []
     for r in kept:
         row: list[str | int | float | None] = []
@@ -236,7 +242,7 @@ def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str,
                 assert col.aggregate is not None
                 row.append(values[col.aggregate][r])
         out.append(tuple(row))
-    return Released(tuple(out), len(rows))
+    return Released(tuple(out), len(rows), spread)
 
 
 def _aggregate_values(i: int, agg: Aggregate, plan: DPQueryPlan,
@@ -247,14 +253,65 @@ def _aggregate_values(i: int, agg: Aggregate, plan: DPQueryPlan,
         return [max(0, round(v)) for v in noisy[f"dp_a{i}_{Component.COUNT}"]]
     if agg.kind is AggKind.SUM:
         return [float(v) for v in noisy[f"dp_a{i}_{Component.SUM}"]]
+    return [float(v) for v in _derived(agg, *_components(i, agg, noisy))]
+
+
+_DERIVED = (AggKind.AVG, AggKind.VAR, AggKind.STDDEV)
+_SIMULATED = 4000
+
+
+def _components(i: int, agg: Aggregate, noisy: Mapping[str, NDArray[np.float64]]
+                ) -> list[NDArray[np.float64]]:
+    names = [Component.N, Component.CENTERED_SUM]
+    if agg.kind is not AggKind.AVG:
+        names.append(Component.CENTERED_SQUARES)
+    return [noisy[f"dp_a{i}_{name}"] for name in names]
+
+
+def _derived(agg: Aggregate, n: NDArray[np.float64], csum: NDArray[np.float64],
+             csquares: NDArray[np.float64] | None = None) -> NDArray[np.float64]:
+    """AVG, VAR or STDDEV from the noisy count and centred sums (elementwise)."""
     lo, hi = agg.known_bounds.lower, agg.known_bounds.upper
     mid, half = (lo + hi) / 2, (hi - lo) / 2
-    count = np.maximum(noisy[f"dp_a{i}_{Component.N}"], 1.0)
-    mean_c = noisy[f"dp_a{i}_{Component.CENTERED_SUM}"] / count
+    count = np.maximum(n, 1.0)
+    mean_c = csum / count
     if agg.kind is AggKind.AVG:
-        return [float(v) for v in np.clip(mid + mean_c, lo, hi)]
-    var = noisy[f"dp_a{i}_{Component.CENTERED_SQUARES}"] / count - mean_c**2
-    var = np.clip(var, 0.0, half * half)
-    if agg.kind is AggKind.VAR:
-        return [float(v) for v in var]
-    return [math.sqrt(float(v)) for v in var]
+        return np.asarray(np.clip(mid + mean_c, lo, hi), dtype=np.float64)
+    assert csquares is not None
+    var = np.clip(csquares / count - mean_c**2, 0.0, half * half)
+    return np.asarray(var if agg.kind is AggKind.VAR else np.sqrt(var), dtype=np.float64)
+
+
+def noise_half_widths(i: int, agg: Aggregate, plan: DPQueryPlan,
+                      noisy: Mapping[str, NDArray[np.float64]], kept: Sequence[int],
+                      rng: np.random.Generator | None = None) -> tuple[float, float]:
+    """The 95% noise half-width of an AVG, VAR or STDDEV at the released groups with the
+    smallest and the largest noisy count, as (smallest width, largest width).
+
+    Such a value is a ratio of noisy quantities, so how far its noise moves it depends on
+    the group's count: there is no one width per column. Each width is simulated: the
+    group's noisy components, moved into the values true ones can have (a count ≥ 1, a
+    centred sum within ±half the range per value, a sum of squares between the sum's square
+    over the count and half the range squared per value), are taken for the true ones, the
+    plan's noise is drawn for them again, and the 95th percentile of how far the value moves
+    is the width. This uses only noisy quantities of released groups and the public noise
+    distributions, so it is post-processing and costs nothing (the draws need not be
+    secure)."""
+    rng = rng or np.random.default_rng()
+    half = (agg.known_bounds.upper - agg.known_bounds.lower) / 2
+    comps = [c[list(kept)] for c in _components(i, agg, noisy)]
+    comps[0] = np.maximum(comps[0], 1.0)
+    comps[1] = np.clip(comps[1], -half * comps[0], half * comps[0])
+    if len(comps) > 2:
+        comps[2] = np.clip(comps[2], comps[1] ** 2 / comps[0], half * half * comps[0])
+    ends = sorted({int(np.argmin(comps[0])), int(np.argmax(comps[0]))})
+    specs = {q.component: q.spec for q in plan.quantities if q.aggregate == i}
+    names = [Component.N, Component.CENTERED_SUM, Component.CENTERED_SQUARES][:len(comps)]
+    widths = []
+    for g in ends:
+        at = [np.full(1, c[g]) for c in comps]
+        drawn = [specs[name].add(np.full(_SIMULATED, c[g]), rng)
+                 for name, c in zip(names, comps, strict=True)]
+        moved = np.abs(_derived(agg, *drawn) - _derived(agg, *at))
+        widths.append(float(np.quantile(moved, 0.95)))
+    return min(widths), max(widths)

@@ -54,6 +54,7 @@ from dp_core.plan import Component, DPQueryPlan, make_plan
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, choose_bounds
 from dp_core.release import (
     GroupKey,
+    Released,
     Selection,
     add_rows,
     add_trees,
@@ -684,7 +685,7 @@ class DPService:
                            selection=run.selection)
         sql = self._result_sql(prepared, released.rows)
         budget = await self.ledger.budget(session.user, conn)
-        return sql, [self._notice(prepared, run, budget)]
+        return sql, [self._notice(prepared, run, released, budget)]
 
     async def _run(self, prepared: Prepared, conn: Any) -> _Run:
         """Run the pushdown (after the charge): APPROX_BOUNDS first, then main and trees.
@@ -844,7 +845,8 @@ class DPService:
                           sources=[o.source for o in q.outputs], having=q.having,
                           order_by=q.order_by, limit=q.limit, offset=q.offset, visible=visible)
 
-    def _notice(self, prepared: Prepared, run: _Run, budget: Any) -> p.NoticeResponse:
+    def _notice(self, prepared: Prepared, run: _Run, released: Released,
+                budget: Any) -> p.NoticeResponse:
         from server.session import notice_response
 
         plan = run.plan
@@ -854,6 +856,11 @@ class DPService:
                 continue
             if prepared.query.aggregates[col.aggregate].kind is AggKind.QUANTILE:
                 continue  # its noise is on counts of the tree, not on the value
+            if col.aggregate in released.spread:  # AVG, VAR, STDDEV: depends on the count
+                low, high = released.spread[col.aggregate]
+                widths.append(f"{col.name} ±{_g(low)}" if _g(low) == _g(high)
+                              else f"{col.name} ±{_g(low)} to ±{_g(high)} (by group count)")
+                continue
             qs = [q for q in plan.quantities if q.aggregate == col.aggregate]
             if not qs and plan.threshold is not None:
                 qs = [plan.threshold]

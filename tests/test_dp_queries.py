@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import threading
 from collections.abc import Iterator
 from decimal import Decimal
@@ -217,6 +218,23 @@ def test_notice_reports_spend_and_noise(proxy: Proxy, reset: None) -> None:
     message, detail = notices[0]
     assert "spent epsilon 0.1" in message and "budget left epsilon 9.9" in message
     assert "95% noise half-width: n ±" in detail
+
+
+def test_notice_gives_an_average_its_own_half_width(proxy: Proxy, reset: None) -> None:
+    """An average's noise is its centred sum's over the count: the notice gives the range of
+    widths over the released groups, in the average's units (within its half range)."""
+    details: list[str] = []
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        conn.add_notice_handler(lambda d: details.append(d.message_detail or ""))
+        conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) browser, "
+                     "ANON_AVG(duration, 0, 3600) AS a FROM visits GROUP BY browser").fetchall()
+        conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) "
+                     "ANON_AVG(duration, 0, 3600) AS a FROM visits").fetchall()
+    grouped = re.search(r"a ±([0-9.e+]+) to ±([0-9.e+]+) \(by group count\)", details[0])
+    assert grouped, details[0]
+    assert 0 < float(grouped[1]) < float(grouped[2]) <= 1800
+    single = re.search(r"a ±([0-9.e+]+)$", details[1])
+    assert single and 0 < float(single[1]) < float(grouped[1]), details[1]
 
 
 def test_exact_charge_refusal_reset_and_ledger(proxy: Proxy, reset: None) -> None:
