@@ -21,6 +21,7 @@ from enum import Enum
 from typing import Protocol, cast
 
 from server import protocol as p
+from server.backend_setup import quote_ident
 from server.dsn import DSN
 from server.encodings import UnsupportedEncoding, codec
 from server.scram import MECHANISM, ScramClient, ScramError
@@ -60,6 +61,7 @@ class Pending(Enum):
     INTERNAL_PARSE = "iP"
     INTERNAL_BIND = "iB"
     INTERNAL_CLOSE = "iC"
+    INTERNAL_EXECUTE = "iE"  # a statement of the proxy's own without rows (CommandComplete)
 
 
 _EXTENDED_TAGS = {
@@ -89,6 +91,7 @@ _INTERNAL_COMPLETES = {
     b"1": Pending.INTERNAL_PARSE,
     b"2": Pending.INTERNAL_BIND,
     b"3": Pending.INTERNAL_CLOSE,
+    b"C": Pending.INTERNAL_EXECUTE,
 }
 _SYNCS = (Pending.SYNC,)
 _NOT_ENDING_A_QUERY = frozenset(_COMPLETES) - {b"Z", b"E"}
@@ -505,6 +508,22 @@ class BackendLink(asyncio.Protocol):
         self._send_own([p.Close(b"S", n), p.Parse(n, "SELECT"), p.Bind(name, n, (), (), ()),
                         p.Close(b"S", n)],
                        [Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND,
+                        Pending.INTERNAL_CLOSE])
+
+    def try_declare(self, declare: str, name: str, extended: bool) -> None:
+        """Declare a cursor for nothing and close it again, the client told only of an error:
+        whether the backend accepts the DECLARE (the name not in use) before the proxy
+        answers the query it is for. `extended`: in the client's extended batch (Parse /
+        Bind / Execute, no Sync, the portal closed as a cursor is); else one Query. Await
+        `drain()` for it."""
+        if not extended:
+            self.run_quietly(f"{declare}; CLOSE {quote_ident(name)}")
+            return
+        n = SHADOW_NAME
+        self._send_own([p.Close(b"S", n), p.Parse(n, declare), p.Bind(n, n, (), (), ()),
+                        p.Close(b"S", n), p.Execute(n, 0), p.Close(b"P", n), p.Close(b"P", name)],
+                       [Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND,
+                        Pending.INTERNAL_CLOSE, Pending.INTERNAL_EXECUTE, Pending.INTERNAL_CLOSE,
                         Pending.INTERNAL_CLOSE])
 
     def _send_own(self, messages: list[p.FrontendMessage], kinds: list[Pending]) -> None:

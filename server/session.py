@@ -942,6 +942,14 @@ class Session:
             return
         if st.kind in _DP_KINDS:
             self._check_cursor_block(st)
+            cursor = st.cursor
+            if cursor is not None:  # a name in use is refused before the charge
+                link = self.link
+                assert link is not None
+                declare = cursor.declare("SELECT", quote_ident)
+                if not await self._backend_accepts(
+                        lambda: link.try_declare(declare, cursor.name, bind is not None)):
+                    raise _AlreadyReported()
             # its own task, so that a CancelRequest can stop it (and its pushdown) alone
             self._dp_task = asyncio.get_running_loop().create_task(
                 self.server.dp.answer(self, st, bind, param_types))

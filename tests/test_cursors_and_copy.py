@@ -136,6 +136,41 @@ def test_declare_outside_a_block_is_refused_before_the_charge(px: Proxy) -> None
     assert spent(px) == pytest.approx(before + 2 * EPSILON)
 
 
+def test_a_cursor_name_in_use_is_refused_before_the_charge(px: Proxy) -> None:
+    """Postgres's own error (42P03) for a DP cursor whose name is taken, and nothing spent:
+    on the extended protocol (psycopg 3), the simple one (psycopg2), in a block and with
+    WITH HOLD outside one; the name stays the first cursor's."""
+    n = browsers(px)
+    before = spent(px)
+    with psycopg.connect(px.dsn()) as c:
+        c.execute("DECLARE dp CURSOR FOR SELECT 1")
+        with pytest.raises(psycopg.Error) as err:
+            c.execute(f"DECLARE dp CURSOR FOR {DP}")
+        assert err.value.sqlstate == "42P03" and str(err.value).startswith(
+            'cursor "dp" already exists')
+        c.rollback()
+        c.autocommit = True
+        c.execute("DECLARE held CURSOR WITH HOLD FOR SELECT 1")
+        with pytest.raises(psycopg.Error) as err:
+            c.execute(f"DECLARE held CURSOR WITH HOLD FOR {DP}")
+        assert err.value.sqlstate == "42P03"
+        assert c.execute("FETCH ALL FROM held").fetchall() == [(1,)]
+        assert spent(px) == before
+    conn = psycopg2.connect(px.dsn())
+    try:
+        cur = conn.cursor()
+        cur.execute("DECLARE dp CURSOR FOR SELECT 1")
+        with pytest.raises(psycopg2.Error) as err2:
+            cur.execute(f"DECLARE dp CURSOR FOR {DP}")
+        assert err2.value.pgcode == "42P03"
+        conn.rollback()
+        cur.execute(f"DECLARE dp CURSOR FOR {DP}; FETCH ALL FROM dp")  # free again: answered
+        assert len(cur.fetchall()) == n
+    finally:
+        conn.close()
+    assert spent(px) == pytest.approx(before + EPSILON)
+
+
 def test_a_cursor_lives_through_its_query(px: Proxy) -> None:
     """One Query with DECLARE and FETCH needs no BEGIN: Postgres runs its statements in one
     implicit block, and so does the proxy (which runs them one by one)."""
