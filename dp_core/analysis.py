@@ -588,8 +588,33 @@ class _ParamBinder(Visitor):
         return value
 
 
+class _SchemaQualifiedColumns(Visitor):
+    """`schema.table.column` → `table.column` where FROM has `schema.table` without an alias
+    (the form Metabase writes): the same column, since a FROM list cannot hold two items of
+    one name; the rules then see the table's uid and configured bounds."""
+
+    def __init__(self, tables: frozenset[tuple[str, str]]) -> None:
+        super().__init__()
+        self.tables = tables
+
+    def visit_ColumnRef(self, ancestors: Any, node: ast.ColumnRef) -> Any:
+        fields = node.fields
+        if len(fields) == 3 and isinstance(fields[0], ast.String) \
+                and isinstance(fields[1], ast.String) \
+                and (str(fields[0].sval), str(fields[1].sval)) in self.tables:
+            return ast.ColumnRef(fields=fields[1:], location=node.location)
+        return None
+
+
+def _unaliased_tables(stmt: ast.Node) -> frozenset[tuple[str, str]]:
+    return frozenset((str(n.schemaname), str(n.relname)) for n in _walk(stmt)
+                     if isinstance(n, ast.RangeVar) and n.schemaname and n.alias is None
+                     and not n.catalogname)
+
+
 def parse_select(stripped_sql: str, params: Mapping[int, ast.Node] | None = None) -> ast.SelectStmt:
-    """Parse one SELECT (the DP clause already blanked) and bind `$n` parameters as constants."""
+    """Parse one SELECT (the DP clause already blanked), bind `$n` parameters as constants and
+    write `schema.table.column` references as `table.column`."""
     try:
         stmts = parse_sql(stripped_sql)
     except ParseError as e:
@@ -604,6 +629,9 @@ def parse_select(stripped_sql: str, params: Mapping[int, ast.Node] | None = None
         raise _refuse("only SELECT", type(stmt).__name__)
     if params:
         _ParamBinder(params)(stmt)
+    tables = _unaliased_tables(stmt)
+    if tables:
+        _SchemaQualifiedColumns(tables)(stmt)
     return stmt
 
 

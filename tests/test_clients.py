@@ -15,7 +15,7 @@ import pytest
 
 from server.embedded import find_bindir
 
-from .conftest import Proxy
+from .conftest import Proxy, reset_budget
 
 REFUSED = "42501"
 
@@ -256,6 +256,24 @@ def test_metabase_sees_protected_tables(proxy: Proxy) -> None:
         for table in ("visits", "purchases", "countries"):
             cur = conn.execute(f'SELECT TRUE FROM "public"."{table}" WHERE 1 <> 1 LIMIT 0')
             assert cur.fetchall() == [] and cur.description is not None
+
+
+METABASE_QUESTIONS = [line for line in (Path(__file__).parent / "fixtures" / "metabase_questions.sql")
+                      .read_text().splitlines() if line and not line.startswith("--")]
+
+
+@pytest.mark.parametrize("sql", METABASE_QUESTIONS)
+def test_metabase_questions_are_dp_answers(proxy: Proxy, sql: str) -> None:
+    """Metabase's questions reference columns as "schema"."table"."column": each is answered as
+    the DP query it is, the uid counted as users and the configured bounds used (no
+    APPROX_BOUNDS spent on a column the config bounds)."""
+    details: list[str] = []
+    reset_budget(proxy)
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        conn.add_notice_handler(lambda d: details.append(d.message_detail or ""))
+        rows = conn.execute(sql).fetchall()
+    assert rows and len(details) == 1
+    assert "APPROX_BOUNDS" not in details[0]
 
 
 def test_statistics_of_protected_tables_are_hidden(proxy: Proxy) -> None:

@@ -164,6 +164,18 @@ def test_like_pattern_with_trailing_escape_is_a_syntax_error() -> None:
 # ---------------------------------------------------------------------------- the plan's numbers
 
 
+def test_schema_qualified_columns_are_the_tables_columns() -> None:
+    """`public.visits.uid` is visits' uid and `public.visits.duration` has its configured
+    bounds, as Postgres resolves them; behind an alias the name is not visible (refused)."""
+    query, _, sql = build('SELECT count(DISTINCT "public"."visits"."uid") AS n, '
+                          'avg(public.visits.duration) AS a FROM public.visits')
+    assert [a.kind for a in query.aggregates] == [AggKind.COUNT_USERS, AggKind.AVG]
+    assert query.aggregates[1].bounds == Bounds(0, 3600)
+    assert "public.visits.duration" not in sql and "visits.duration" in sql
+    with pytest.raises(FeatureNotSupported, match="COUNT"):
+        build("SELECT count(DISTINCT public.visits.uid) FROM public.visits v")
+
+
 def test_split_and_sensitivities_hand_computed() -> None:
     query, plan, _ = build("SELECT WITH ANONYMIZATION OPTIONS(epsilon=1.5, max_groups_contributed=2) "
                            "browser, ANON_COUNT(*) AS n, ANON_SUM(duration, -10, 30) AS s, "
