@@ -710,6 +710,14 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         keys.append(Key(totalize(val, "GROUP BY key"), name))
         outputs.append(OutputColumn(name, key=len(keys) - 1, source=val))
         select.append(SelectItem(name, column=len(outputs) - 1))
+    for expr in (stmt.havingClause, *(s.node for s in stmt.sortClause or ())):
+        # an aggregate that only HAVING or ORDER BY uses is released too (hidden), as in a
+        # select-list expression: they filter and sort on noisy values
+        for fc in _dp_aggregates_in(expr) if expr is not None else ():
+            if not any(_same(fc, o.source) for o in outputs):
+                hidden = f"dp_hidden{len(outputs)}"
+                aggregates.append(_make_aggregate(fc, hidden, fa, policy, totalize))
+                outputs.append(OutputColumn(hidden, aggregate=len(aggregates) - 1, source=fc))
     selected = [(o.source, o.name) for o in outputs if o.key is not None]
     for g in group_exprs:
         # (against the selected expressions as written: the keys are totalised, `x % 2`

@@ -176,6 +176,15 @@ def test_schema_qualified_columns_are_the_tables_columns() -> None:
         build("SELECT count(DISTINCT public.visits.uid) FROM public.visits v")
 
 
+def test_aggregates_only_in_having_or_order_by_are_hidden_outputs() -> None:
+    query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) AS n FROM visits "
+                           "GROUP BY browser HAVING ANON_COUNT(*) > 5 AND ANON_SUM(duration, 0, 9) > 1 "
+                           "ORDER BY ANON_AVG(duration, 0, 9), n")
+    assert [a.kind for a in query.aggregates] == [AggKind.COUNT, AggKind.SUM, AggKind.AVG]
+    assert [o.name for o in query.outputs] == ["browser", "n", "dp_hidden2", "dp_hidden3"]
+    assert plan.cost.epsilon == 1  # one query, its epsilon split over three aggregates
+
+
 def test_split_and_sensitivities_hand_computed() -> None:
     query, plan, _ = build("SELECT WITH ANONYMIZATION OPTIONS(epsilon=1.5, max_groups_contributed=2) "
                            "browser, ANON_COUNT(*) AS n, ANON_SUM(duration, -10, 30) AS s, "

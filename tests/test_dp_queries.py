@@ -144,6 +144,25 @@ def test_having_order_by_limit_on_noisy_values(proxy: Proxy, reset: None) -> Non
         assert rows[0][1] >= rows[1][1] >= rows[2][1] > 100
 
 
+def test_aggregates_only_in_having_or_order_by_are_released_hidden(proxy: Proxy,
+                                                                    reset: None) -> None:
+    """HAVING and ORDER BY may use DP aggregates the select list does not (Tableau's
+    `HAVING (COUNT(1) > 0)`, a plain `HAVING SUM(x) > c`): each is released as a hidden
+    column, in the one charge, and filters or sorts on its noisy value. Before, Postgres
+    refused the result query (42803 or 42883)."""
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        (n,), = conn.execute('SELECT COUNT(DISTINCT "visits"."uid") AS "ctd:uid:ok" '
+                             'FROM "public"."visits" "visits" HAVING (COUNT(1) > 0)').fetchall()
+        assert n > 0
+        rows = conn.execute("SELECT WITH ANONYMIZATION country, ANON_COUNT(DISTINCT uid) AS users "
+                            "FROM visits GROUP BY country HAVING ANON_SUM(duration, 0, 100) > 1 "
+                            "ORDER BY ANON_COUNT(*) DESC LIMIT 2").fetchall()
+        assert len(rows) == 2 and rows[0][0] == "US" and len(rows[0]) == 2
+        assert conn.execute("SELECT country, count(*) FROM visits GROUP BY country "
+                            "HAVING sum(duration) > 1e12").fetchall() == []
+        assert spent(conn)[0] == pytest.approx(3.0)  # one charge each (the default epsilon)
+
+
 @pytest.mark.parametrize(("clause", "error"), [
     # an alias of an expression over aggregates is not an output column (found by the fuzzer)
     ("HAVING n2 > 0", psycopg.errors.FeatureNotSupported),
