@@ -1009,6 +1009,10 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
                          name)
     if fc.agg_distinct:
         raise _refuse(f"{fname.upper()}(DISTINCT ...)", _sql(fc))
+    if fname == "sum" and len(args) == 1 and isinstance(args[0], ast.A_Const) \
+            and isinstance(args[0].val, ast.Integer) and args[0].val.ival == 1:
+        # Tableau counts rows as SUM(1): a count, bigint as Postgres's SUM of integers
+        return Aggregate(AggKind.COUNT, None, Bounds(0, 1.0), name)
     if len(args) not in (1, 3):
         raise _refuse(f"{fname.upper()} takes (x) or (x, lower, upper)", _sql(fc))
     bounds = _bounds(args[0], args[1:], fc, fa, policy)
@@ -1081,8 +1085,17 @@ def _is_uid(node: Any, fa: _FromAnalysis) -> bool:
     return any(parts == [t.uid_column] or parts == [t.alias, t.uid_column] for t in fa.tables)
 
 
+_WIDENING_CASTS = frozenset({"float8", "float4", "numeric", "int8"})
+"""Types a bounded column keeps its value in when cast to them (Tableau writes
+AVG(CAST(x AS DOUBLE PRECISION))): the column's configured bounds still apply."""
+
+
 def _configured_bounds(node: Any, fa: _FromAnalysis,
                        policy: Mapping[str, TablePolicy]) -> tuple[float, float] | None:
+    while isinstance(node, ast.TypeCast) and node.typeName is not None \
+            and not node.typeName.arrayBounds \
+            and str(node.typeName.names[-1].sval) in _WIDENING_CASTS:
+        node = node.arg
     if not isinstance(node, ast.ColumnRef):
         return None
     parts = [str(f.sval) for f in node.fields if isinstance(f, ast.String)]

@@ -258,15 +258,17 @@ def test_metabase_sees_protected_tables(proxy: Proxy) -> None:
             assert cur.fetchall() == [] and cur.description is not None
 
 
-METABASE_QUESTIONS = [line for line in (Path(__file__).parent / "fixtures" / "metabase_questions.sql")
-                      .read_text().splitlines() if line and not line.startswith("--")]
+BI_QUESTIONS = [line for tool in ("metabase", "tableau")
+                for line in (Path(__file__).parent / "fixtures" / f"{tool}_questions.sql")
+                .read_text().splitlines() if line and not line.startswith("--")]
 
 
-@pytest.mark.parametrize("sql", METABASE_QUESTIONS)
-def test_metabase_questions_are_dp_answers(proxy: Proxy, sql: str) -> None:
-    """Metabase's questions reference columns as "schema"."table"."column": each is answered as
-    the DP query it is, the uid counted as users and the configured bounds used (no
-    APPROX_BOUNDS spent on a column the config bounds)."""
+@pytest.mark.parametrize("sql", BI_QUESTIONS)
+def test_bi_tool_questions_are_dp_answers(proxy: Proxy, sql: str) -> None:
+    """Metabase's questions reference columns as "schema"."table"."column", Tableau's count
+    rows as SUM(1) and filter with HAVING aggregates: each is answered as the DP query it
+    is, the uid counted as users and the configured bounds used (no APPROX_BOUNDS spent on
+    a column the config bounds)."""
     details: list[str] = []
     reset_budget(proxy)
     with psycopg.connect(proxy.dsn(), autocommit=True) as conn:

@@ -185,6 +185,21 @@ def test_aggregates_only_in_having_or_order_by_are_hidden_outputs() -> None:
     assert plan.cost.epsilon == 1  # one query, its epsilon split over three aggregates
 
 
+def test_sum_of_one_is_a_count() -> None:
+    """Tableau's SUM(1) is COUNT(*) (bigint, the count's per-user bound); SUM(2) stays a sum."""
+    query, _, _ = build("SELECT browser, SUM(1) AS n FROM visits GROUP BY 1")
+    assert query.aggregates[0].kind is AggKind.COUNT and query.aggregates[0].arg is None
+    query, _, _ = build("SELECT SUM(2) FROM visits")
+    assert query.aggregates[0].kind is AggKind.SUM
+
+
+def test_a_widening_cast_keeps_the_configured_bounds() -> None:
+    query, _, _ = build("SELECT avg(CAST(duration AS DOUBLE PRECISION)) AS a, "
+                        "sum(duration::numeric) AS s, avg(duration::text::float8) AS t FROM visits")
+    assert [a.bounds for a in query.aggregates[:2]] == [Bounds(0, 3600)] * 2
+    assert query.aggregates[2].bounds is None  # (through text: APPROX_BOUNDS finds them)
+
+
 def test_split_and_sensitivities_hand_computed() -> None:
     query, plan, _ = build("SELECT WITH ANONYMIZATION OPTIONS(epsilon=1.5, max_groups_contributed=2) "
                            "browser, ANON_COUNT(*) AS n, ANON_SUM(duration, -10, 30) AS s, "
