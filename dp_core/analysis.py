@@ -179,6 +179,10 @@ class AnalyzedQuery:
     """What the client sees, in select-list order."""
     casts: tuple[CastCheck, ...] = ()
     """Casts whose totality depends on their source type (see `check_casts`)."""
+    outer: ast.SelectStmt | None = None
+    """A query over this one's answer (`SELECT ... FROM (DP query) AS t WHERE ...`, as Power BI
+    writes): post-processing, run over the released rows; its FROM item's subquery is
+    replaced by the result query."""
 
     def with_bounds(self, found: Mapping[int, Bounds]) -> AnalyzedQuery:
         """The query with bounds (from APPROX_BOUNDS) filled in for the given aggregates."""
@@ -637,6 +641,9 @@ def parse_select(stripped_sql: str, params: Mapping[int, ast.Node] | None = None
 
 def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form: bool) -> AnalyzedQuery:
     """Check `stmt` against the DP rules and split it into keys, aggregates and the rest."""
+    answered = _post_processed(stmt)
+    if answered is not None:
+        return replace(analyze(answered, policy, plain_form), outer=stmt)
     if stmt.op is not None and stmt.op != 0 and stmt.larg is not None:
         raise _refuse("set operations (UNION, INTERSECT, EXCEPT)")
     ctes: dict[str, str | None] = {}
@@ -737,6 +744,37 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
 
 
 _PER_USER_AGGREGATES = frozenset({"count", "sum", "avg", "min", "max"})
+
+
+def _post_processed(stmt: ast.SelectStmt) -> ast.SelectStmt | None:
+    """The DP query that `stmt` only post-processes, or None.
+
+    That is a SELECT without aggregates or GROUP BY of its own whose one FROM item is a
+    subquery with them (a DP query): it reads nothing but the released rows, so it may
+    filter, project, sort and limit them freely. It may read nothing else: no other FROM
+    item, WITH or subquery (those stay refused as reads of protected rows)."""
+    if (stmt.op not in (None, 0) or stmt.groupClause or stmt.havingClause or stmt.valuesLists
+            or not stmt.fromClause or len(stmt.fromClause) != 1):
+        return None
+    item = stmt.fromClause[0]
+    if not isinstance(item, ast.RangeSubselect) or not isinstance(item.subquery, ast.SelectStmt):
+        return None
+    inner = item.subquery
+    if not (inner.groupClause or any(_dp_aggregates_in(t) for t in inner.targetList or ())):
+        return None  # a projection of rows: the outer query is the DP query, if any
+    outer_parts = (stmt.targetList, stmt.whereClause, stmt.sortClause, stmt.limitCount,
+                   stmt.limitOffset, stmt.distinctClause, stmt.windowClause)
+    if any(_dp_aggregates_in(part) for part in outer_parts if part is not None):
+        return None  # aggregates over the subquery's rows: the outer query is the DP query
+    if item.lateral or stmt.withClause is not None or stmt.intoClause is not None \
+            or stmt.lockingClause:
+        raise _refuse("LATERAL, WITH, INTO or FOR UPDATE around a DP query", _sql(stmt))
+    for part in outer_parts:
+        for node in _walk(part) if part is not None else ():
+            if isinstance(node, (ast.SubLink, ast.RangeVar, ast.RangeFunction)):
+                raise _refuse("a query over a DP answer reads only its rows (no subqueries)",
+                              _sql(node))
+    return inner
 
 
 def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Totalizer,

@@ -589,9 +589,15 @@ def _is_schema_probe(select: Mapping[str, Any]) -> bool:
 
 
 def _is_aggregate_select(select: Mapping[str, Any]) -> bool:
-    """A top-level SELECT with GROUP BY or an aggregate in its select list: a DP candidate."""
+    """A top-level SELECT with GROUP BY or an aggregate in its select list, or a SELECT from
+    one subquery that is one (a query over a DP answer): a DP candidate."""
     if select.get("groupClause"):
         return True
+    items = select.get("fromClause", [])
+    if len(items) == 1 and "RangeSubselect" in items[0]:
+        sub = items[0]["RangeSubselect"].get("subquery", {}).get("SelectStmt")
+        if sub is not None and _is_aggregate_select(sub):
+            return True
     for target in select.get("targetList", []):
         for fc in _walk(target, "FuncCall", skip=_SUBQUERIES):
             if _funcname(fc) in AGGREGATE_NAMES or _funcname(fc).startswith("anon_"):

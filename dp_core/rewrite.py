@@ -863,12 +863,14 @@ def result_sql(names: list[str], types: list[TypeRef],
                rows: Sequence[Sequence[str | int | float | None]], *,
                sources: list[Any] | None = None, having: Any = None,
                order_by: Sequence[Any] = (), limit: Any = None, offset: Any = None,
-               visible: Sequence[tuple[str, int | Any]] | None = None) -> str:
+               visible: Sequence[tuple[str, int | Any]] | None = None,
+               outer: ast.SelectStmt | None = None) -> str:
     """A query that returns `rows` with the given column names and types.
 
     HAVING and ORDER BY, written over the select list (`sources`) or the output
     names, are applied to the (already noisy) values by Postgres, which also
-    encodes the result in whatever format the client asked for.
+    encodes the result in whatever format the client asked for. With `outer` (a query
+    whose one FROM item is a subquery), that query is run over these rows.
     """
     import secrets
 
@@ -912,6 +914,11 @@ def result_sql(names: list[str], types: list[TypeRef],
     stmt.limitOffset = copy.deepcopy(offset)
     if limit is not None or offset is not None:
         stmt.limitOption = 1  # LIMIT_OPTION_COUNT
+    if outer is not None:
+        item = outer.fromClause[0]
+        outer = copy.deepcopy(outer)
+        outer.fromClause = (ast.RangeSubselect(subquery=stmt, alias=copy.deepcopy(item.alias)),)
+        stmt = outer
     printed = str(RawStream()(stmt))
     placeholder = f"(VALUES ('{mark}'))"
     if printed.count(placeholder) != 1:

@@ -843,7 +843,8 @@ class DPService:
                    for item in q.select]
         return result_sql(prepared.names, prepared.types(), rows,
                           sources=[o.source for o in q.outputs], having=q.having,
-                          order_by=q.order_by, limit=q.limit, offset=q.offset, visible=visible)
+                          order_by=q.order_by, limit=q.limit, offset=q.offset, visible=visible,
+                          outer=q.outer)
 
     def _notice(self, prepared: Prepared, run: _Run, released: Released,
                 budget: Any) -> p.NoticeResponse:
@@ -1047,6 +1048,9 @@ def explain_lines(prepared: Prepared) -> list[str]:
             lines.append("  where users have many groups each, the ranges may pick each user's "
                          "groups from its rows before aggregating them (the same choice of "
                          "groups; chosen when the query runs, on a sample of the users)")
+    if prepared.query.outer is not None:
+        lines.append("Post-processing: the query around the DP subquery runs over its released "
+                     "rows only")
     lines.append("Pushdown SQL (run as the pushdown role):")
     lines.extend("  " + sql for sql in prepared.sql)
     return lines

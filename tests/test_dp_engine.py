@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pglast import parse_sql
+from pglast.stream import RawStream
 
 from dp_core.analysis import AggKind, Bounds, TablePolicy, analyze, parse_select
 from dp_core.classify import Classifier, ProtectionPolicy
@@ -198,6 +199,24 @@ def test_a_widening_cast_keeps_the_configured_bounds() -> None:
                         "sum(duration::numeric) AS s, avg(duration::text::float8) AS t FROM visits")
     assert [a.bounds for a in query.aggregates[:2]] == [Bounds(0, 3600)] * 2
     assert query.aggregates[2].bounds is None  # (through text: APPROX_BOUNDS finds them)
+
+
+def test_a_query_over_a_dp_answer_runs_over_its_result() -> None:
+    """The outer query is kept whole; its FROM item's subquery becomes the result query."""
+    query, _, pushdown_text = build("SELECT t.browser FROM (SELECT browser, count(*) AS n FROM visits "
+                                    "GROUP BY browser) AS t WHERE t.n > 5 LIMIT 1")
+    assert query.outer is not None and [o.name for o in query.outputs] == ["browser", "n"]
+    assert "t.n" not in pushdown_text
+    sql = result_sql(["browser", "n"], [("pg_catalog", "text"), ("pg_catalog", "int8")],
+                     [("a", 7), ("b", 3)], outer=query.outer)
+    (stmt,) = parse_sql(sql)
+    outer = stmt.stmt
+    assert outer.fromClause[0].alias.aliasname == "t" and outer.limitCount.val.ival == 1
+    assert "VALUES" in RawStream()(outer.fromClause[0].subquery)
+    # a projection of rows under it is not a DP answer: the outer query is the DP query
+    query, _, _ = build("SELECT t.browser, count(*) FROM (SELECT browser FROM visits) t "
+                        "GROUP BY t.browser")
+    assert query.outer is None
 
 
 def test_split_and_sensitivities_hand_computed() -> None:

@@ -163,6 +163,46 @@ def test_aggregates_only_in_having_or_order_by_are_released_hidden(proxy: Proxy,
         assert spent(conn)[0] == pytest.approx(3.0)  # one charge each (the default epsilon)
 
 
+POWER_BI = ('select "_"."country", "_"."a0" from (select "rows"."country" as "country", '
+            'count(1) as "a0" from (select "_"."uid", "_"."browser", "_"."country", '
+            '"_"."duration" from "public"."visits" "_") "rows" group by "country") "_" '
+            'where not "_"."a0" is null limit 1000001')
+
+
+def test_a_query_over_a_dp_answer_post_processes_it(proxy: Proxy, reset: None) -> None:
+    """Power BI (DirectQuery) wraps its aggregate in a query that filters and limits it; a
+    query whose one FROM item is a DP query reads the released rows only, as a result
+    query, on both protocols, charged once."""
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        rows = conn.execute(POWER_BI).fetchall()
+        assert {r[0] for r in rows} >= {"US", "IN"} and all(r[1] is not None for r in rows)
+        cur = conn.execute("SELECT upper(t.browser) AS b, t.n * 2 AS twice FROM (SELECT WITH "
+                           "ANONYMIZATION browser, ANON_COUNT(*) AS n FROM visits GROUP BY browser) "
+                           "AS t WHERE t.n > %s ORDER BY t.n DESC LIMIT 2", (1000,))
+        assert [d.name for d in cur.description] == ["b", "twice"]
+        (b, twice), _ = cur.fetchall()
+        assert b == "CHROME" and twice % 2 == 0 and twice > 2000
+        assert spent(conn)[0] == pytest.approx(2.0)
+        lines = [r[0] for r in conn.execute("EXPLAIN " + POWER_BI).fetchall()]
+        assert any(line.startswith("Post-processing") for line in lines)
+        assert spent(conn)[0] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT t.n, (SELECT count(*) FROM visits) FROM (SELECT browser, count(*) AS n FROM visits "
+    "GROUP BY browser) t",
+    "SELECT t.n FROM (SELECT browser, count(*) AS n FROM visits GROUP BY browser) t, visits v",
+    "WITH w AS (SELECT 1) SELECT t.n FROM (SELECT browser, count(*) AS n FROM visits "
+    "GROUP BY browser) t",
+])
+def test_a_query_over_a_dp_answer_reads_nothing_else(proxy: Proxy, reset: None, sql: str) -> None:
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        with pytest.raises(psycopg.Error) as err:
+            conn.execute(sql).fetchall()
+        assert err.value.sqlstate in ("0A000", "42501")
+        assert spent(conn)[0] == 0
+
+
 @pytest.mark.parametrize(("clause", "error"), [
     # an alias of an expression over aggregates is not an output column (found by the fuzzer)
     ("HAVING n2 > 0", psycopg.errors.FeatureNotSupported),
