@@ -188,6 +188,17 @@ def test_a_query_over_a_dp_answer_post_processes_it(proxy: Proxy, reset: None) -
         assert spent(conn)[0] == pytest.approx(2.0)
 
 
+def test_post_processing_that_fails_on_released_values(proxy: Proxy, reset: None) -> None:
+    """An outer query may fail on the released values (1/0 here): Postgres's error, after the
+    charge (the answer was computed), and the session goes on."""
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            conn.execute("SELECT 1 / (t.n - t.n) FROM (SELECT browser, count(*) AS n "
+                         "FROM visits GROUP BY browser) t").fetchall()
+        assert spent(conn)[0] == pytest.approx(1.0)
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
 @pytest.mark.parametrize("sql", [
     "SELECT t.n, (SELECT count(*) FROM visits) FROM (SELECT browser, count(*) AS n FROM visits "
     "GROUP BY browser) t",
