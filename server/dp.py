@@ -181,8 +181,13 @@ def _planning_error(e: asyncpg.PostgresError) -> DPError:
 
 
 def _visible_name(query: AnalyzedQuery, aggregate: int) -> str:
+    """An aggregate's output name, or for one released hidden (an expression's, HAVING's or
+    ORDER BY's) its SQL as written."""
     name = query.aggregates[aggregate].output_name
-    return "an expression's aggregate" if name.startswith("dp_hidden") else name
+    if not name.startswith("dp_hidden"):
+        return name
+    source = next((o.source for o in query.outputs if o.aggregate == aggregate), None)
+    return str(RawStream()(source)) if source is not None else "an expression's aggregate"
 
 
 def _pct(x: float) -> str:
@@ -853,14 +858,15 @@ class DPService:
         plan = run.plan
         widths = []
         for col in prepared.query.outputs:
-            if col.aggregate is None or col.name.startswith("dp_hidden"):
+            if col.aggregate is None:
                 continue
+            name = _visible_name(prepared.query, col.aggregate)
             if prepared.query.aggregates[col.aggregate].kind is AggKind.QUANTILE:
                 continue  # its noise is on counts of the tree, not on the value
             if col.aggregate in released.spread:  # AVG, VAR, STDDEV: depends on the count
                 low, high = released.spread[col.aggregate]
-                widths.append(f"{col.name} ±{_g(low)}" if _g(low) == _g(high)
-                              else f"{col.name} ±{_g(low)} to ±{_g(high)} (by group count)")
+                widths.append(f"{name} ±{_g(low)}" if _g(low) == _g(high)
+                              else f"{name} ±{_g(low)} to ±{_g(high)} (by group count)")
                 continue
             qs = [q for q in plan.quantities if q.aggregate == col.aggregate]
             if not qs and plan.threshold is not None:
@@ -868,7 +874,7 @@ class DPService:
             elif not qs:
                 qs = [q for q in plan.quantities if q.name == "dp_users"]
             if qs:
-                widths.append(f"{col.name} ±{_g(qs[-1].spec.half_width_95)}")
+                widths.append(f"{name} ±{_g(qs[-1].spec.half_width_95)}")
         message = (f"DP answer: spent epsilon {_g(float(plan.cost.epsilon))}, delta "
                    f"{_g(float(plan.cost.delta))}; budget left epsilon "
                    f"{_g(float(budget.epsilon_remaining))}, delta {_g(float(budget.delta_remaining))}")
@@ -1027,7 +1033,7 @@ def explain_lines(prepared: Prepared) -> list[str]:
                      f"{_g(float(q.epsilon))}; bounds = outermost bins with noisy count > "
                      f"{_g(bounds_threshold(q.spec.scale))}")
     for q in plan.quantities:
-        owner = (prepared.query.aggregates[q.aggregate].output_name
+        owner = (_visible_name(prepared.query, q.aggregate)
                  if q.aggregate is not None else "user count")
         if q.noise is None:
             noise = f"{plan.noise_kind.value} noise scaled to the bounds APPROX_BOUNDS finds"

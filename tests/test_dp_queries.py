@@ -158,8 +158,11 @@ def test_aggregates_only_in_having_or_order_by_are_released_hidden(proxy: Proxy,
                             "FROM visits GROUP BY country HAVING ANON_SUM(duration, 0, 100) > 1 "
                             "ORDER BY ANON_COUNT(*) DESC LIMIT 2").fetchall()
         assert len(rows) == 2 and rows[0][0] == "US" and len(rows[0]) == 2
+        details: list[str] = []
+        conn.add_notice_handler(lambda d: details.append(d.message_detail or ""))
         assert conn.execute("SELECT country, count(*) FROM visits GROUP BY country "
                             "HAVING sum(duration) > 1e12").fetchall() == []
+        assert "sum(duration) ±" in details[-1]  # the hidden aggregate, named as written
         assert spent(conn)[0] == pytest.approx(3.0)  # one charge each (the default epsilon)
 
 
