@@ -1022,8 +1022,10 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
     if fname in QUANTILE_FUNCTIONS:
         return _make_quantile(fc, name, fa, policy, totalize)
     kind = ANON_FUNCTIONS.get(fname) or PLAIN_FUNCTIONS[fname]
-    if fc.agg_filter is not None or fc.agg_order or fc.agg_within_group:
-        raise _refuse("FILTER, ORDER BY or WITHIN GROUP in a DP aggregate", _sql(fc))
+    if fc.agg_order or fc.agg_within_group:
+        raise _refuse("ORDER BY or WITHIN GROUP in a DP aggregate", _sql(fc))
+    if fc.agg_filter is not None and fc.agg_distinct:
+        raise _refuse("FILTER with DISTINCT in a DP aggregate", _sql(fc))
     args = list(fc.args or ())
     if kind is AggKind.COUNT:
         if fc.agg_distinct:
@@ -1035,26 +1037,36 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
             if args:  # ANON_COUNT(*, U)
                 bound = _bound_literal(args[-1], fc)
                 args = []
-            return Aggregate(AggKind.COUNT, None, Bounds(0, bound), name)
+            return Aggregate(AggKind.COUNT, _filtered(fc, None, totalize), Bounds(0, bound), name)
         if len(args) not in (1, 2):
             raise _refuse("COUNT takes one column (and an optional per-user bound)", _sql(fc))
         bound = _bound_literal(args[1], fc) if len(args) == 2 else 1.0
         if bound <= 0:
             raise _refuse("the per-user bound of a count must be positive", _sql(fc))
-        if isinstance(args[0], ast.A_Const) and not args[0].isnull:
-            return Aggregate(AggKind.COUNT, None, Bounds(0, bound), name)  # COUNT(1) is COUNT(*)
-        return Aggregate(AggKind.COUNT, totalize(args[0], "aggregate argument"), Bounds(0, bound),
-                         name)
+        if isinstance(args[0], ast.A_Const) and not args[0].isnull:  # COUNT(1) is COUNT(*)
+            return Aggregate(AggKind.COUNT, _filtered(fc, None, totalize), Bounds(0, bound), name)
+        return Aggregate(AggKind.COUNT, _filtered(fc, args[0], totalize), Bounds(0, bound), name)
     if fc.agg_distinct:
         raise _refuse(f"{fname.upper()}(DISTINCT ...)", _sql(fc))
     if fname == "sum" and len(args) == 1 and isinstance(args[0], ast.A_Const) \
             and isinstance(args[0].val, ast.Integer) and args[0].val.ival == 1:
         # Tableau counts rows as SUM(1): a count, bigint as Postgres's SUM of integers
-        return Aggregate(AggKind.COUNT, None, Bounds(0, 1.0), name)
+        return Aggregate(AggKind.COUNT, _filtered(fc, None, totalize), Bounds(0, 1.0), name)
     if len(args) not in (1, 3):
         raise _refuse(f"{fname.upper()} takes (x) or (x, lower, upper)", _sql(fc))
     bounds = _bounds(args[0], args[1:], fc, fa, policy)
-    return Aggregate(kind, totalize(args[0], "aggregate argument"), bounds, name)
+    return Aggregate(kind, _filtered(fc, args[0], totalize), bounds, name)
+
+
+def _filtered(fc: ast.FuncCall, value: Any, totalize: Totalizer) -> Any:
+    """An aggregate's (totalised) argument `value` (None: a row count), with its FILTER
+    (WHERE c) folded in as `CASE WHEN c THEN value END`: every DP aggregate skips NULLs, so
+    it aggregates the same rows. None for a plain row count (COUNT(*))."""
+    if fc.agg_filter is None:
+        return None if value is None else totalize(value, "aggregate argument")
+    when = ast.CaseWhen(expr=fc.agg_filter,
+                        result=value if value is not None else ast.A_Const(val=ast.Integer(ival=1)))
+    return totalize(ast.CaseExpr(args=(when,)), "aggregate argument")
 
 
 def _bounds(arg: Any, written: Sequence[Any], fc: ast.FuncCall, fa: _FromAnalysis,
@@ -1077,8 +1089,8 @@ def _make_quantile(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
                    policy: Mapping[str, TablePolicy], totalize: Totalizer) -> Aggregate:
     fname = _funcname(fc)
     args = list(fc.args or ())
-    if fc.agg_distinct or fc.agg_star or fc.agg_filter is not None:
-        raise _refuse(f"DISTINCT, * or FILTER in {fname.upper()}", _sql(fc))
+    if fc.agg_distinct or fc.agg_star:
+        raise _refuse(f"DISTINCT or * in {fname.upper()}", _sql(fc))
     if fname == "percentile_cont" and fc.agg_within_group:
         # PERCENTILE_CONT(p) WITHIN GROUP (ORDER BY x [DESC])
         if len(args) != 1 or not fc.agg_order or len(fc.agg_order) != 1:
@@ -1099,7 +1111,7 @@ def _make_quantile(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
         p = _quantile_literal(args[1], fc) if takes_p else _QUANTILE_OF[fname]
         x, written = args[0], args[2:] if takes_p else args[1:]
     bounds = _bounds(x, written, fc, fa, policy)
-    return Aggregate(AggKind.QUANTILE, totalize(x, "aggregate argument"), bounds, name, p)
+    return Aggregate(AggKind.QUANTILE, _filtered(fc, x, totalize), bounds, name, p)
 
 
 def _quantile_literal(node: Any, fc: ast.FuncCall) -> float:

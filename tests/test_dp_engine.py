@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pglast import parse_sql
+from pglast import ast, parse_sql
 from pglast.stream import RawStream
 
 from dp_core.analysis import AggKind, Bounds, TablePolicy, analyze, parse_select
@@ -217,6 +217,21 @@ def test_a_query_over_a_dp_answer_runs_over_its_result() -> None:
     query, _, _ = build("SELECT t.browser, count(*) FROM (SELECT browser FROM visits) t "
                         "GROUP BY t.browser")
     assert query.outer is None
+
+
+def test_filter_is_folded_into_the_argument() -> None:
+    """`agg(x) FILTER (WHERE c)` aggregates CASE WHEN c THEN x END (NULLs skipped: the same
+    rows), keeping x's configured bounds; COUNT(*) FILTER counts CASE WHEN c THEN 1 END."""
+    query, _, sql = build("SELECT browser, count(*) FILTER (WHERE country = 'US') AS us, "
+                          "sum(duration) FILTER (WHERE 1 / (uid - 42) > 0) AS s, "
+                          "percentile_cont(0.5) WITHIN GROUP (ORDER BY duration) "
+                          "FILTER (WHERE duration > 1) AS m FROM visits GROUP BY browser")
+    us, total, median = query.aggregates
+    assert us.kind is AggKind.COUNT and isinstance(us.arg, ast.CaseExpr)
+    assert total.bounds == Bounds(0, 3600) and median.bounds == Bounds(0, 3600)
+    assert "CASE WHEN" in sql and "NULLIF" in sql  # the filter is totalised as WHERE is
+    with pytest.raises(FeatureNotSupported, match="FILTER with DISTINCT"):
+        build("SELECT count(DISTINCT uid) FILTER (WHERE country = 'US') FROM visits")
 
 
 def test_split_and_sensitivities_hand_computed() -> None:

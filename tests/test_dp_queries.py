@@ -166,6 +166,17 @@ def test_aggregates_only_in_having_or_order_by_are_released_hidden(proxy: Proxy,
         assert spent(conn)[0] == pytest.approx(3.0)  # one charge each (the default epsilon)
 
 
+def test_filtered_aggregates(proxy: Proxy, reset: None) -> None:
+    """FILTER (WHERE ...) on DP aggregates, plain and ANON forms: a filtered count is about
+    the same query's count over the filtered rows (both noisy; users with a US visit)."""
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        (us, n, long_total), = conn.execute(
+            "SELECT count(*) FILTER (WHERE country = 'US') AS us, count(*) AS n, "
+            "ANON_SUM(duration, 0, 100) FILTER (WHERE duration > 50) FROM visits").fetchall()
+        (where_us,), = conn.execute("SELECT count(*) FROM visits WHERE country = 'US'").fetchall()
+        assert 0 < us < n and abs(us - where_us) < 100 and long_total > 0
+
+
 POWER_BI = ('select "_"."country", "_"."a0" from (select "rows"."country" as "country", '
             'count(1) as "a0" from (select "_"."uid", "_"."browser", "_"."country", '
             '"_"."duration" from "public"."visits" "_") "rows" group by "country") "_" '
