@@ -1142,10 +1142,25 @@ AVG(CAST(x AS DOUBLE PRECISION))): the column's configured bounds still apply.""
 
 def _configured_bounds(node: Any, fa: _FromAnalysis,
                        policy: Mapping[str, TablePolicy]) -> tuple[float, float] | None:
+    """The bounds the config gives a column (through widening casts), or that a CASE of
+    such columns and number literals has (Metabase's `sum(CASE WHEN c THEN 1 ELSE 0.0 END)`:
+    their hull, with 0, which no per-user sum of them can leave)."""
     while isinstance(node, ast.TypeCast) and node.typeName is not None \
             and not node.typeName.arrayBounds \
             and str(node.typeName.names[-1].sval) in _WIDENING_CASTS:
         node = node.arg
+    if isinstance(node, ast.CaseExpr):
+        lo, hi = 0.0, 0.0
+        for result in (*(w.result for w in node.args), node.defresult):
+            if result is None or (isinstance(result, ast.A_Const) and result.isnull):
+                continue  # (NULL: skipped by the aggregate)
+            value = const_number(result)
+            found = (value, value) if value is not None else _configured_bounds(result, fa,
+                                                                                 policy)
+            if found is None:
+                return None
+            lo, hi = min(lo, found[0]), max(hi, found[1])
+        return (lo, hi) if lo < hi else None
     if not isinstance(node, ast.ColumnRef):
         return None
     parts = [str(f.sval) for f in node.fields if isinstance(f, ast.String)]

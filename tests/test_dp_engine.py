@@ -234,6 +234,17 @@ def test_filter_is_folded_into_the_argument() -> None:
         build("SELECT count(DISTINCT uid) FILTER (WHERE country = 'US') FROM visits")
 
 
+def test_a_case_of_bounded_columns_and_literals_has_their_hull() -> None:
+    """Metabase's CountIf / SumIf / Share: the bounds of a CASE are its results' hull with 0;
+    one whose result is unbounded has none (APPROX_BOUNDS)."""
+    query, _, _ = build("SELECT sum(CASE WHEN country = 'US' THEN 1 ELSE 0.0 END) AS c, "
+                        "sum(CASE WHEN country = 'US' THEN duration ELSE -5 END) AS s, "
+                        "avg(CASE WHEN duration > 600 THEN 2 END) AS share, "
+                        "sum(CASE WHEN country = 'US' THEN duration * 2 END) AS open FROM visits")
+    assert [a.bounds for a in query.aggregates] == [Bounds(0, 1), Bounds(-5, 3600), Bounds(0, 2),
+                                                    None]
+
+
 def test_split_and_sensitivities_hand_computed() -> None:
     query, plan, _ = build("SELECT WITH ANONYMIZATION OPTIONS(epsilon=1.5, max_groups_contributed=2) "
                            "browser, ANON_COUNT(*) AS n, ANON_SUM(duration, -10, 30) AS s, "
