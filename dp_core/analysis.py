@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
 from pglast import ast, parse_sql
-from pglast.enums import A_Expr_Kind, BoolExprType, JoinType
+from pglast.enums import A_Expr_Kind, BoolExprType, JoinType, NullTestType, SubLinkType
 from pglast.parser import ParseError
 from pglast.visitors import Visitor
 
@@ -312,10 +312,19 @@ class Totalizer:
         the proxy prepares `argument_probe_sql`; shared by the query's scopes."""
         self.scope = scope
         """The inner query whose FROM the expressions read (None: the DP query's own)."""
+        self.semi_joins: Callable[[ast.SubLink], ast.SubLink] | None = None
+        """Checks an `x IN (SELECT ...)` of the DP query's WHERE (`_semi_join`); None: every
+        subquery is refused."""
 
     def inner(self, scope: ast.SelectStmt) -> Totalizer:
         """The totaliser of an inner query's expressions (its casts are checked in its FROM)."""
         return Totalizer(self.protected_names, self.casts, scope)
+
+    def with_semi_joins(self, check: Callable[[ast.SubLink], ast.SubLink]) -> Totalizer:
+        """This totaliser, with `x IN (SELECT ...)` accepted where `check` accepts it."""
+        other = Totalizer(self.protected_names, self.casts, self.scope)
+        other.semi_joins = check
+        return other
 
     def __call__(self, node: Any, context: str) -> Any:
         """A total copy of `node` (the original is left as the client wrote it)."""
@@ -351,7 +360,12 @@ class Totalizer:
         if isinstance(node, ast.FuncCall):
             return self._function(node, ctx)
         if isinstance(node, ast.SubLink):
-            raise _refuse("subqueries inside a DP query", ctx)
+            if self.semi_joins is None or node.subLinkType != SubLinkType.ANY_SUBLINK \
+                    or (node.operName and str(node.operName[-1].sval) != "="):
+                raise _refuse("subqueries inside a DP query (but x IN (SELECT ...) in WHERE)",
+                              ctx)
+            node.testexpr = self._total(node.testexpr, ctx)
+            return self.semi_joins(node)
         if isinstance(node, ast.SQLValueFunction):
             raise _refuse("only immutable functions", _sql(node))
         raise _refuse(f"expression of type {type(node).__name__}", _sql(node))
@@ -677,7 +691,10 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     if not fa.tables:
         raise _refuse("a DP query must read a protected table")
     fa.check_connected(stmt.whereClause)
-    where = totalize(stmt.whereClause, "WHERE") if stmt.whereClause is not None else None
+    where = None
+    if stmt.whereClause is not None:
+        semi = totalize.with_semi_joins(lambda link: _semi_join(link, fa, policy, ctes, totalize))
+        where = semi(stmt.whereClause, "WHERE")
     first = fa.tables[0]
     uid = ast.ColumnRef(fields=(ast.String(sval=first.alias), ast.String(sval=first.uid_column)))
 
@@ -744,6 +761,61 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
 
 
 _PER_USER_AGGREGATES = frozenset({"count", "sum", "avg", "min", "max"})
+
+
+def _semi_join(link: ast.SubLink, fa: _FromAnalysis, policy: Mapping[str, TablePolicy],
+               ctes: Mapping[str, str | None], totalize: Totalizer) -> ast.SubLink:
+    """`x IN (SELECT ...)` in a DP query's WHERE, checked and made total in place.
+
+    Over protected tables, x must be the uid and the subquery an owned one selecting its
+    uid only (`uid IN (SELECT uid FROM purchases WHERE amount > 100)`): whether a user's
+    row passes then depends on that user's rows alone, whatever else the subquery reads of
+    the row (correlated or not), so each user's contribution stays bounded. Its NULL uids
+    are left out: a NULL in the list would change `NOT IN` for every user. Over
+    unprotected tables only, a plain SELECT [WHERE] of their rows (public data), total."""
+    sub = link.subselect
+    if not isinstance(sub, ast.SelectStmt):
+        raise _refuse("this kind of subquery", _sql(link))
+    inner = totalize.inner(sub)
+    if not _reads_protected(sub, policy, ctes):
+        _public_subquery(sub, inner)
+        return link
+    if not _is_uid(link.testexpr, fa):
+        raise _refuse("a subquery over protected tables tests the uid only: "
+                      "uid IN (SELECT uid FROM ...)", _sql(link))
+    uid_out = _owned_subquery(sub, policy, inner, ctes)
+    targets = sub.targetList or ()
+    val = targets[0].val if len(targets) == 1 else None
+    if not isinstance(val, ast.ColumnRef) or isinstance(val.fields[-1], ast.A_Star) or \
+            (str(targets[0].name) if targets[0].name else _default_name(val)) != uid_out:
+        raise _refuse("a subquery over protected tables in IN selects its uid only", _sql(link))
+    present = ast.NullTest(arg=copy.deepcopy(val), nulltesttype=NullTestType.IS_NOT_NULL)
+    sub.whereClause = present if sub.whereClause is None else ast.BoolExpr(
+        boolop=BoolExprType.AND_EXPR, args=(sub.whereClause, present))
+    return link
+
+
+def _public_subquery(sub: ast.SelectStmt, totalize: Totalizer) -> None:
+    """A subquery of unprotected tables in a DP query's IN: their rows, filtered, made total
+    (it may read the DP query's row too)."""
+    if (sub.withClause is not None or sub.op not in (None, 0) or sub.groupClause
+            or sub.havingClause or sub.windowClause or sub.limitCount is not None
+            or sub.limitOffset is not None or sub.intoClause is not None or sub.lockingClause):
+        raise _refuse("a subquery in IN over unprotected tables is SELECT ... FROM ... [WHERE]",
+                      _sql(sub))
+    if sub.valuesLists:
+        sub.valuesLists = tuple(tuple(totalize(v, "IN list") for v in row)
+                                for row in sub.valuesLists)
+        return
+    for item in sub.fromClause or ():
+        if not isinstance(item, ast.RangeVar):
+            raise _refuse("a subquery in IN reads tables by name only (no joins, functions or "
+                          "subqueries)", _sql(item))
+    for target in sub.targetList or ():
+        _no_aggregates_inside(target.val)
+        target.val = totalize(target.val, "subquery select list")
+    if sub.whereClause is not None:
+        sub.whereClause = totalize(sub.whereClause, "WHERE")
 
 
 def _post_processed(stmt: ast.SelectStmt) -> ast.SelectStmt | None:

@@ -101,6 +101,18 @@ CASES = [
     Case("division by a user-dependent zero", DP + "ANON_COUNT(*) FROM visits "
          "WHERE 1 / (uid - 42) > 0", None),
     Case("division in the aggregate", DP + "ANON_SUM(100 / (uid - 42), 0, 10) FROM visits", None),
+    Case("division in an IN subquery", DP_COUNT + " WHERE uid IN (SELECT uid FROM purchases "
+         "WHERE 1 / (uid - 42) > 0)", None),
+    Case("division by the outer row in a public IN subquery", DP_COUNT + " WHERE country IN "
+         "(SELECT code FROM countries WHERE 1 / (duration - 42) > 0)", None),
+    Case("IN over other users' rows (top spenders)", DP_COUNT + " WHERE uid IN (SELECT uid FROM "
+         "purchases ORDER BY amount DESC LIMIT 10)", "0A000"),
+    Case("IN over a shifted uid (the neighbour's rows)", DP_COUNT + " WHERE uid IN "
+         "(SELECT uid + 1 FROM purchases)", "0A000"),
+    Case("IN testing a value against uids", DP_COUNT + " WHERE duration IN "
+         "(SELECT uid FROM purchases)", "0A000"),
+    Case("scalar subquery over all users", DP_COUNT + " WHERE duration > "
+         "(SELECT avg(amount) FROM purchases)", "0A000"),
     Case("overflow", DP + "ANON_SUM(duration * 1e300 * 1e300, 0, 10) FROM visits", None),
     Case("NaN and infinities", DP + "ANON_AVG(CASE WHEN uid = 42 THEN 'NaN'::float8 "
          "WHEN uid = 43 THEN 'Infinity'::float8 ELSE duration END, 0, 10) FROM visits", None),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
@@ -243,6 +244,31 @@ def test_a_case_of_bounded_columns_and_literals_has_their_hull() -> None:
                         "sum(CASE WHEN country = 'US' THEN duration * 2 END) AS open FROM visits")
     assert [a.bounds for a in query.aggregates] == [Bounds(0, 1), Bounds(-5, 3600), Bounds(0, 2),
                                                     None]
+
+
+def test_uid_in_an_owned_subquery_is_a_semi_join() -> None:
+    """`uid IN (SELECT uid FROM protected ...)` keeps a row by its own user's rows alone
+    (correlated or not); NULL uids are left out of the list (they would flip NOT IN for
+    everyone); over unprotected tables a plain SELECT ... WHERE is allowed, made total."""
+    _, _, sql = build("SELECT count(*) FROM visits v WHERE v.uid NOT IN (SELECT p.uid FROM "
+                      "purchases p WHERE p.amount > v.duration)")
+    assert "p.amount > v.duration AND p.uid IS NOT NULL" in sql
+    _, _, sql = build("SELECT count(*) FROM visits WHERE country IN (SELECT code FROM countries "
+                      "WHERE 1 / (duration - 42) > 0)")
+    assert "NULLIF" in sql
+    for refused, rule in [
+        ("uid IN (SELECT uid FROM purchases ORDER BY amount LIMIT 10)", "LIMIT"),
+        ("uid IN (SELECT uid + 1 FROM purchases)", "selects its uid only"),
+        ("uid IN (SELECT * FROM purchases)", "selects its uid only"),
+        ("duration IN (SELECT uid FROM purchases)", "tests the uid only"),
+        ("EXISTS (SELECT 1 FROM purchases p WHERE p.uid = visits.uid)", "x IN (SELECT"),
+        ("uid IN (SELECT uid FROM purchases WHERE uid IN (SELECT uid FROM visits))", "x IN"),
+        ("uid IN (SELECT p.uid FROM purchases p JOIN visits w ON p.category = w.browser)",
+         "equate their uid"),
+        ("country IN (SELECT code FROM countries GROUP BY code)", "SELECT ... FROM ... [WHERE]"),
+    ]:
+        with pytest.raises(FeatureNotSupported, match=re.escape(rule)):
+            build(f"SELECT count(*) FROM visits WHERE {refused}")
 
 
 def test_split_and_sensitivities_hand_computed() -> None:

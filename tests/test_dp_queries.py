@@ -177,6 +177,21 @@ def test_filtered_aggregates(proxy: Proxy, reset: None) -> None:
         assert 0 < us < n and abs(us - where_us) < 100 and long_total > 0
 
 
+def test_uid_in_a_subquery_filters_users_by_their_own_rows(proxy: Proxy, reset: None) -> None:
+    """Visitors who bought something over 100, counted with IN (a semi-join: no row is
+    repeated) and with the join on uid (both noisy counts of the same users, ±few)."""
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        (semi,), = conn.execute("SELECT count(DISTINCT uid) FROM visits WHERE uid IN "
+                                "(SELECT uid FROM purchases WHERE amount > 100)").fetchall()
+        (joined,), = conn.execute("SELECT count(DISTINCT v.uid) FROM visits v JOIN purchases p "
+                                  "USING (uid) WHERE p.amount > 100").fetchall()
+        (europe,), = conn.execute("SELECT count(DISTINCT uid) FROM visits WHERE country IN "
+                                  "(SELECT code FROM countries WHERE region = %s)",
+                                  ("Europe",)).fetchall()
+        assert semi > 0 and abs(semi - joined) < 60 and europe > 0
+        assert spent(conn)[0] == pytest.approx(3.0)
+
+
 POWER_BI = ('select "_"."country", "_"."a0" from (select "rows"."country" as "country", '
             'count(1) as "a0" from (select "_"."uid", "_"."browser", "_"."country", '
             '"_"."duration" from "public"."visits" "_") "rows" group by "country") "_" '
