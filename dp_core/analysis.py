@@ -360,12 +360,12 @@ class Totalizer:
         if isinstance(node, ast.FuncCall):
             return self._function(node, ctx)
         if isinstance(node, ast.SubLink):
-            if self.semi_joins is None or node.subLinkType != SubLinkType.ANY_SUBLINK \
-                    or (node.operName and str(node.operName[-1].sval) != "="):
+            if self.semi_joins is None:
                 raise _refuse("subqueries inside a DP query (but x IN (SELECT ...) in WHERE)",
                               ctx)
-            node.testexpr = self._total(node.testexpr, ctx)
-            return self.semi_joins(node)
+            link = self.semi_joins(node)
+            link.testexpr = self._total(link.testexpr, ctx)
+            return link
         if isinstance(node, ast.SQLValueFunction):
             raise _refuse("only immutable functions", _sql(node))
         raise _refuse(f"expression of type {type(node).__name__}", _sql(node))
@@ -771,9 +771,25 @@ def _semi_join(link: ast.SubLink, fa: _FromAnalysis, policy: Mapping[str, TableP
     uid only (`uid IN (SELECT uid FROM purchases WHERE amount > 100)`): whether a user's
     row passes then depends on that user's rows alone, whatever else the subquery reads of
     the row (correlated or not), so each user's contribution stays bounded. Its NULL uids
-    are left out: a NULL in the list would change `NOT IN` for every user. Over
-    unprotected tables only, a plain SELECT [WHERE] of their rows (public data), total."""
+    are left out: a NULL in the list would change `NOT IN` for every user. A correlated
+    `EXISTS (SELECT ... FROM t WHERE t.uid = o.uid ...)` is that IN (`_exists_as_in`).
+    Over unprotected tables only (IN or EXISTS), a plain SELECT [WHERE] of their rows
+    (public data), total."""
     sub = link.subselect
+    if link.subLinkType == SubLinkType.EXISTS_SUBLINK and isinstance(sub, ast.SelectStmt):
+        if not _reads_protected(sub, policy, ctes):
+            _public_subquery(sub, totalize.inner(sub))
+            return link
+        found = _exists_as_in(sub, fa, policy)
+        if found is None:
+            raise _refuse("EXISTS but as a semi-join on the uid (EXISTS (SELECT ... FROM t WHERE "
+                          "t.uid = outer.uid ...)), or write uid IN (SELECT uid FROM ...)",
+                          _sql(link))
+        link = found
+        sub = link.subselect
+    if link.subLinkType != SubLinkType.ANY_SUBLINK or \
+            (link.operName and str(link.operName[-1].sval) != "="):
+        raise _refuse("subqueries inside a DP query (but x IN (SELECT ...) in WHERE)", _sql(link))
     if not isinstance(sub, ast.SelectStmt):
         raise _refuse("this kind of subquery", _sql(link))
     inner = totalize.inner(sub)
@@ -793,6 +809,46 @@ def _semi_join(link: ast.SubLink, fa: _FromAnalysis, policy: Mapping[str, TableP
     sub.whereClause = present if sub.whereClause is None else ast.BoolExpr(
         boolop=BoolExprType.AND_EXPR, args=(sub.whereClause, present))
     return link
+
+
+def _exists_as_in(sub: ast.SelectStmt, fa: _FromAnalysis,
+                  policy: Mapping[str, TablePolicy]) -> ast.SubLink | None:
+    """`EXISTS (SELECT ... FROM t WHERE t.uid = o.uid AND rest)`, with t a protected table of
+    the subquery and o.uid the DP query's uid, as the same `o.uid IN (SELECT t.uid FROM t
+    WHERE rest)`; None for any other EXISTS."""
+    if sub.groupClause or sub.havingClause or sub.op not in (None, 0) or not sub.fromClause:
+        return None
+    tables: dict[str, str] = {}
+    items = list(sub.fromClause)
+    while items:
+        item = items.pop()
+        if isinstance(item, ast.JoinExpr):
+            items += [item.larg, item.rarg]
+        elif isinstance(item, ast.RangeVar):
+            tables[str(item.alias.aliasname) if item.alias else str(item.relname)] = str(item.relname)
+    conjuncts = list(_conjuncts(sub.whereClause)) if sub.whereClause is not None else []
+    for i, c in enumerate(conjuncts):
+        if not (isinstance(c, ast.A_Expr) and c.kind == A_Expr_Kind.AEXPR_OP
+                and str(c.name[-1].sval) == "="):
+            continue
+        for inside, outside in ((c.lexpr, c.rexpr), (c.rexpr, c.lexpr)):
+            if not (isinstance(inside, ast.ColumnRef) and isinstance(outside, ast.ColumnRef)
+                    and len(inside.fields) == 2 and len(outside.fields) == 2):
+                continue
+            alias, column = str(inside.fields[0].sval), str(inside.fields[1].sval)
+            pol = policy.get(tables.get(alias, ""))
+            if pol is None or pol.uid_column != column or \
+                    str(outside.fields[0].sval) in tables or not _is_uid(outside, fa):
+                continue
+            rest = conjuncts[:i] + conjuncts[i + 1:]
+            where = None if not rest else rest[0] if len(rest) == 1 else ast.BoolExpr(
+                boolop=BoolExprType.AND_EXPR, args=tuple(rest))
+            select = copy.deepcopy(sub)
+            select.targetList = (ast.ResTarget(val=copy.deepcopy(inside)),)
+            select.whereClause = where
+            return ast.SubLink(subLinkType=SubLinkType.ANY_SUBLINK, subLinkId=0,
+                               testexpr=copy.deepcopy(outside), subselect=select)
+    return None
 
 
 def _public_subquery(sub: ast.SelectStmt, totalize: Totalizer) -> None:

@@ -91,8 +91,8 @@ REFUSALS = [
      "LATERAL"),
     ("WITH RECURSIVE r AS (SELECT 1) SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits", "recursive WITH"),
     ("WITH dp_x AS (SELECT * FROM visits) SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM dp_x", "reserved"),
-    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE uid IN (SELECT uid FROM purchases)",
-     "subqueries inside a DP query"),
+    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE duration > "
+     "(SELECT avg(amount) FROM purchases)", "subqueries inside a DP query"),
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE random() > 0.5", "function random()"),
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE pg_sleep(1) IS NULL", "function pg_sleep()"),
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE now() > '2020-01-01'", "function now()"),
@@ -256,12 +256,19 @@ def test_uid_in_an_owned_subquery_is_a_semi_join() -> None:
     _, _, sql = build("SELECT count(*) FROM visits WHERE country IN (SELECT code FROM countries "
                       "WHERE 1 / (duration - 42) > 0)")
     assert "NULLIF" in sql
+    _, _, sql = build("SELECT count(*) FROM visits v WHERE NOT EXISTS (SELECT 1 FROM purchases p "
+                      "WHERE v.uid = p.uid AND p.amount > 5) AND EXISTS (SELECT 1 FROM countries "
+                      "c WHERE c.code = v.country)")
+    assert "NOT v.uid IN (SELECT p.uid FROM purchases AS p WHERE p.amount > 5 AND p.uid IS NOT " \
+           "NULL)" in sql and "EXISTS (SELECT 1 FROM countries" in sql
     for refused, rule in [
         ("uid IN (SELECT uid FROM purchases ORDER BY amount LIMIT 10)", "LIMIT"),
         ("uid IN (SELECT uid + 1 FROM purchases)", "selects its uid only"),
         ("uid IN (SELECT * FROM purchases)", "selects its uid only"),
         ("duration IN (SELECT uid FROM purchases)", "tests the uid only"),
-        ("EXISTS (SELECT 1 FROM purchases p WHERE p.uid = visits.uid)", "x IN (SELECT"),
+        ("EXISTS (SELECT 1 FROM purchases p WHERE p.uid = visits.uid + 1)", "EXISTS but"),
+        ("EXISTS (SELECT 1 FROM purchases p WHERE p.amount > 1)", "EXISTS but"),
+        ("duration > (SELECT avg(amount) FROM purchases)", "x IN"),
         ("uid IN (SELECT uid FROM purchases WHERE uid IN (SELECT uid FROM visits))", "x IN"),
         ("uid IN (SELECT p.uid FROM purchases p JOIN visits w ON p.category = w.browser)",
          "equate their uid"),
@@ -269,6 +276,8 @@ def test_uid_in_an_owned_subquery_is_a_semi_join() -> None:
     ]:
         with pytest.raises(FeatureNotSupported, match=re.escape(rule)):
             build(f"SELECT count(*) FROM visits WHERE {refused}")
+    with pytest.raises(FeatureNotSupported, match="subqueries inside"):  # WHERE only
+        build("SELECT count(*) FILTER (WHERE uid IN (SELECT uid FROM purchases)) FROM visits")
 
 
 def test_split_and_sensitivities_hand_computed() -> None:
