@@ -728,6 +728,9 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
                 outputs.append(OutputColumn(hidden, aggregate=len(aggregates) - 1, source=fc))
             select.append(SelectItem(name, expr=val))
             continue
+        if any(isinstance(n, ast.FuncCall) and n.over is not None for n in _walk(val)):
+            raise _refuse("window functions but over DP aggregates (sum(count(*)) OVER ())",
+                          _sql(val))
         if not any(_same(val, g) or _is_ref_to(g, name) for g in group_exprs):
             raise _refuse("every selected column must be a GROUP BY key or a DP aggregate",
                           _sql(val))
@@ -1101,7 +1104,7 @@ def _aggregate_call(val: Any, plain_form: bool) -> ast.FuncCall | None:
     if name in LATER_FUNCTIONS:
         raise FeatureNotSupported(f"{name.upper()} has no DP form here",
                                   hint="use PERCENTILE_CONT, ANON_MEDIAN or ANON_NTILE")
-    if _is_dp_aggregate(name):  # both forms: BigQuery spells them plainly
+    if _is_dp_aggregate(name) and val.over is None:  # both forms: BigQuery spells them plainly
         return val
     return None
 
@@ -1114,7 +1117,8 @@ def _dp_aggregates_in(val: Any) -> list[Any]:
         cur = stack.pop(0)
         if isinstance(cur, ast.SubLink):
             continue
-        if isinstance(cur, ast.FuncCall) and _is_dp_aggregate(_funcname(cur)):
+        if isinstance(cur, ast.FuncCall) and _is_dp_aggregate(_funcname(cur)) \
+                and cur.over is None:  # (a window function runs over the released rows)
             found.append(cur)
             continue
         if isinstance(cur, ast.Node):

@@ -908,7 +908,11 @@ def result_sql(names: list[str], types: list[TypeRef],
     stmt.whereClause = where
     if order_by:
         sorts = copy.deepcopy(tuple(order_by))
-        mapper(ast.SelectStmt(sortClause=sorts))
+        # a bare name of a select-list expression is Postgres's to resolve (ORDER BY pct)
+        aliases = {n for n, what in visible or () if not isinstance(what, int)} - set(names)
+        mapper(ast.SelectStmt(sortClause=tuple(s for s in sorts if not (
+            isinstance(s.node, ast.ColumnRef) and len(s.node.fields) == 1
+            and str(getattr(s.node.fields[0], "sval", "")) in aliases))))
         stmt.sortClause = sorts
     stmt.limitCount = copy.deepcopy(limit)
     stmt.limitOffset = copy.deepcopy(offset)

@@ -192,6 +192,24 @@ def test_uid_in_a_subquery_filters_users_by_their_own_rows(proxy: Proxy, reset: 
         assert spent(conn)[0] == pytest.approx(3.0)
 
 
+def test_window_functions_over_released_values(proxy: Proxy, reset: None) -> None:
+    """Percent of total and ranks over DP aggregates are post-processing: the window runs
+    over the released rows (ORDER BY may name the expression's alias, as in Postgres); a
+    window over users' rows stays refused."""
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT browser, count(*) AS n, count(*) * 100.0 / sum(count(*)) OVER () AS pct, "
+            "rank() OVER (ORDER BY count(*) DESC) AS r FROM visits GROUP BY browser "
+            "ORDER BY r").fetchall()
+        assert [r[3] for r in rows] == sorted(r[3] for r in rows) and rows[0][3] == 1
+        assert sum(float(r[2]) for r in rows) == pytest.approx(100.0)
+        assert rows[0][1] == max(r[1] for r in rows)
+        before = spent(conn)
+        with pytest.raises(psycopg.errors.FeatureNotSupported):
+            conn.execute("SELECT browser, sum(duration) OVER () FROM visits GROUP BY browser")
+        assert spent(conn) == before
+
+
 POWER_BI = ('select "_"."country", "_"."a0" from (select "rows"."country" as "country", '
             'count(1) as "a0" from (select "_"."uid", "_"."browser", "_"."country", '
             '"_"."duration" from "public"."visits" "_") "rows" group by "country") "_" '
