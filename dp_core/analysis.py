@@ -1156,12 +1156,16 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
     kind = ANON_FUNCTIONS.get(fname) or PLAIN_FUNCTIONS[fname]
     if fc.agg_order or fc.agg_within_group:
         raise _refuse("ORDER BY or WITHIN GROUP in a DP aggregate", _sql(fc))
-    if fc.agg_filter is not None and fc.agg_distinct:
-        raise _refuse("FILTER with DISTINCT in a DP aggregate", _sql(fc))
     args = list(fc.args or ())
+    if fc.agg_filter is not None and fc.agg_distinct and not (
+            kind is AggKind.COUNT and len(args) == 1 and _is_uid(args[0], fa)):
+        raise _refuse("FILTER with DISTINCT in a DP aggregate", _sql(fc))
     if kind is AggKind.COUNT:
         if fc.agg_distinct:
             if len(args) == 1 and _is_uid(args[0], fa):
+                if fc.agg_filter is not None:  # the users with a row that passes: each counts 1
+                    return Aggregate(AggKind.COUNT, _filtered(fc, None, totalize), Bounds(0, 1),
+                                     name)
                 return Aggregate(AggKind.COUNT_USERS, None, Bounds(0, 1), name)
             raise _refuse("COUNT(DISTINCT ...) of anything but the uid column", _sql(fc))
         if fc.agg_star:

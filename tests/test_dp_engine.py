@@ -232,7 +232,12 @@ def test_filter_is_folded_into_the_argument() -> None:
     assert total.bounds == Bounds(0, 3600) and median.bounds == Bounds(0, 3600)
     assert "CASE WHEN" in sql and "NULLIF" in sql  # the filter is totalised as WHERE is
     with pytest.raises(FeatureNotSupported, match="FILTER with DISTINCT"):
-        build("SELECT count(DISTINCT uid) FILTER (WHERE country = 'US') FROM visits")
+        build("SELECT sum(DISTINCT duration) FILTER (WHERE country = 'US') FROM visits")
+    # the users with a US row: a count of at most 1 per user, of the filtered rows
+    query, _, _ = build("SELECT count(DISTINCT uid) FILTER (WHERE country = 'US') FROM visits")
+    (users,) = query.aggregates
+    assert users.kind is AggKind.COUNT and users.bounds == Bounds(0, 1)
+    assert isinstance(users.arg, ast.CaseExpr)
 
 
 def test_a_case_of_bounded_columns_and_literals_has_their_hull() -> None:

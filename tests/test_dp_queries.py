@@ -175,6 +175,9 @@ def test_filtered_aggregates(proxy: Proxy, reset: None) -> None:
             "ANON_SUM(duration, 0, 100) FILTER (WHERE duration > 50) FROM visits").fetchall()
         (where_us,), = conn.execute("SELECT count(*) FROM visits WHERE country = 'US'").fetchall()
         assert 0 < us < n and abs(us - where_us) < 100 and long_total > 0
+        (users_us,), = conn.execute("SELECT count(DISTINCT uid) FILTER (WHERE country = 'US') "
+                                    "FROM visits").fetchall()
+        assert abs(users_us - where_us) < 100
 
 
 def test_uid_in_a_subquery_filters_users_by_their_own_rows(proxy: Proxy, reset: None) -> None:
