@@ -19,7 +19,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, cast
 
@@ -51,6 +51,7 @@ from dp_core.settings import DPSettings
 from server import backend
 from server import protocol as p
 from server.backend_setup import quote_ident
+from server.block_settings import BlockSettings
 from server.encodings import UnsupportedEncoding, codec, invalid_text, untranslatable
 from server.scram import MECHANISM, ScramError, ScramServer, Verifier
 
@@ -152,19 +153,6 @@ def _non_standard_strings() -> DPError:
     return err
 
 
-@dataclass
-class _TxSettings:
-    """dp.* settings of a session whose open transaction block changed them."""
-
-    start: DPSettings
-    """Before the block: what a rollback goes back to."""
-    session: DPSettings
-    """With the block's SETs but not its SET LOCALs: what a commit keeps."""
-    savepoints: list[tuple[str, DPSettings, DPSettings]] = field(default_factory=list)
-    """Savepoints made since the block first changed dp.* settings, oldest first: name, and
-    the settings and `session` to go back to."""
-
-
 def _unsupported_encoding(exc: UnsupportedEncoding) -> DPError:
     err = DPError(f"client_encoding {exc.name} is not supported by dp-proxy", detail=exc.detail,
                   hint="use UTF8 (PGCLIENTENCODING=UTF8, or SET client_encoding TO 'UTF8'); the "
@@ -204,9 +192,9 @@ class ClientProtocol(asyncio.Protocol):
 class Session:
     # slots: attribute reads stay fast however many there are (see BackendLink)
     __slots__ = ("_clock", "_dp_task", "_idle_handle", "_input", "_last_input", "_plain",
-                 "_portals_epoch", "_ran_query", "_settings", "_startup_task", "_task", "_tls_ok",
-                 "_tx_settings", "backlog", "busy", "config", "exhausted_portals", "frames", "link",
-                 "local_portals", "local_statements", "process_id", "proto", "reading_paused",
+                 "_portals_epoch", "_ran_query", "_startup_task", "_task", "_tls_ok",
+                 "backlog", "block_settings", "busy", "config", "exhausted_portals", "frames",
+                 "link", "local_portals", "local_statements", "process_id", "proto", "reading_paused",
                  "secret_key", "server", "state", "transport", "user")
 
     def __init__(
@@ -221,9 +209,8 @@ class Session:
         self.link: backend.BackendLink | None = None
         self.user = ""
         self.process_id, self.secret_key = server.register_key(self)
-        self._settings: DPSettings = server.default_settings()
-        self._tx_settings: _TxSettings | None = None
-        """dp.* settings changed in the open transaction block: what its end goes back to."""
+        self.block_settings = BlockSettings(server.default_settings())
+        """The session's dp.* settings, with their transaction semantics."""
         self.local_statements: dict[str, LocalStatement] = {}
         self.local_portals: dict[str, LocalPortal] = {}
         self.exhausted_portals: set[str] = set()
@@ -323,7 +310,7 @@ class Session:
                 if data[end - 1] != 0 or not plain(data[pos + 5 : end - 1]):
                     break
                 if local:
-                    self._drop_unnamed()
+                    self._drop_unnamed(link)
                 if unsynced:
                     pending.extend(unsynced)
                     unsynced.clear()
@@ -650,12 +637,14 @@ class Session:
 
     def _route(self, tag: bytes, raw: bytes, link: backend.BackendLink) -> Awaitable[None] | None:
         if tag == b"Q":
-            self._drop_unnamed()
             sql = _query_text(raw, link.codec)
             if self.server.classifier.is_plain_pass_through(sql):
+                self._drop_unnamed(link)
                 link.forward(raw, tag)
                 return None
-            stmts = self.server.classifier.classify(sql)
+            self.local_statements.pop("", None)
+            stmts = self.server.classifier.classify(sql)  # (a syntax error keeps the portal)
+            self._drop_unnamed(link)
             if all(s.kind in _FORWARDED and not self._follows(s) for s in stmts):
                 link.forward(raw, tag)
                 return None
@@ -681,9 +670,9 @@ class Session:
             portal_name, statement_name = _two_names(raw, link.codec)
             local = self.local_statements.get(statement_name)
             if local is None:
-                if portal_name == "" and self.local_portals:
-                    self.local_portals.pop("", None)  # (a named one's shadow: 42P03, as Postgres)
-                link.forward(raw, tag)
+                if portal_name == "" and "" in self.local_portals:
+                    return self._forward_unnamed_bind(raw)
+                link.forward(raw, tag)  # (a local named portal's shadow: 42P03, as Postgres)
                 return None
             bind = p.decode_frontend(tag, raw[5:], link.codec)
             assert isinstance(bind, p.Bind)
@@ -740,6 +729,27 @@ class Session:
                 self.send(p.ReadyForQuery(self.link.tx_status))
 
         return report()
+
+    def _forward_unnamed_bind(self, raw: bytes) -> Awaitable[None]:
+        """A Bind of the unnamed portal that the backend answers, while the unnamed portal
+        is a local one: as in Postgres, it replaces that portal unless it fails before
+        making its own (no such statement, a malformed Bind, a failed block: the old
+        portal stays), or the backend skips it after an earlier error."""
+        link = self.link
+        assert link is not None
+
+        async def bind() -> None:
+            await link.drain()  # (so that an error is this Bind's)
+            if self._backend_failed_batch():
+                self.state = State.FAILED_BATCH  # (the backend would skip it)
+                return
+            before = link.errors
+            link.forward(raw, b"B")
+            await link.drain()
+            if link.errors == before or link.last_sqlstate not in _BIND_KEEPS_PORTAL:
+                self.local_portals.pop("", None)
+
+        return bind()
 
     def _backend_failed_batch(self) -> bool:
         """True when the backend reported an error since its last ReadyForQuery."""
@@ -799,10 +809,11 @@ class Session:
         assert link is not None
         await link.drain()
         # as Postgres, a Query drops the unnamed statement, and the unnamed portal when it
-        # runs a statement (not when it fails before: a divergence only for a client that
-        # would use the unnamed portal after a Query failed in planning)
+        # runs a statement: not in a failed block, where it fails first (a divergence is left
+        # for a Query that the backend fails in planning: it keeps the portal there)
         link.close_quietly(b"S", "")
-        link.close_quietly(b"P", "")
+        if link.tx_status != b"E":
+            link.close_quietly(b"P", "")
         several = sum(st.kind is not StatementKind.EMPTY for st in stmts) > 1 \
             and not any(_transaction_command(st) in _NOT_EMULATED for st in stmts)
         implicit = False
@@ -970,30 +981,15 @@ class Session:
     @property
     def settings(self) -> DPSettings:
         """The session's dp.* settings now."""
-        self._settle()
-        return self._settings
+        return self.block_settings.now(self.link)
 
     def _settle(self) -> None:
-        """Settle the dp.* settings of a transaction block that changed them and has ended
-        since (the relay notes how blocks end)."""
-        link = self.link
-        if self._tx_settings is not None and link is not None and link.tx_ends:
-            self._end_block(committed=link.tx_ends[0])
-
-    def _end_block(self, committed: bool) -> None:
-        """The transaction block that changed dp.* settings ended: keep what it committed."""
-        tx, link = self._tx_settings, self.link
-        assert tx is not None and link is not None
-        self._settings = tx.session if committed else tx.start
-        self._tx_settings = None
-        link.watch_tx = False
-        link.tx_ends.clear()
+        """Settle the dp.* settings of a block that changed them and has ended (the link
+        calls this when it notes an end)."""
+        self.block_settings.settle(self.link)
 
     def _set(self, st: Statement, extended: bool = False) -> None:
-        """SET [LOCAL] / RESET dp.*, with Postgres's transaction semantics: inside a block, a
-        SET lasts if the block commits and a SET LOCAL until the block ends either way;
-        outside one, SET LOCAL only warns; ROLLBACK TO SAVEPOINT undoes what was set since the
-        savepoint (`_follow_savepoints`)."""
+        """SET [LOCAL] / RESET dp.*, with Postgres's transaction semantics (`BlockSettings`)."""
         assert st.setting is not None
         name = st.setting
         body = st.tree.get("VariableSetStmt", {})
@@ -1014,29 +1010,12 @@ class Session:
 
     def _assign(self, change: Callable[[DPSettings], DPSettings], is_local: bool,
                 extended: bool = False) -> None:
-        """Change the session's dp.* settings as a SET [LOCAL] does (see `_set`).
-
-        On the extended protocol, outside a block, the statements up to Sync are one
-        implicit transaction: a SET lasts if it commits, a SET LOCAL until it ends (with
-        the warning a SET LOCAL gets outside a block, unless the batch may have begun one)."""
+        """Change the session's dp.* settings as a SET [LOCAL] does (see `BlockSettings`),
+        with Postgres's warning for a SET LOCAL outside a block."""
         link = self.link
         assert link is not None
-        new = change(self.settings)
-        outside = link.tx_status == b"I"
-        if outside and is_local and (not extended or link.batch_started is None):
+        if self.block_settings.assign(link, change, is_local, extended):
             self.send(_no_transaction_warning("SET LOCAL can only be used in transaction blocks"))
-        if outside and not extended:
-            if is_local:
-                return
-        else:
-            if self._tx_settings is None:
-                self._tx_settings = _TxSettings(start=self._settings, session=self._settings)
-                link.tx_ends.clear()
-                link.watch_tx = True
-            if not is_local:
-                tx = self._tx_settings
-                tx.session = change(tx.session)
-        self._settings = new
 
     def _follows(self, st: Statement, prepared: bool = False) -> bool:
         """A forwarded statement the proxy must see run, to follow what it does to its own
@@ -1045,8 +1024,7 @@ class Session:
         if st.effect is None:
             return False
         if st.effect in TRANSACTION_EFFECTS and not prepared:
-            self._settle()
-            return self._tx_settings is not None
+            return self.block_settings.changed_in_block(self.link)
         return True
 
     def _follow(self, st: Statement, extended: bool = False) -> None:
@@ -1054,7 +1032,8 @@ class Session:
         (`extended`: run on the extended protocol)."""
         effect = st.effect
         if effect in TRANSACTION_EFFECTS:
-            self._follow_savepoints(st)
+            assert self.link is not None
+            self.block_settings.follow_savepoint(self.link, effect, st.setting)
             return
         if effect is Effect.DEALLOCATE:  # (the backend dropped the statement's shadow too)
             if st.setting is None:
@@ -1069,36 +1048,6 @@ class Session:
         if effect in (Effect.DISCARD_ALL, Effect.RESET_ALL):
             defaults = self.server.default_settings()
             self._assign(lambda _: defaults, is_local=False, extended=extended)
-
-    def _follow_savepoints(self, st: Statement) -> None:
-        """SAVEPOINT, RELEASE, ROLLBACK TO and ROLLBACK AND CHAIN in a block whose dp.*
-        settings have changed (before they changed, nothing needs following: going back to a
-        savepoint made then is going back to the block's start)."""
-        self._settle()
-        tx = self._tx_settings
-        if tx is None:
-            return
-        if st.effect in (Effect.ROLLBACK_AND_CHAIN, Effect.COMMIT_AND_CHAIN):
-            # the next block has changed nothing; a COMMIT AND CHAIN that committed was settled
-            # above (the relay notes it), so this one was of a failed block: rolled back
-            self._end_block(committed=False)
-            return
-        marks = tx.savepoints
-        if st.effect is Effect.SAVEPOINT:
-            assert st.setting is not None
-            marks.append((st.setting, self._settings, tx.session))
-            return
-        # the newest savepoint of the name; one we do not know was made before the first
-        # change, so every one we know of is later
-        at = next((i for i in range(len(marks) - 1, -1, -1) if marks[i][0] == st.setting), None)
-        if st.effect is Effect.RELEASE:
-            del marks[0 if at is None else at:]
-        elif at is None:  # ROLLBACK TO a savepoint made before the first change
-            self._settings = tx.session = tx.start
-            marks.clear()
-        else:  # ROLLBACK TO: the savepoint stays, the ones after it go
-            _, self._settings, tx.session = marks[at]
-            del marks[at + 1:]
 
     # ------------------------------------------------------------------ extended protocol, local
 
@@ -1164,12 +1113,14 @@ class Session:
         if name == "":
             self.local_statements.pop("", None)
 
-    def _drop_unnamed(self) -> None:
-        """As Postgres, a simple Query drops the unnamed statement and portal."""
+    def _drop_unnamed(self, link: backend.BackendLink) -> None:
+        """As Postgres, a simple Query drops the unnamed statement, and the unnamed portal
+        when it runs a statement: not in a failed block (it fails first, 25P02)."""
         if self.local_statements or self.local_portals:
             self.local_statements.pop("", None)
-            self.local_portals.pop("", None)
-            self.exhausted_portals.discard("")
+            if link.tx_status != b"E":
+                self.local_portals.pop("", None)
+                self.exhausted_portals.discard("")
 
     def _open_portal(self, name: str) -> LocalPortal | None:
         """The local portal `name`, if it is still open (call after draining the link): every
@@ -1264,6 +1215,7 @@ class Session:
             # Postgres does (no second answer, no charge); with a row limit the released rows
             # stay in the backend's portal of that name, read by the client's next Executes
             if ex.portal in self.exhausted_portals:
+                self._check_transaction(st)  # (a failed block refuses it first, 25P02)
                 self.send(p.CommandComplete("SELECT 0"))
                 return
             self.exhausted_portals.add(ex.portal)
@@ -1322,6 +1274,9 @@ class Session:
 
 
 _BEGINS = ("TRANS_STMT_BEGIN", "TRANS_STMT_START")
+_BIND_KEEPS_PORTAL = frozenset({"26000", "08P01", "25P02"})
+"""A Bind that fails with these has not replaced the unnamed portal (postgres.c: it checks
+the statement, its parameter counts and the transaction before it makes the portal)."""
 _ENDS = ("TRANS_STMT_COMMIT", "TRANS_STMT_ROLLBACK")
 _SAVEPOINT_COMMANDS = {"TRANS_STMT_SAVEPOINT": "SAVEPOINT", "TRANS_STMT_RELEASE": "RELEASE SAVEPOINT",
                        "TRANS_STMT_ROLLBACK_TO": "ROLLBACK TO SAVEPOINT"}
