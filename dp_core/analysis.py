@@ -677,6 +677,14 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
             ctes[name] = _owned_subquery(cte.ctequery, policy,
                                          Totalizer(frozenset(policy), casts, cte.ctequery), ctes)
         cte_nodes = tuple(stmt.withClause.ctes)
+    if stmt.distinctClause == (None,) and not stmt.groupClause and not any(
+            _dp_aggregates_in(t) for t in stmt.targetList or ()):
+        # SELECT DISTINCT k (a BI tool's filter values): GROUP BY k, its keys released by
+        # partition selection alone
+        stmt = copy.copy(stmt)
+        stmt.distinctClause = None
+        stmt.groupClause = tuple(ast.A_Const(val=ast.Integer(ival=i + 1))
+                                 for i in range(len(stmt.targetList or ())))
     if stmt.distinctClause:
         raise _refuse("SELECT DISTINCT (distinct over users' rows)")
     if stmt.windowClause:
@@ -703,7 +711,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     aggregates: list[Aggregate] = []
     outputs: list[OutputColumn] = []
     select: list[SelectItem] = []
-    for target in stmt.targetList:
+    for target in stmt.targetList or ():
         if not isinstance(target, ast.ResTarget) or target.val is None:
             raise _refuse("this select-list item")
         val = target.val
@@ -752,7 +760,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         if not any(_same(g, source) or _is_ref_to(g, name) for source, name in selected):
             # a GROUP BY key that is not selected still partitions the result
             keys.append(Key(totalize(g, "GROUP BY key"), f"__key{len(keys)}"))
-    if not aggregates:
+    if not aggregates and not keys:  # (keys alone: the groups partition selection releases)
         raise _refuse("a DP query needs at least one DP aggregate, e.g. ANON_COUNT(*)")
     return AnalyzedQuery(
         from_clause=from_clause, where=where, uid=uid, tables=tuple(fa.tables), keys=tuple(keys),
@@ -962,7 +970,7 @@ def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Total
                                 for g in sel.groupClause)
     targets = []
     uid_out: str | None = None
-    for target in sel.targetList:
+    for target in sel.targetList or ():
         val = target.val
         if isinstance(val, ast.ColumnRef) and isinstance(val.fields[-1], ast.A_Star):
             targets.append(target)

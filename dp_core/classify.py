@@ -591,8 +591,8 @@ def _is_schema_probe(select: Mapping[str, Any]) -> bool:
 def _is_aggregate_select(select: Mapping[str, Any]) -> bool:
     """A top-level SELECT with GROUP BY or an aggregate in its select list, or a SELECT from
     one subquery that is one (a query over a DP answer): a DP candidate."""
-    if select.get("groupClause"):
-        return True
+    if select.get("groupClause") or select.get("distinctClause") == [{}]:
+        return True  # (SELECT DISTINCT k: the keys that DP partition selection releases)
     items = select.get("fromClause", [])
     if len(items) == 1 and "RangeSubselect" in items[0]:
         sub = items[0]["RangeSubselect"].get("subquery", {}).get("SelectStmt")

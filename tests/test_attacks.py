@@ -101,6 +101,8 @@ CASES = [
     Case("division by a user-dependent zero", DP + "ANON_COUNT(*) FROM visits "
          "WHERE 1 / (uid - 42) > 0", None),
     Case("division in the aggregate", DP + "ANON_SUM(100 / (uid - 42), 0, 10) FROM visits", None),
+    Case("DISTINCT uid: every value is one user's", "SELECT DISTINCT uid FROM visits", None,
+         no_rows=True),
     Case("division in an IN subquery", DP_COUNT + " WHERE uid IN (SELECT uid FROM purchases "
          "WHERE 1 / (uid - 42) > 0)", None),
     Case("division by the outer row in a public IN subquery", DP_COUNT + " WHERE country IN "

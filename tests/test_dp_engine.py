@@ -63,7 +63,7 @@ def test_golden_pushdown(case: Path) -> None:
 
 
 REFUSALS = [
-    ("SELECT WITH ANONYMIZATION uid, browser FROM visits GROUP BY uid, browser", "at least one DP aggregate"),
+    ("SELECT WITH ANONYMIZATION FROM visits", "at least one DP aggregate"),
     ("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits", "GROUP BY key or a DP aggregate"),
     ("SELECT WITH ANONYMIZATION DISTINCT browser, ANON_COUNT(*) FROM visits GROUP BY browser", "SELECT DISTINCT"),
     ("SELECT WITH ANONYMIZATION * FROM visits", "SELECT *"),
@@ -283,6 +283,25 @@ def test_uid_in_an_owned_subquery_is_a_semi_join() -> None:
             build(f"SELECT count(*) FROM visits WHERE {refused}")
     with pytest.raises(FeatureNotSupported, match="subqueries inside"):  # WHERE only
         build("SELECT count(*) FILTER (WHERE uid IN (SELECT uid FROM purchases)) FROM visits")
+
+
+def test_keys_alone_are_released_by_partition_selection() -> None:
+    """SELECT DISTINCT k, or GROUP BY k without aggregates (BI tools' filter values): the
+    user count gets all of ε and only τ decides; DISTINCT ON stays refused."""
+    for sql in ("SELECT DISTINCT browser FROM visits",
+                "SELECT browser FROM visits GROUP BY browser"):
+        query, plan, _ = build(sql)
+        assert not query.aggregates and [k.output_name for k in query.keys] == ["browser"]
+        assert plan.threshold is not None and plan.threshold.epsilon == 1 and not plan.quantities
+        rows = [{"dp_k0": f"k{i}", "dp_t0": f"k{i}", "dp_users": u}
+                for i, u in enumerate([1, 5, 1000])]
+        assert release(query, plan, rows).rows == (("k2",),)
+    with pytest.raises(FeatureNotSupported, match="DISTINCT"):
+        build("SELECT DISTINCT ON (browser) browser, duration FROM visits")
+    with pytest.raises(FeatureNotSupported, match="at least one DP aggregate"):
+        build("SELECT FROM visits")  # (an empty select list: was a TypeError)
+    query, _, _ = build("SELECT count(*) FROM (SELECT FROM visits) AS s")  # (so was this)
+    assert [a.kind for a in query.aggregates] == [AggKind.COUNT]
 
 
 def test_split_and_sensitivities_hand_computed() -> None:

@@ -213,6 +213,18 @@ def test_window_functions_over_released_values(proxy: Proxy, reset: None) -> Non
         assert spent(conn) == before
 
 
+def test_distinct_values_are_the_released_keys(proxy: Proxy, reset: None) -> None:
+    """A BI tool's filter values (SELECT DISTINCT k, or Metabase's GROUP BY k LIMIT 1000):
+    the keys partition selection releases, charged as one DP query."""
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        browsers = conn.execute("SELECT DISTINCT browser FROM visits ORDER BY 1").fetchall()
+        grouped = conn.execute('SELECT "public"."visits"."browser" AS "browser" FROM '
+                               '"public"."visits" GROUP BY "public"."visits"."browser" '
+                               'ORDER BY "public"."visits"."browser" ASC LIMIT 1000').fetchall()
+        assert {"Chrome", "Firefox"} <= {b for b, in browsers} and len(grouped) >= 2
+        assert spent(conn)[0] == pytest.approx(2.0)
+
+
 POWER_BI = ('select "_"."country", "_"."a0" from (select "rows"."country" as "country", '
             'count(1) as "a0" from (select "_"."uid", "_"."browser", "_"."country", '
             '"_"."duration" from "public"."visits" "_") "rows" group by "country") "_" '
