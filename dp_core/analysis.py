@@ -455,6 +455,14 @@ class Totalizer:
 # ---------------------------------------------------------------------------- FROM clause
 
 
+def _no_column_aliases(rv: ast.RangeVar) -> None:
+    """`FROM visits AS v (browser, uid)` renames columns by position: v.uid would be the
+    browser, and the privacy unit with it. Refused for every relation with user rows."""
+    if rv.alias is not None and rv.alias.colnames:
+        raise _refuse("column aliases on a table with user rows (they would rename its uid)",
+                      _sql(rv))
+
+
 class _FromAnalysis:
     """Walks FROM: finds protected tables, checks joins between them equate their uids."""
 
@@ -520,6 +528,7 @@ class _FromAnalysis:
         if schema is None and name in self.ctes:
             cte_uid = self.ctes[name]
             if cte_uid is not None:
+                _no_column_aliases(rv)
                 alias = str(rv.alias.aliasname) if rv.alias else name
                 if any(t.alias == alias for t in self.tables):
                     raise _refuse("the same alias twice", alias)
@@ -527,6 +536,7 @@ class _FromAnalysis:
             return rv
         pol = self.policy.get(name)
         if pol is not None and schema in (None, pol.schema):
+            _no_column_aliases(rv)
             alias = str(rv.alias.aliasname) if rv.alias else name
             if any(t.alias == alias for t in self.tables):
                 raise _refuse("the same alias twice", alias)

@@ -101,6 +101,13 @@ CASES = [
     Case("division by a user-dependent zero", DP + "ANON_COUNT(*) FROM visits "
          "WHERE 1 / (uid - 42) > 0", None),
     Case("division in the aggregate", DP + "ANON_SUM(100 / (uid - 42), 0, 10) FROM visits", None),
+    Case("column aliases swapping uid and browser (the unit would be the browser)",
+         "SELECT count(*) FROM visits AS v (browser, uid) WHERE v.browser = 42", "0A000"),
+    Case("column aliases renaming a WITH query's uid",
+         "WITH c AS (SELECT uid, browser FROM visits) SELECT count(*) FROM c AS d (browser, uid)",
+         "0A000"),
+    Case("column aliases in an IN subquery", DP_COUNT + " WHERE uid IN (SELECT uid FROM "
+         "purchases AS p (category, uid))", "0A000"),
     Case("DISTINCT uid: every value is one user's", "SELECT DISTINCT uid FROM visits", None,
          no_rows=True),
     Case("division in an IN subquery", DP_COUNT + " WHERE uid IN (SELECT uid FROM purchases "
