@@ -772,6 +772,10 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
             keys.append(Key(totalize(g, "GROUP BY key"), f"__key{len(keys)}"))
     if not aggregates and not keys:  # (keys alone: the groups partition selection releases)
         raise _refuse("a DP query needs at least one DP aggregate, e.g. ANON_COUNT(*)")
+    for k in keys:
+        if _is_uid(k.expr, fa):
+            raise _refuse("grouping by the uid: every group would hold one user, and partition "
+                          "selection releases none (group by something coarser)", _sql(k.expr))
     return AnalyzedQuery(
         from_clause=from_clause, where=where, uid=uid, tables=tuple(fa.tables), keys=tuple(keys),
         aggregates=tuple(aggregates), outputs=tuple(outputs), having=stmt.havingClause,

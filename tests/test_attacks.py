@@ -61,9 +61,9 @@ CASES = [
     Case("query text run by the server", "SELECT query_to_xml('SELECT * FROM visits', true, "
          "false, '') AS x", None),
     Case("DP form selecting a raw column", DP + "duration FROM visits", "0A000"),
-    # each group is one user: τ-thresholding releases none of them
+    # each group would be one user's: refused before anything is spent
     Case("DP form grouped by uid (singling out)",
-         DP + "uid, ANON_COUNT(*) FROM visits GROUP BY uid", None, no_rows=True),
+         DP + "uid, ANON_COUNT(*) FROM visits GROUP BY uid", "0A000"),
     Case("DP form with a raw subquery", DP + "ANON_COUNT(*) FROM visits WHERE duration > "
          "(SELECT max(duration) FROM visits)", "0A000"),
     # --- statistics leaks
@@ -108,8 +108,9 @@ CASES = [
          "0A000"),
     Case("column aliases in an IN subquery", DP_COUNT + " WHERE uid IN (SELECT uid FROM "
          "purchases AS p (category, uid))", "0A000"),
-    Case("DISTINCT uid: every value is one user's", "SELECT DISTINCT uid FROM visits", None,
-         no_rows=True),
+    Case("DISTINCT uid: every value is one user's", "SELECT DISTINCT uid FROM visits", "0A000"),
+    Case("grouped by uid and a key", DP + "uid, browser, ANON_COUNT(*) FROM visits "
+         "GROUP BY browser, uid", "0A000"),
     Case("division in an IN subquery", DP_COUNT + " WHERE uid IN (SELECT uid FROM purchases "
          "WHERE 1 / (uid - 42) > 0)", None),
     Case("division by the outer row in a public IN subquery", DP_COUNT + " WHERE country IN "

@@ -481,13 +481,19 @@ def test_refusal_through_the_proxy_names_the_rule(proxy: Proxy, reset: None) -> 
         assert spent(conn) == (0.0, 0.0)
 
 
-def test_group_by_uid_releases_nothing(proxy: Proxy, reset: None) -> None:
-    # each of the 20,000 groups has one user and is released with probability below the
-    # threshold's delta: 1e-6 would fail this test about 1% of the time, 1e-12 never in practice
+def test_group_by_uid_is_refused_before_the_charge(proxy: Proxy, reset: None) -> None:
+    """Each of the 20,000 groups would hold one user: partition selection would release each
+    with probability below delta (about 1% of the time one of them at 1e-6), and nothing
+    else. Refused instead, spending nothing; a key computed from the uid stays a key."""
     with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
-        rows = conn.execute("SELECT WITH ANONYMIZATION OPTIONS(delta=1e-12) uid, ANON_COUNT(*) "
-                            "FROM visits GROUP BY uid").fetchall()
-    assert rows == []
+        for sql in ("SELECT WITH ANONYMIZATION uid, ANON_COUNT(*) FROM visits GROUP BY uid",
+                    "SELECT DISTINCT v.uid FROM visits v",
+                    "SELECT s.uid, count(*) FROM (SELECT uid FROM visits) s GROUP BY 1"):
+            with pytest.raises(psycopg.errors.FeatureNotSupported, match="grouping by the uid"):
+                conn.execute(sql)
+        assert spent(conn) == (0.0, 0.0)
+        rows = conn.execute("SELECT uid % 2 AS parity, count(*) FROM visits GROUP BY 1").fetchall()
+        assert sorted(r[0] for r in rows) == [0, 1]
 
 
 @pytest.mark.parametrize("special", ["'NaN'::float8", "'Infinity'::float8", "'-Infinity'::float8",
