@@ -797,7 +797,8 @@ def _semi_join(link: ast.SubLink, fa: _FromAnalysis, policy: Mapping[str, TableP
     row passes then depends on that user's rows alone, whatever else the subquery reads of
     the row (correlated or not), so each user's contribution stays bounded. Its NULL uids
     are left out: a NULL in the list would change `NOT IN` for every user. A correlated
-    `EXISTS (SELECT ... FROM t WHERE t.uid = o.uid ...)` is that IN (`_exists_as_in`).
+    `EXISTS (SELECT ... FROM t WHERE t.uid = o.uid ...)` is as safe as that IN
+    (`_exists_as_in`) and stays an EXISTS.
     Over unprotected tables only (IN or EXISTS), a plain SELECT [WHERE] of their rows
     (public data), total."""
     sub = link.subselect
@@ -805,13 +806,14 @@ def _semi_join(link: ast.SubLink, fa: _FromAnalysis, policy: Mapping[str, TableP
         if not _reads_protected(sub, policy, ctes):
             _public_subquery(sub, totalize.inner(sub))
             return link
-        found = _exists_as_in(sub, fa, policy)
-        if found is None:
+        if _exists_as_in(sub, fa, policy) is None:
             raise _refuse("EXISTS but as a semi-join on the uid (EXISTS (SELECT ... FROM t WHERE "
                           "t.uid = outer.uid ...)), or write uid IN (SELECT uid FROM ...)",
                           _sql(link))
-        link = found
-        sub = link.subselect
+        # as safe as that IN, and kept as EXISTS: Postgres joins on the uid equality (the IN
+        # would be a per-row subplan when the rest is correlated too)
+        _owned_subquery(sub, policy, totalize.inner(sub), ctes)
+        return link
     if link.subLinkType != SubLinkType.ANY_SUBLINK or \
             (link.operName and str(link.operName[-1].sval) != "="):
         raise _refuse("subqueries inside a DP query (but x IN (SELECT ...) in WHERE)", _sql(link))

@@ -47,6 +47,11 @@ CASES: dict[str, tuple[str, ...]] = {
         "purchases p WHERE p.uid = v.uid AND p.category = 'books') GROUP BY country",
         "SELECT country, count(DISTINCT uid) FROM visits v WHERE EXISTS (SELECT 1 FROM "
         "purchases p WHERE p.uid = v.uid AND p.category = 'books') GROUP BY country"),
+    "EXISTS correlated beyond the uid": (
+        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits v WHERE EXISTS (SELECT 1 FROM "
+        "purchases p WHERE p.uid = v.uid AND p.amount > v.duration) GROUP BY country",
+        "SELECT country, count(DISTINCT uid) FROM visits v WHERE EXISTS (SELECT 1 FROM "
+        "purchases p WHERE p.uid = v.uid AND p.amount > v.duration) GROUP BY country"),
     "NOT EXISTS on the uid": (
         DP + "country, ANON_COUNT(DISTINCT uid) FROM visits v WHERE NOT EXISTS (SELECT 1 FROM "
         "purchases p WHERE v.uid = p.uid) GROUP BY country",
