@@ -258,7 +258,7 @@ def test_metabase_sees_protected_tables(proxy: Proxy) -> None:
             assert cur.fetchall() == [] and cur.description is not None
 
 
-BI_QUESTIONS = [line for tool in ("metabase", "tableau")
+BI_QUESTIONS = [line for tool in ("metabase", "tableau", "looker")
                 for line in (Path(__file__).parent / "fixtures" / f"{tool}_questions.sql")
                 .read_text().splitlines() if line and not line.startswith("--")]
 
