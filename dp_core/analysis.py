@@ -798,7 +798,7 @@ def _semi_join(link: ast.SubLink, fa: _FromAnalysis, policy: Mapping[str, TableP
     the row (correlated or not), so each user's contribution stays bounded. Its NULL uids
     are left out: a NULL in the list would change `NOT IN` for every user. A correlated
     `EXISTS (SELECT ... FROM t WHERE t.uid = o.uid ...)` is as safe as that IN
-    (`_exists_as_in`) and stays an EXISTS.
+    (`_joins_on_the_uid`) and stays an EXISTS.
     Over unprotected tables only (IN or EXISTS), a plain SELECT [WHERE] of their rows
     (public data), total."""
     sub = link.subselect
@@ -806,7 +806,7 @@ def _semi_join(link: ast.SubLink, fa: _FromAnalysis, policy: Mapping[str, TableP
         if not _reads_protected(sub, policy, ctes):
             _public_subquery(sub, totalize.inner(sub))
             return link
-        if _exists_as_in(sub, fa, policy) is None:
+        if not _joins_on_the_uid(sub, fa, policy):
             raise _refuse("EXISTS but as a semi-join on the uid (EXISTS (SELECT ... FROM t WHERE "
                           "t.uid = outer.uid ...)), or write uid IN (SELECT uid FROM ...)",
                           _sql(link))
@@ -838,13 +838,13 @@ def _semi_join(link: ast.SubLink, fa: _FromAnalysis, policy: Mapping[str, TableP
     return link
 
 
-def _exists_as_in(sub: ast.SelectStmt, fa: _FromAnalysis,
-                  policy: Mapping[str, TablePolicy]) -> ast.SubLink | None:
-    """`EXISTS (SELECT ... FROM t WHERE t.uid = o.uid AND rest)`, with t a protected table of
-    the subquery and o.uid the DP query's uid, as the same `o.uid IN (SELECT t.uid FROM t
-    WHERE rest)`; None for any other EXISTS."""
+def _joins_on_the_uid(sub: ast.SelectStmt, fa: _FromAnalysis,
+                      policy: Mapping[str, TablePolicy]) -> bool:
+    """Whether `sub` is `SELECT ... FROM t ... WHERE t.uid = o.uid [AND rest]`, with t a
+    protected table of its FROM and o.uid the DP query's uid (a top-level conjunct): then
+    EXISTS (sub) is `o.uid IN (SELECT t.uid FROM t ... WHERE rest)`."""
     if sub.groupClause or sub.havingClause or sub.op not in (None, 0) or not sub.fromClause:
-        return None
+        return False
     tables: dict[str, str] = {}
     items = list(sub.fromClause)
     while items:
@@ -853,8 +853,7 @@ def _exists_as_in(sub: ast.SelectStmt, fa: _FromAnalysis,
             items += [item.larg, item.rarg]
         elif isinstance(item, ast.RangeVar):
             tables[str(item.alias.aliasname) if item.alias else str(item.relname)] = str(item.relname)
-    conjuncts = list(_conjuncts(sub.whereClause)) if sub.whereClause is not None else []
-    for i, c in enumerate(conjuncts):
+    for c in _conjuncts(sub.whereClause) if sub.whereClause is not None else ():
         if not (isinstance(c, ast.A_Expr) and c.kind == A_Expr_Kind.AEXPR_OP
                 and str(c.name[-1].sval) == "="):
             continue
@@ -862,20 +861,11 @@ def _exists_as_in(sub: ast.SelectStmt, fa: _FromAnalysis,
             if not (isinstance(inside, ast.ColumnRef) and isinstance(outside, ast.ColumnRef)
                     and len(inside.fields) == 2 and len(outside.fields) == 2):
                 continue
-            alias, column = str(inside.fields[0].sval), str(inside.fields[1].sval)
-            pol = policy.get(tables.get(alias, ""))
-            if pol is None or pol.uid_column != column or \
-                    str(outside.fields[0].sval) in tables or not _is_uid(outside, fa):
-                continue
-            rest = conjuncts[:i] + conjuncts[i + 1:]
-            where = None if not rest else rest[0] if len(rest) == 1 else ast.BoolExpr(
-                boolop=BoolExprType.AND_EXPR, args=tuple(rest))
-            select = copy.deepcopy(sub)
-            select.targetList = (ast.ResTarget(val=copy.deepcopy(inside)),)
-            select.whereClause = where
-            return ast.SubLink(subLinkType=SubLinkType.ANY_SUBLINK, subLinkId=0,
-                               testexpr=copy.deepcopy(outside), subselect=select)
-    return None
+            pol = policy.get(tables.get(str(inside.fields[0].sval), ""))
+            if pol is not None and pol.uid_column == str(inside.fields[1].sval) \
+                    and str(outside.fields[0].sval) not in tables and _is_uid(outside, fa):
+                return True
+    return False
 
 
 def _public_subquery(sub: ast.SelectStmt, totalize: Totalizer) -> None:
