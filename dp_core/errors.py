@@ -70,6 +70,10 @@ class NoActiveSqlTransaction(DPError):
     sqlstate = "25P01"
 
 
+class ObjectNotInPrerequisiteState(DPError):
+    sqlstate = "55000"
+
+
 class BindMismatch(DPError):
     """A Bind that does not fit its statement: an error in the batch, not the end of the session."""
 

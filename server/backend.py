@@ -62,6 +62,9 @@ class Pending(Enum):
     INTERNAL_BIND = "iB"
     INTERNAL_CLOSE = "iC"
     INTERNAL_EXECUTE = "iE"  # a statement of the proxy's own without rows (CommandComplete)
+    # the proxy's own failing statement (`fail_transaction`): its error is swallowed, uncounted
+    INTERNAL_FAIL = "iF"
+    INTERNAL_FAIL_QUERY = "iFQ"  # (as a Query: its ReadyForQuery swallowed too)
 
 
 _EXTENDED_TAGS = {
@@ -82,8 +85,12 @@ _COMPLETES = {
     b"I": (Pending.EXECUTE,),
     b"s": (Pending.EXECUTE,),
 }
-_SIMPLE = (Pending.QUERY, Pending.QUERY_SPLIT, Pending.INTERNAL_QUERY)
-_UNRELAYED_READY = (Pending.QUERY_SPLIT, Pending.INTERNAL_QUERY)
+_SIMPLE = (Pending.QUERY, Pending.QUERY_SPLIT, Pending.INTERNAL_QUERY,
+           Pending.INTERNAL_FAIL_QUERY)
+_UNRELAYED_READY = (Pending.QUERY_SPLIT, Pending.INTERNAL_QUERY, Pending.INTERNAL_FAIL_QUERY)
+_FAILS = (Pending.INTERNAL_FAIL, Pending.INTERNAL_FAIL_QUERY)
+_FAILING_SQL = "dp-proxy: a local error aborts the transaction, as in Postgres"
+"""Not SQL: the backend's syntax error is the point (and reads plainly in its log)."""
 """Cycles whose ReadyForQuery the client does not see: the proxy's own."""
 _QUERY, _SYNC = Pending.QUERY, Pending.SYNC
 """For the relay loop (an Enum member is a slow class attribute on Python 3.11)."""
@@ -324,6 +331,13 @@ class BackendLink(asyncio.Protocol):
                     started = self.cycles.popleft()
                     if started is not None:
                         self._cycle_done(started, self.last_sqlstate if failed else None)
+        elif tag == b"E" and head in _FAILS:
+            relay = False  # (the client has the proxy's own error)
+            if head is Pending.INTERNAL_FAIL:
+                while pending and pending[0] not in _SYNCS:  # the backend skips to Sync
+                    pending.popleft()
+                if not pending:
+                    self.skipping = True
         elif tag == b"E":
             self.errors += 1
             code = buf.find(b"\0C", start + 4, end)  # a field boundary, then the SQLSTATE field
@@ -525,6 +539,17 @@ class BackendLink(asyncio.Protocol):
                        [Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND,
                         Pending.INTERNAL_CLOSE, Pending.INTERNAL_EXECUTE, Pending.INTERNAL_CLOSE,
                         Pending.INTERNAL_CLOSE])
+
+    def fail_transaction(self, extended: bool) -> None:
+        """After an error of the proxy's own, have the backend fail too, as Postgres fails on
+        any error: an open block is aborted (25P02 until ROLLBACK), and an extended batch's
+        implicit transaction is rolled back at its Sync (with what ran before the error).
+        `extended`: a Parse that fails inside the client's batch (the backend then skips to
+        its Sync); else a Query. Its error is not relayed; await `drain()` for it."""
+        if extended:
+            self._send_own([p.Parse(SHADOW_NAME, _FAILING_SQL)], [Pending.INTERNAL_FAIL])
+        else:
+            self._send_own([p.Query(_FAILING_SQL)], [Pending.INTERNAL_FAIL_QUERY])
 
     def _send_own(self, messages: list[p.FrontendMessage], kinds: list[Pending]) -> None:
         """Send messages of the proxy's own, awaiting `kinds` of replies; encoded first, so

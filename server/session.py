@@ -42,6 +42,7 @@ from dp_core.errors import (
     InvalidAuthorization,
     InvalidPassword,
     NoActiveSqlTransaction,
+    ObjectNotInPrerequisiteState,
     ProtocolViolationError,
     QueryCanceled,
     SyntaxError_,
@@ -723,6 +724,7 @@ class Session:
                 self.state = State.FAILED_BATCH if extended else self.state
                 return
             self.send_error(err)
+            await self._fail_backend(extended)
             if extended:
                 self.state = State.FAILED_BATCH
             else:
@@ -770,6 +772,7 @@ class Session:
             except DPError as e:
                 self.send_error(e)
                 self.state = State.FAILED_BATCH
+                await self._fail_backend(extended=True)
 
         return run()
 
@@ -789,8 +792,20 @@ class Session:
             except DPError as e:
                 self.send_error(e)
                 self.state = State.FAILED_BATCH
+                await self._fail_backend(extended=True)
 
         return run()
+
+    async def _fail_backend(self, extended: bool) -> None:
+        """After an error of the proxy's own, the backend fails as Postgres would: an open
+        block is aborted; an extended batch skips to its Sync, its implicit transaction
+        rolled back (`BackendLink.fail_transaction`). A Query outside a block has nothing
+        to abort."""
+        link = self.link
+        if link is None or link.closed or (not extended and link.tx_status != b"T"):
+            return
+        link.fail_transaction(extended)
+        await link.drain()
 
     # ------------------------------------------------------------------ simple query
 
@@ -840,6 +855,8 @@ class Session:
             except DPError as e:
                 self.send_error(e)
                 failed = True
+                if not implicit:
+                    await self._fail_backend(extended=False)
                 break
         if implicit and not link.closed:
             link.run_quietly("ROLLBACK" if failed else "COMMIT")
@@ -1067,6 +1084,7 @@ class Session:
             self.statement_done("refused", time.perf_counter(), failure.sqlstate)
             self.send_error(failure)
             self.state = State.FAILED_BATCH
+            await self._fail_backend(extended=True)
             return
         if msg.name:
             # the name is taken on the backend too: Postgres refuses a name in use (42P05)
@@ -1216,6 +1234,8 @@ class Session:
             # stay in the backend's portal of that name, read by the client's next Executes
             if ex.portal in self.exhausted_portals:
                 self._check_transaction(st)  # (a failed block refuses it first, 25P02)
+                if st.cursor is not None or st.wraps_result:  # (DECLARE, COPY: run once)
+                    raise ObjectNotInPrerequisiteState(f'portal "{ex.portal}" cannot be run')
                 self.send(p.CommandComplete("SELECT 0"))
                 return
             self.exhausted_portals.add(ex.portal)

@@ -29,6 +29,37 @@ def _spent(px: Proxy) -> float:
 
 
 @pytest.mark.parametrize("prepare", [False, True], ids=["simple", "extended"])
+def test_an_error_of_the_proxys_own_aborts_the_block(px: Proxy, conn: psycopg.Connection,
+                                                     prepare: bool) -> None:
+    """As any error in Postgres: a refused statement (42501), a refused DP form (0A000) or a
+    spent budget leaves the block failed (25P02 until ROLLBACK), on both protocols, and what
+    the block did is rolled back."""
+    for refused in ("SELECT * FROM visits", DP_COUNT + " GROUP BY uid"):
+        conn.execute("SET LOCAL TIME ZONE 'Asia/Tokyo'")
+        with pytest.raises(psycopg.Error):
+            conn.execute(refused, prepare=prepare)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR
+        with pytest.raises(psycopg.errors.InFailedSqlTransaction):
+            conn.execute("SELECT 1", prepare=prepare)
+        conn.rollback()
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+        conn.rollback()
+
+
+def test_an_error_of_the_proxys_own_rolls_back_its_pipeline(px: Proxy) -> None:
+    """On the extended protocol outside a block, the statements up to Sync are one implicit
+    transaction: a local error rolls back a SET before it in the same batch, as Postgres."""
+    with psycopg.connect(px.dsn(), autocommit=True) as c:
+        before = c.execute("SHOW TIME ZONE").fetchone()
+        with pytest.raises(psycopg.errors.InsufficientPrivilege), c.pipeline():
+            c.execute("SET TIME ZONE 'Asia/Tokyo'")
+            c.execute("SELECT * FROM visits")
+        assert c.execute("SHOW TIME ZONE").fetchone() == before
+        c.execute("SET TIME ZONE 'Asia/Tokyo'")  # (alone, it lasts)
+        assert c.execute("SHOW TIME ZONE").fetchone() == ("Asia/Tokyo",)
+
+
+@pytest.mark.parametrize("prepare", [False, True], ids=["simple", "extended"])
 def test_a_dp_query_in_a_failed_transaction_is_refused_before_the_charge(
         px: Proxy, conn: psycopg.Connection, prepare: bool) -> None:
     """Postgres refuses every statement in a failed transaction (25P02); a DP query there was
