@@ -721,6 +721,16 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     aggregates: list[Aggregate] = []
     outputs: list[OutputColumn] = []
     select: list[SelectItem] = []
+    def release_hidden(calls: list[Any]) -> None:
+        """Post-processing: each DP aggregate of an expression over them (in the select list,
+        HAVING or ORDER BY) that no output answers yet is released hidden; the result query
+        evaluates the expression over the released values."""
+        for fc in calls:
+            if not any(_same(fc, o.source) for o in outputs):
+                hidden = f"dp_hidden{len(outputs)}"
+                aggregates.append(_make_aggregate(fc, hidden, fa, policy, totalize))
+                outputs.append(OutputColumn(hidden, aggregate=len(aggregates) - 1, source=fc))
+
     for target in stmt.targetList or ():
         if not isinstance(target, ast.ResTarget) or target.val is None:
             raise _refuse("this select-list item")
@@ -736,14 +746,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
             continue
         inner = _dp_aggregates_in(val)
         if inner:
-            # post-processing: each aggregate is released (hidden), the expression is
-            # evaluated over the released values by the result query
-            for fc in inner:
-                if any(_same(fc, o.source) for o in outputs):
-                    continue
-                hidden = f"dp_hidden{len(outputs)}"
-                aggregates.append(_make_aggregate(fc, hidden, fa, policy, totalize))
-                outputs.append(OutputColumn(hidden, aggregate=len(aggregates) - 1, source=fc))
+            release_hidden(inner)
             select.append(SelectItem(name, expr=val))
             continue
         if any(isinstance(n, ast.FuncCall) and n.over is not None for n in _walk(val)):
@@ -756,13 +759,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         outputs.append(OutputColumn(name, key=len(keys) - 1, source=val))
         select.append(SelectItem(name, column=len(outputs) - 1))
     for expr in (stmt.havingClause, *(s.node for s in stmt.sortClause or ())):
-        # an aggregate that only HAVING or ORDER BY uses is released too (hidden), as in a
-        # select-list expression: they filter and sort on noisy values
-        for fc in _dp_aggregates_in(expr) if expr is not None else ():
-            if not any(_same(fc, o.source) for o in outputs):
-                hidden = f"dp_hidden{len(outputs)}"
-                aggregates.append(_make_aggregate(fc, hidden, fa, policy, totalize))
-                outputs.append(OutputColumn(hidden, aggregate=len(aggregates) - 1, source=fc))
+        if expr is not None:  # (they filter and sort on noisy values too)
+            release_hidden(_dp_aggregates_in(expr))
     selected = [(o.source, o.name) for o in outputs if o.key is not None]
     for g in group_exprs:
         # (against the selected expressions as written: the keys are totalised, `x % 2`

@@ -88,10 +88,10 @@ _COMPLETES = {
 _SIMPLE = (Pending.QUERY, Pending.QUERY_SPLIT, Pending.INTERNAL_QUERY,
            Pending.INTERNAL_FAIL_QUERY)
 _UNRELAYED_READY = (Pending.QUERY_SPLIT, Pending.INTERNAL_QUERY, Pending.INTERNAL_FAIL_QUERY)
+"""Cycles whose ReadyForQuery the client does not see: the proxy's own."""
 _FAILS = (Pending.INTERNAL_FAIL, Pending.INTERNAL_FAIL_QUERY)
 _FAILING_SQL = "dp-proxy: a local error aborts the transaction, as in Postgres"
 """Not SQL: the backend's syntax error is the point (and reads plainly in its log)."""
-"""Cycles whose ReadyForQuery the client does not see: the proxy's own."""
 _QUERY, _SYNC = Pending.QUERY, Pending.SYNC
 """For the relay loop (an Enum member is a slow class attribute on Python 3.11)."""
 _INTERNAL_COMPLETES = {

@@ -723,11 +723,11 @@ class Session:
             if self._backend_failed_batch():
                 self.state = State.FAILED_BATCH if extended else self.state
                 return
-            self.send_error(err)
-            await self._fail_backend(extended)
             if extended:
-                self.state = State.FAILED_BATCH
+                await self._fail_batch(err)
             else:
+                self.send_error(err)
+                await self._fail_backend(extended=False)
                 self.send(p.ReadyForQuery(self.link.tx_status))
 
         return report()
@@ -770,9 +770,7 @@ class Session:
             try:
                 fn()
             except DPError as e:
-                self.send_error(e)
-                self.state = State.FAILED_BATCH
-                await self._fail_backend(extended=True)
+                await self._fail_batch(e)
 
         return run()
 
@@ -790,11 +788,16 @@ class Session:
             except _AlreadyReported:
                 self.state = State.FAILED_BATCH
             except DPError as e:
-                self.send_error(e)
-                self.state = State.FAILED_BATCH
-                await self._fail_backend(extended=True)
+                await self._fail_batch(e)
 
         return run()
+
+    async def _fail_batch(self, err: DPError) -> None:
+        """An extended-protocol message the proxy answers failed: the error, then everything
+        up to Sync ignored, by the backend too (`_fail_backend`)."""
+        self.send_error(err)
+        self.state = State.FAILED_BATCH
+        await self._fail_backend(extended=True)
 
     async def _fail_backend(self, extended: bool) -> None:
         """After an error of the proxy's own, the backend fails as Postgres would: an open
@@ -1082,9 +1085,7 @@ class Session:
         failure = self._transaction_failure(st) or st.refusal
         if failure is not None:
             self.statement_done("refused", time.perf_counter(), failure.sqlstate)
-            self.send_error(failure)
-            self.state = State.FAILED_BATCH
-            await self._fail_backend(extended=True)
+            await self._fail_batch(failure)
             return
         if msg.name:
             # the name is taken on the backend too: Postgres refuses a name in use (42P05)
