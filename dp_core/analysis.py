@@ -20,7 +20,7 @@ from enum import Enum
 from typing import Any
 
 from pglast import ast, parse_sql
-from pglast.enums import A_Expr_Kind, BoolExprType, JoinType, NullTestType, SubLinkType
+from pglast.enums import A_Expr_Kind, BoolExprType, JoinType, SubLinkType
 from pglast.parser import ParseError
 from pglast.visitors import Visitor
 
@@ -313,7 +313,7 @@ class Totalizer:
         self.scope = scope
         """The inner query whose FROM the expressions read (None: the DP query's own)."""
         self.semi_joins: Callable[[ast.SubLink], ast.SubLink] | None = None
-        """Checks an `x IN (SELECT ...)` of the DP query's WHERE (`_semi_join`); None: every
+        """Checks an IN or EXISTS subquery of the DP query's WHERE (`_semi_join`); None: every
         subquery is refused."""
 
     def inner(self, scope: ast.SelectStmt) -> Totalizer:
@@ -321,7 +321,7 @@ class Totalizer:
         return Totalizer(self.protected_names, self.casts, scope)
 
     def with_semi_joins(self, check: Callable[[ast.SubLink], ast.SubLink]) -> Totalizer:
-        """This totaliser, with `x IN (SELECT ...)` accepted where `check` accepts it."""
+        """This totaliser, with IN and EXISTS subqueries accepted where `check` accepts them."""
         other = Totalizer(self.protected_names, self.casts, self.scope)
         other.semi_joins = check
         return other
@@ -361,8 +361,8 @@ class Totalizer:
             return self._function(node, ctx)
         if isinstance(node, ast.SubLink):
             if self.semi_joins is None:
-                raise _refuse("subqueries inside a DP query (but x IN (SELECT ...) in WHERE)",
-                              ctx)
+                raise _refuse("subqueries inside a DP query (but IN or EXISTS over "
+                              "unprotected tables in WHERE)", ctx)
             link = self.semi_joins(node)
             link.testexpr = self._total(link.testexpr, ctx)
             return link
@@ -711,7 +711,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     fa.check_connected(stmt.whereClause)
     where = None
     if stmt.whereClause is not None:
-        semi = totalize.with_semi_joins(lambda link: _semi_join(link, fa, policy, ctes, totalize))
+        semi = totalize.with_semi_joins(lambda link: _semi_join(link, policy, ctes, totalize))
         where = semi(stmt.whereClause, "WHERE")
     first = fa.tables[0]
     uid = ast.ColumnRef(fields=(ast.String(sval=first.alias), ast.String(sval=first.uid_column)))
@@ -786,84 +786,28 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
 _PER_USER_AGGREGATES = frozenset({"count", "sum", "avg", "min", "max"})
 
 
-def _semi_join(link: ast.SubLink, fa: _FromAnalysis, policy: Mapping[str, TablePolicy],
+def _semi_join(link: ast.SubLink, policy: Mapping[str, TablePolicy],
                ctes: Mapping[str, str | None], totalize: Totalizer) -> ast.SubLink:
-    """`x IN (SELECT ...)` in a DP query's WHERE, checked and made total in place.
+    """`x IN (SELECT ...)` or `EXISTS (SELECT ...)` in a DP query's WHERE, checked and made
+    total in place: over unprotected tables only, a plain SELECT [WHERE] of their rows
+    (public data), total.
 
-    Over protected tables, x must be the uid and the subquery an owned one selecting its
-    uid only (`uid IN (SELECT uid FROM purchases WHERE amount > 100)`): whether a user's
-    row passes then depends on that user's rows alone, whatever else the subquery reads of
-    the row (correlated or not), so each user's contribution stays bounded. Its NULL uids
-    are left out: a NULL in the list would change `NOT IN` for every user. A correlated
-    `EXISTS (SELECT ... FROM t WHERE t.uid = o.uid ...)` is as safe as that IN
-    (`_joins_on_the_uid`) and stays an EXISTS.
-    Over unprotected tables only (IN or EXISTS), a plain SELECT [WHERE] of their rows
-    (public data), total."""
+    Subqueries in WHERE that read protected tables, correlated or not, are refused (DESIGN
+    §3.1, the paper's Table 2), even the semi-join on the uid (`uid IN (SELECT uid FROM
+    purchases ...)`), which would be safe: a join on the uid in FROM says the same."""
     sub = link.subselect
-    if link.subLinkType == SubLinkType.EXISTS_SUBLINK and isinstance(sub, ast.SelectStmt):
-        if not _reads_protected(sub, policy, ctes):
-            _public_subquery(sub, totalize.inner(sub))
-            return link
-        if not _joins_on_the_uid(sub, fa, policy):
-            raise _refuse("EXISTS but as a semi-join on the uid (EXISTS (SELECT ... FROM t WHERE "
-                          "t.uid = outer.uid ...)), or write uid IN (SELECT uid FROM ...)",
-                          _sql(link))
-        # as safe as that IN, and kept as EXISTS: Postgres joins on the uid equality (the IN
-        # would be a per-row subplan when the rest is correlated too)
-        _owned_subquery(sub, policy, totalize.inner(sub), ctes)
-        return link
-    if link.subLinkType != SubLinkType.ANY_SUBLINK or \
-            (link.operName and str(link.operName[-1].sval) != "="):
-        raise _refuse("subqueries inside a DP query (but x IN (SELECT ...) in WHERE)", _sql(link))
+    exists = link.subLinkType == SubLinkType.EXISTS_SUBLINK
+    if not exists and (link.subLinkType != SubLinkType.ANY_SUBLINK or
+                       (link.operName and str(link.operName[-1].sval) != "=")):
+        raise _refuse("subqueries inside a DP query (but IN or EXISTS over unprotected tables "
+                      "in WHERE)", _sql(link))
     if not isinstance(sub, ast.SelectStmt):
         raise _refuse("this kind of subquery", _sql(link))
-    inner = totalize.inner(sub)
-    if not _reads_protected(sub, policy, ctes):
-        _public_subquery(sub, inner)
-        return link
-    if not _is_uid(link.testexpr, fa):
-        raise _refuse("a subquery over protected tables tests the uid only: "
-                      "uid IN (SELECT uid FROM ...)", _sql(link))
-    uid_out = _owned_subquery(sub, policy, inner, ctes)
-    targets = sub.targetList or ()
-    val = targets[0].val if len(targets) == 1 else None
-    if not isinstance(val, ast.ColumnRef) or isinstance(val.fields[-1], ast.A_Star) or \
-            (str(targets[0].name) if targets[0].name else _default_name(val)) != uid_out:
-        raise _refuse("a subquery over protected tables in IN selects its uid only", _sql(link))
-    present = ast.NullTest(arg=copy.deepcopy(val), nulltesttype=NullTestType.IS_NOT_NULL)
-    sub.whereClause = present if sub.whereClause is None else ast.BoolExpr(
-        boolop=BoolExprType.AND_EXPR, args=(sub.whereClause, present))
+    if _reads_protected(sub, policy, ctes):
+        raise _refuse("correlated or WHERE subqueries that read protected tables (join the "
+                      "table on the uid in FROM instead)", _sql(link))
+    _public_subquery(sub, totalize.inner(sub))
     return link
-
-
-def _joins_on_the_uid(sub: ast.SelectStmt, fa: _FromAnalysis,
-                      policy: Mapping[str, TablePolicy]) -> bool:
-    """Whether `sub` is `SELECT ... FROM t ... WHERE t.uid = o.uid [AND rest]`, with t a
-    protected table of its FROM and o.uid the DP query's uid (a top-level conjunct): then
-    EXISTS (sub) is `o.uid IN (SELECT t.uid FROM t ... WHERE rest)`."""
-    if sub.groupClause or sub.havingClause or sub.op not in (None, 0) or not sub.fromClause:
-        return False
-    tables: dict[str, str] = {}
-    items = list(sub.fromClause)
-    while items:
-        item = items.pop()
-        if isinstance(item, ast.JoinExpr):
-            items += [item.larg, item.rarg]
-        elif isinstance(item, ast.RangeVar):
-            tables[str(item.alias.aliasname) if item.alias else str(item.relname)] = str(item.relname)
-    for c in _conjuncts(sub.whereClause) if sub.whereClause is not None else ():
-        if not (isinstance(c, ast.A_Expr) and c.kind == A_Expr_Kind.AEXPR_OP
-                and str(c.name[-1].sval) == "="):
-            continue
-        for inside, outside in ((c.lexpr, c.rexpr), (c.rexpr, c.lexpr)):
-            if not (isinstance(inside, ast.ColumnRef) and isinstance(outside, ast.ColumnRef)
-                    and len(inside.fields) == 2 and len(outside.fields) == 2):
-                continue
-            pol = policy.get(tables.get(str(inside.fields[0].sval), ""))
-            if pol is not None and pol.uid_column == str(inside.fields[1].sval) \
-                    and str(outside.fields[0].sval) not in tables and _is_uid(outside, fa):
-                return True
-    return False
 
 
 def _public_subquery(sub: ast.SelectStmt, totalize: Totalizer) -> None:

@@ -111,8 +111,10 @@ CASES = [
     Case("DISTINCT uid: every value is one user's", "SELECT DISTINCT uid FROM visits", "0A000"),
     Case("grouped by uid and a key", DP + "uid, browser, ANON_COUNT(*) FROM visits "
          "GROUP BY browser, uid", "0A000"),
-    Case("division in an IN subquery", DP_COUNT + " WHERE uid IN (SELECT uid FROM purchases "
-         "WHERE 1 / (uid - 42) > 0)", None),
+    Case("semi-join on the uid in WHERE (DESIGN: WHERE subqueries on protected tables)",
+         DP_COUNT + " WHERE uid IN (SELECT uid FROM purchases WHERE amount > 100)", "0A000"),
+    Case("correlated EXISTS on the uid", DP_COUNT + " v WHERE EXISTS (SELECT 1 FROM purchases p "
+         "WHERE p.uid = v.uid)", "0A000"),
     Case("division by the outer row in a public IN subquery", DP_COUNT + " WHERE country IN "
          "(SELECT code FROM countries WHERE 1 / (duration - 42) > 0)", None),
     Case("IN over other users' rows (top spenders)", DP_COUNT + " WHERE uid IN (SELECT uid FROM "

@@ -7,7 +7,7 @@ and every group of 5 users or more passes τ (2.31). Each case pairs a DP query 
 plain query Postgres runs as superuser; the released groups must be the groups of 5 users
 or more (with none of fewer than 2; a FILTER leaves the groups as they are), their counts
 within 2 of Postgres's. This is what checks the
-rewrites that change SQL (FILTER to CASE, EXISTS to IN, semi-joins' NULL filter, a query
+rewrites that change SQL (FILTER to CASE, subqueries over public tables made total, a query
 around a DP query, DISTINCT to GROUP BY) against Postgres's own reading of it.
 """
 
@@ -27,36 +27,16 @@ GROUPS = "SELECT country, count(DISTINCT uid) FROM visits GROUP BY country"
 """A FILTER leaves the groups as they are: partition selection counts all their users."""
 
 CASES: dict[str, tuple[str, ...]] = {
-    "IN over an owned subquery": (
-        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits WHERE uid IN "
-        "(SELECT uid FROM purchases WHERE amount > 100) GROUP BY country",
-        "SELECT country, count(DISTINCT uid) FROM visits WHERE uid IN "
+    "a join on the uid (the semi-join a WHERE subquery would be)": (
+        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits v JOIN purchases p USING (uid) "
+        "WHERE p.amount > 100 GROUP BY country",
+        "SELECT country, count(DISTINCT uid) FROM visits v WHERE uid IN "
         "(SELECT uid FROM purchases WHERE amount > 100) GROUP BY country"),
-    "NOT IN": (
-        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits WHERE uid NOT IN "
-        "(SELECT uid FROM purchases) GROUP BY country",
-        "SELECT country, count(DISTINCT uid) FROM visits WHERE uid NOT IN "
-        "(SELECT uid FROM purchases) GROUP BY country"),
-    "correlated IN": (
-        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits v WHERE v.uid IN (SELECT p.uid "
-        "FROM purchases p WHERE p.uid = v.uid AND p.amount > v.duration) GROUP BY country",
-        "SELECT country, count(DISTINCT uid) FROM visits v WHERE v.uid IN (SELECT p.uid "
-        "FROM purchases p WHERE p.uid = v.uid AND p.amount > v.duration) GROUP BY country"),
-    "EXISTS on the uid": (
+    "EXISTS over a public table": (
         DP + "country, ANON_COUNT(DISTINCT uid) FROM visits v WHERE EXISTS (SELECT 1 FROM "
-        "purchases p WHERE p.uid = v.uid AND p.category = 'books') GROUP BY country",
+        "countries c WHERE c.code = v.country AND c.region <> 'Europe') GROUP BY country",
         "SELECT country, count(DISTINCT uid) FROM visits v WHERE EXISTS (SELECT 1 FROM "
-        "purchases p WHERE p.uid = v.uid AND p.category = 'books') GROUP BY country"),
-    "EXISTS correlated beyond the uid": (
-        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits v WHERE EXISTS (SELECT 1 FROM "
-        "purchases p WHERE p.uid = v.uid AND p.amount > v.duration) GROUP BY country",
-        "SELECT country, count(DISTINCT uid) FROM visits v WHERE EXISTS (SELECT 1 FROM "
-        "purchases p WHERE p.uid = v.uid AND p.amount > v.duration) GROUP BY country"),
-    "NOT EXISTS on the uid": (
-        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits v WHERE NOT EXISTS (SELECT 1 FROM "
-        "purchases p WHERE v.uid = p.uid) GROUP BY country",
-        "SELECT country, count(DISTINCT uid) FROM visits v WHERE NOT EXISTS (SELECT 1 FROM "
-        "purchases p WHERE v.uid = p.uid) GROUP BY country"),
+        "countries c WHERE c.code = v.country AND c.region <> 'Europe') GROUP BY country"),
     "IN over a public table": (
         DP + "country, ANON_COUNT(DISTINCT uid) FROM visits WHERE country IN "
         "(SELECT code FROM countries WHERE region = 'Europe') GROUP BY country",
@@ -116,12 +96,12 @@ def test_dp_query_computes_what_postgres_computes(proxy: Proxy, backend: Backend
 
 
 def test_distinct_keys_are_the_groups_of_enough_users(proxy: Proxy, backend: Backend) -> None:
-    truth = _truth(backend, "SELECT country, count(DISTINCT uid) FROM visits WHERE uid IN "
-                            "(SELECT uid FROM purchases) GROUP BY country")
+    truth = _truth(backend, "SELECT country, count(DISTINCT uid) FROM visits "
+                            "WHERE duration > 600 GROUP BY country")
     reset_budget(proxy)
     with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
         conn.execute("SET dp.epsilon = 10")
         released = {r[0] for r in conn.execute(
-            "SELECT DISTINCT country FROM visits WHERE uid IN (SELECT uid FROM purchases)")}
+            "SELECT DISTINCT country FROM visits WHERE duration > 600")}
     assert {k for k, n in truth.items() if n >= 5} <= released
     assert all(truth.get(k, 0) >= 2 for k in released)
