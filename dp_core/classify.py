@@ -334,6 +334,13 @@ class Classifier:
                     return self._refuse(make, protected, "EXPLAIN ANALYZE of a DP query would "
                                         "reveal the true row counts")
                 return make(StatementKind.DP_EXPLAIN, dp_clause=clauses[0])
+            if ntype != "SelectStmt" and ntype not in _WRAPPERS:
+                # PREPARE, CREATE TABLE AS, INSERT ... SELECT: a DP answer is only sent to
+                # the client (DESIGN §1.4: cursors aside, anything else is refused with 42501)
+                return self._refuse(make, protected, "a DP query can only be run, declared as a "
+                                    "cursor or copied TO STDOUT, not used in "
+                                    f"{_statement_name(ntype)}; to prepare it, use the extended "
+                                    "protocol (Parse), as drivers do")
             return make(StatementKind.DP_QUERY, dp_clause=clauses[0])
         lexing = self._changes_lexing(ntype, body)
         if lexing is not None:
@@ -436,6 +443,17 @@ class Classifier:
             name = rv.get("relname", "")
             if self.policy.matches(rv.get("schemaname"), name):
                 yield name
+
+
+def _statement_name(ntype: str) -> str:
+    """`PrepareStmt` → PREPARE, `CreateTableAsStmt` → CREATE TABLE AS, ... for messages."""
+    return _STATEMENT_NAMES.get(ntype, ntype.removesuffix("Stmt"))
+
+
+_STATEMENT_NAMES = {"PrepareStmt": "PREPARE", "CreateTableAsStmt": "CREATE TABLE AS",
+                    "InsertStmt": "INSERT", "ViewStmt": "CREATE VIEW", "UpdateStmt": "UPDATE",
+                    "DeleteStmt": "DELETE", "ExecuteStmt": "EXECUTE",
+                    "CreateFunctionStmt": "CREATE FUNCTION", "RuleStmt": "CREATE RULE"}
 
 
 _WRAPPERS = ("DeclareCursorStmt", "CopyStmt")

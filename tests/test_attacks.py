@@ -85,7 +85,10 @@ CASES = [
     Case("COPY query", "COPY (SELECT * FROM visits) TO STDOUT", "42501"),
     Case("cursor", ("BEGIN", "DECLARE c CURSOR FOR SELECT * FROM visits"), "42501"),
     Case("PREPARE", "PREPARE leak AS SELECT * FROM visits", "42501"),
-    Case("PREPARE of a DP query", "PREPARE leak AS " + DP_COUNT, "0A000"),
+    Case("PREPARE of a DP query", "PREPARE leak AS " + DP_COUNT, "42501"),
+    Case("CREATE TABLE AS of a DP query", "CREATE TABLE leak AS " + DP_COUNT, "42501"),
+    Case("INSERT of a DP answer", "INSERT INTO countries (code) SELECT WITH ANONYMIZATION "
+         "browser FROM visits GROUP BY browser", "42501"),
     Case("DO block", "DO $$ BEGIN PERFORM * FROM visits; END $$", "42501"),
     Case("CALL", "CALL no_such_procedure()", "42501"),
     # --- privilege games

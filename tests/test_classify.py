@@ -70,6 +70,8 @@ def kinds(c: Classifier, sql: str) -> list[StatementKind]:
         ("COPY (SELECT * FROM visits) TO STDOUT", K.REFUSED),
         ("DECLARE c CURSOR FOR SELECT * FROM visits", K.REFUSED),
         ("PREPARE p AS SELECT * FROM visits", K.REFUSED),
+        ("PREPARE p AS SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits", K.REFUSED),
+        ("CREATE VIEW v AS SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits", K.REFUSED),
         ("DELETE FROM visits", K.REFUSED),
         ("UPDATE visits SET duration = 0", K.REFUSED),
         ("INSERT INTO visits VALUES (1, 'x', 'y', 1)", K.REFUSED),
@@ -92,6 +94,17 @@ def test_refusal_names_the_tables_and_what_is_allowed(classifier: Classifier) ->
     assert st.refusal is not None and st.refusal.sqlstate == "42501"
     assert st.refusal.message.startswith("tables purchases, visits are protected")
     assert "SELECT WITH ANONYMIZATION" in st.refusal.message
+
+
+def test_a_dp_query_inside_other_statements_is_refused(classifier: Classifier) -> None:
+    """A DP answer goes to the client only: PREPARE (use Parse), CREATE TABLE AS, INSERT
+    ... SELECT get 42501 as DESIGN §1.4 says, naming the statement."""
+    for sql, name in [("PREPARE p AS ", "PREPARE"), ("CREATE TABLE t AS ", "CREATE TABLE AS"),
+                      ("INSERT INTO countries (code) ", "INSERT")]:
+        (st,) = classifier.classify(sql + "SELECT WITH ANONYMIZATION browser FROM visits "
+                                          "GROUP BY browser")
+        assert st.refusal is not None and st.refusal.sqlstate == "42501"
+        assert f"not used in {name};" in st.refusal.message
 
 
 def test_multi_statement_split_keeps_text(classifier: Classifier) -> None:
