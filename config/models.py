@@ -48,6 +48,10 @@ class ListenConfig(_Strict):
     shutdown_grace: float = Field(
         default=30.0, ge=0,
         description="on SIGTERM, how long running queries may finish before sessions close")
+    workers: int = Field(default=1, ge=1, le=64, description=(
+        "processes serving clients: above 1, a supervisor process accepts connections and "
+        "hands each to the worker with the fewest, so the proxy uses that many cores (each "
+        "worker has its own pushdown pool of backend.pushdown_pool_size connections)"))
 
 
 class MetricsConfig(_Strict):

@@ -109,6 +109,11 @@ class TooManyConnections(DPError):
     severity = "FATAL"
 
 
+class CannotConnectNow(DPError):
+    sqlstate = "57P03"
+    severity = "FATAL"
+
+
 class QueryCanceled(DPError):
     sqlstate = "57014"
 

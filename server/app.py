@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from config import Config
 from dp_core.classify import Classifier, ProtectionPolicy
-from dp_core.errors import AdminShutdown, TooManyConnections
+from dp_core.errors import AdminShutdown, DPError, TooManyConnections
 from dp_core.settings import Caps, DPSettings
 from server import backend
 from server import protocol as p
@@ -24,6 +24,7 @@ from server.session import ClientProtocol, error_response
 
 if TYPE_CHECKING:
     from server.session import Session
+    from server.workers import WorkerLink
 
 log = logging.getLogger("dp_proxy.server")
 
@@ -57,6 +58,9 @@ class ProxyServer:
         self._server: asyncio.Server | None = None
         self._ssl: ssl.SSLContext | None = None
         self.port = 0
+        self.worker: WorkerLink | None = None
+        """In workers mode (`[listen] workers` > 1), this worker's link to the supervisor,
+        which owns the listener: `start` then opens none."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -76,8 +80,11 @@ class ProxyServer:
         await ledger.migrate(self.config)
         self.dp = DPService(self.config, self.pool, ledger, self.metrics)
         loop = asyncio.get_running_loop()
+        if self.worker is not None:
+            self.worker.start()
+            return
         self._server = await loop.create_server(
-            self._new_connection, self.config.listen.host, self.config.listen.port,
+            self.new_connection, self.config.listen.host, self.config.listen.port,
             reuse_address=True,
         )
         sock = self._server.sockets[0]
@@ -85,12 +92,15 @@ class ProxyServer:
         log.info("listening on %s:%s", self.config.listen.host, self.port)
         m = self.config.metrics
         if m.port is not None:
-            self.ops = OpsServer(self.metrics, self._healthy)
+            self.ops = OpsServer(self._exposition, self.healthy)
             await self.ops.start(m.host, m.port)
 
-    async def _healthy(self) -> bool:
+    async def _exposition(self) -> bytes:
+        return self.metrics.exposition()
+
+    async def healthy(self) -> bool:
         """Accepting clients, and the backend answers the pushdown pool."""
-        if self._server is None or self.pool is None:
+        if (self._server is None and self.worker is None) or self.pool is None:
             return False
         async with self.pool.acquire() as conn:
             return bool(await conn.fetchval("SELECT true"))
@@ -113,8 +123,8 @@ class ProxyServer:
             await probe.close()
         return settings
 
-    def _new_connection(self) -> asyncio.Protocol:
-        if len(self.sessions) >= self.config.listen.max_connections:
+    def new_connection(self) -> asyncio.Protocol:
+        if self.worker is None and len(self.sessions) >= self.config.listen.max_connections:
             return _Refuse(TooManyConnections("sorry, too many clients already"))
         return ClientProtocol(self)
 
@@ -191,7 +201,7 @@ class ProxyServer:
     def register_key(self, session: Session) -> tuple[int, int]:
         while True:
             pid = secrets.randbelow(2**31 - 1) + 1
-            if pid not in self.sessions:
+            if pid not in self.sessions and (self.worker is None or self.worker.owns(pid)):
                 break
         self.sessions[pid] = session
         return pid, secrets.randbits(31)
@@ -199,8 +209,13 @@ class ProxyServer:
     def unregister(self, session: Session) -> None:
         if self.sessions.get(session.process_id) is session:
             del self.sessions[session.process_id]
+            if self.worker is not None:
+                self.worker.client_closed()
 
     def cancel(self, process_id: int, secret_key: int) -> None:
+        if self.worker is not None and not self.worker.owns(process_id):
+            self.worker.cancel_elsewhere(process_id, secret_key)
+            return
         session = self.sessions.get(process_id)
         if session is not None and secrets.compare_digest(
             session.secret_key.to_bytes(4, "big"), secret_key.to_bytes(4, "big", signed=True)
@@ -234,7 +249,7 @@ def _shutdown_error() -> AdminShutdown:
 class _Refuse(asyncio.Protocol):
     """Answers a connection over the limit with one FATAL error and closes it."""
 
-    def __init__(self, err: TooManyConnections) -> None:
+    def __init__(self, err: DPError) -> None:
         self.err = err
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

@@ -7,9 +7,11 @@ import asyncio
 import getpass
 import logging
 import signal
+import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 from config import DEMO_CONFIG, Config, ConfigError, load_config
 from server.dsn import DSN
@@ -265,20 +267,38 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _run(config: Config, data_dir: Path | None, demo: bool, config_path: Path | None = None) -> int:
+    return _run_loop(_serve(config, data_dir, demo, config_path))
+
+
+def _run_loop(main: Coroutine[Any, Any, int]) -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_serve(config, data_dir, demo, config_path))
-    return uvloop.run(_serve(config, data_dir, demo, config_path))
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def run_worker(config: Config, restricted: DSN, pushdown: DSN, index: int, workers: int,
+               control: socket.socket, config_path: str | None, log_level: str) -> int:
+    """One worker process of a proxy with `[listen] workers` > 1 (see server.workers)."""
+    configure_logs(log_level)
+    return _run_loop(_serve(config, None, False, Path(config_path) if config_path else None,
+                            worker=(restricted, pushdown, index, workers, control)))
 
 
 async def _serve(config: Config, data_dir: Path | None, demo: bool,
-                 config_path: Path | None = None) -> int:
+                 config_path: Path | None = None,
+                 worker: tuple[DSN, DSN, int, int, socket.socket] | None = None) -> int:
     """Serve until SIGTERM (running queries may finish within listen.shutdown_grace) or
-    SIGINT (sessions close at once); SIGHUP reloads the analysts from `config_path`."""
+    SIGINT (sessions close at once); SIGHUP reloads the analysts from `config_path`.
+
+    With `[listen] workers` > 1 this process supervises that many worker processes
+    (server.workers), which run this function with `worker` set: (restricted and pushdown
+    DSNs, their index, the number of workers, the control socket)."""
     set_format(config.log.format)
     from server.app import ProxyServer
     from server.embedded import EmbeddedPostgres, EmbeddedPostgresError
+    from server.workers import Supervisor, WorkerLink
 
     log = logging.getLogger("dp_proxy")
     stop = asyncio.Event()
@@ -293,9 +313,17 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
     loop.add_signal_handler(signal.SIGTERM, on_stop, True)
     loop.add_signal_handler(signal.SIGINT, on_stop, False)
     server: ProxyServer | None = None
+    supervisor: Supervisor | None = None
     reloading: set[asyncio.Task[None]] = set()
 
     async def reload() -> None:
+        if supervisor is not None:
+            supervisor.signal_workers(signal.SIGHUP)  # each worker reloads the file itself
+            new = _load(config_path) if config_path is not None else None
+            if new is not None:  # (what a worker restarted later starts with)
+                supervisor.config = supervisor.config.model_copy(
+                    update={"analysts": new.analysts, "log": new.log})
+            return
         if server is None or config_path is None:
             return
         new = _load(config_path)
@@ -316,7 +344,9 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
 
     pg: EmbeddedPostgres | None = None
     try:
-        if demo:
+        if worker is not None:
+            restricted, pushdown = worker[0], worker[1]
+        elif demo:
             from server.bootstrap import prepare_embedded
 
             try:
@@ -335,19 +365,33 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
             except DSNError as e:
                 print(f"dp-proxy: backend DSN: {e}", file=sys.stderr)
                 return EXIT_CONFIG
-        server = ProxyServer(config, restricted, pushdown)
-        await server.start()
+        if worker is None and config.listen.workers > 1:
+            supervisor = Supervisor(config, restricted, pushdown,
+                                    str(config_path) if config_path else None,
+                                    logging.getLevelName(logging.getLogger().level))
+            await supervisor.start()
+            port = supervisor.port
+        else:
+            server = ProxyServer(config, restricted, pushdown)
+            if worker is not None:
+                server.worker = WorkerLink(server, worker[4], worker[2], worker[3])
+            await server.start()
+            port = server.port
         host = config.listen.host
-        if demo:
+        if worker is not None:
+            pass
+        elif demo:
             print("dp-proxy demo is running: embedded Postgres with the demo data.", flush=True)
             print("Connect as an analyst (password = user name; also bob, and admin):", flush=True)
-            print(f'  psql "postgresql://alice:alice@{host}:{server.port}/demo"', flush=True)
+            print(f'  psql "postgresql://alice:alice@{host}:{port}/demo"', flush=True)
             print("Ctrl-C stops the proxy and Postgres.", flush=True)
         else:
-            log.info("dp-proxy serving database %s on %s:%s", restricted.database, host, server.port)
+            log.info("dp-proxy serving database %s on %s:%s", restricted.database, host, port)
         await stop.wait()
         return 0
     finally:
+        if supervisor is not None:
+            await supervisor.shutdown(graceful)
         if server is not None:
             await server.shutdown(None if graceful else 0.0)
         if pg is not None:

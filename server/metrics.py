@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -71,8 +71,9 @@ class Metrics:
 class OpsServer:
     """GET /metrics and GET /healthz over HTTP/1.0-style one-request connections."""
 
-    def __init__(self, metrics: Metrics, health: Callable[[], Any]) -> None:
-        self.metrics = metrics
+    def __init__(self, exposition: Callable[[], Awaitable[bytes]],
+                 health: Callable[[], Any]) -> None:
+        self.exposition = exposition
         self.health = health
         self._server: asyncio.Server | None = None
         self.port = 0
@@ -97,7 +98,7 @@ class OpsServer:
             if method not in (b"GET", b"HEAD"):
                 status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
             elif path.split(b"?")[0] == b"/metrics":
-                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, self.metrics.exposition()
+                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, await self.exposition()
             elif path.split(b"?")[0] == b"/healthz":
                 ok = await self._healthy()
                 status = "200 OK" if ok else "503 Service Unavailable"

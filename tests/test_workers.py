@@ -1,0 +1,196 @@
+"""`[listen] workers`: a supervisor spreads clients over worker processes (server.workers)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psycopg
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.workers import sum_expositions
+
+from .conftest import Backend
+from .test_operations import ROOT, _config_for
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _values(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+
+
+def test_expositions_are_summed_sample_by_sample() -> None:
+    a = (b'# HELP dpproxy_sessions Client sessions open\n# TYPE dpproxy_sessions gauge\n'
+         b'dpproxy_sessions 2.0\n'
+         b'# HELP dpproxy_errors Errors\n# TYPE dpproxy_errors counter\n'
+         b'dpproxy_errors_total{sqlstate="42501"} 3.0\n'
+         b'# HELP h Time\n# TYPE h histogram\nh_bucket{le="0.1"} 1.0\nh_bucket{le="+Inf"} 2.0\n'
+         b'h_count 2.0\nh_sum 0.25\n')
+    b = (b'# HELP dpproxy_sessions Client sessions open\n# TYPE dpproxy_sessions gauge\n'
+         b'dpproxy_sessions 1.0\n'
+         b'# HELP dpproxy_errors Errors\n# TYPE dpproxy_errors counter\n'
+         b'dpproxy_errors_total{sqlstate="42501"} 1.0\ndpproxy_errors_total{sqlstate="0A000"} 4.0\n'
+         b'# HELP h Time\n# TYPE h histogram\nh_bucket{le="0.1"} 0.0\nh_bucket{le="+Inf"} 1.0\n'
+         b'h_count 1.0\nh_sum 0.5\n')
+    summed = _values(sum_expositions([a, b]))
+    assert summed[("dpproxy_sessions", ())] == 3
+    assert summed[("dpproxy_errors_total", (("sqlstate", "42501"),))] == 4
+    assert summed[("dpproxy_errors_total", (("sqlstate", "0A000"),))] == 4
+    assert summed[("h_bucket", (("le", "0.1"),))] == 1
+    assert summed[("h_bucket", (("le", "+Inf"),))] == 3
+    assert summed[("h_count", ())] == 3 and summed[("h_sum", ())] == 0.75
+    assert _values(sum_expositions([a])) == _values(a)
+
+
+def _workers(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "server.workers"], capture_output=True,
+                         text=True, check=False)
+    return sorted(int(x) for x in out.stdout.split())
+
+
+@contextmanager
+def _serve(backend: Backend, tmp_path: Path, **env: str) -> Iterator[tuple[subprocess.Popen[bytes],
+                                                                           Path, str]]:
+    cfg = _config_for(backend, tmp_path, "dp_pushdown", "dp_restricted")
+    port = _free_port()
+    environ = dict(os.environ, DPPROXY_LISTEN__PORT=str(port), **env)
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", str(cfg)],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=environ)
+    dsn = (f"host=127.0.0.1 port={port} dbname={backend.pushdown.database} sslmode=disable "
+           "connect_timeout=5")
+    try:
+        for _ in range(200):
+            try:
+                psycopg.connect(dsn + " user=bob password=bob").close()
+                break
+            except psycopg.OperationalError:
+                if proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+        else:
+            raise AssertionError("dp-proxy did not start: " + log_path.read_text())
+        assert proc.poll() is None, log_path.read_text()
+        yield proc, cfg, dsn
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in _workers(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="processes and signals")
+def test_workers_share_clients_cancels_limits_metrics_reload_and_stop(
+        backend: Backend, tmp_path: Path) -> None:
+    metrics_port = _free_port()
+    with _serve(backend, tmp_path, DPPROXY_LISTEN__WORKERS="2", DPPROXY_LISTEN__MAX_CONNECTIONS="4",
+                DPPROXY_METRICS__PORT=str(metrics_port)) as (proc, cfg, dsn):
+        workers = _workers(proc.pid)
+        assert len(workers) == 2
+        admin = psycopg.connect(dsn + " user=admin password=admin", autocommit=True)
+        admin.execute("SELECT dp_reset_budget('bob')")
+        a = psycopg.connect(dsn + " user=bob password=bob", autocommit=True)
+        # each worker's key names it: process id % workers; clients go to the one with fewer
+        assert {admin.info.backend_pid % 2, a.info.backend_pid % 2} == {0, 1}
+
+        # a cancel reaches the session whichever worker the CancelRequest lands on (both are
+        # open with one client each: it lands on worker 0 and is passed on when not its own)
+        for conn in (admin, a):
+            threading.Timer(0.3, conn.cancel).start()
+            t0 = time.monotonic()
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                conn.execute("SELECT pg_sleep(10)")
+            assert time.monotonic() - t0 < 5
+
+        # DP answers and the ledger work in both (one ledger in Postgres)
+        for conn in (admin, a):
+            row = conn.execute("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits").fetchone()
+            assert row is not None and row[0] > 0
+        spent = a.execute("SELECT epsilon_spent FROM dp_budget()").fetchone()
+        assert spent is not None and float(spent[0]) == 1.0
+
+        # max_connections counts the clients of every worker
+        b = psycopg.connect(dsn + " user=bob password=bob", autocommit=True)
+        c = psycopg.connect(dsn + " user=bob password=bob", autocommit=True)
+        with pytest.raises(psycopg.OperationalError, match="too many clients"):
+            psycopg.connect(dsn + " user=bob password=bob")
+        c.close()
+        for _ in range(50):  # the supervisor hears of the close from the worker
+            try:
+                c = psycopg.connect(dsn + " user=bob password=bob", autocommit=True)
+                break
+            except psycopg.OperationalError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("a closed client's slot was not freed")
+
+        # one endpoint: the workers' metrics summed; healthy when every worker is
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            metrics = _values(r.read())
+        assert metrics[("dpproxy_sessions", ())] == 4
+        assert metrics[("dpproxy_statements_total", (("kind", "pass_through"),
+                                                     ("outcome", "error")))] == 2  # (cancelled)
+        assert metrics[("dpproxy_statements_total", (("kind", "dp_query"), ("outcome", "ok")))] == 2
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/healthz", timeout=10) as r:
+            assert r.status == 200
+
+        # SIGHUP to the supervisor reloads every worker
+        cfg.write_text(cfg.read_text().replace("epsilon_budget = 1\n", "epsilon_budget = 2.5\n"))
+        os.kill(proc.pid, signal.SIGHUP)
+        for conn in (a, b, c):
+            for _ in range(50):
+                row = conn.execute("SELECT epsilon_total FROM dp_budget()").fetchone()
+                if row is not None and float(row[0]) == 2.5:
+                    break
+                time.sleep(0.1)
+            else:
+                raise AssertionError("SIGHUP did not reload bob's budget in every worker")
+
+        # a worker that dies is restarted (its clients are lost, the others' are not)
+        victim = workers[a.info.backend_pid % 2]
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(psycopg.OperationalError):
+            a.execute("SELECT 1")
+        survivor = admin if admin.info.backend_pid % 2 != a.info.backend_pid % 2 else None
+        if survivor is not None:
+            assert survivor.execute("SELECT 1").fetchone() == (1,)
+        for conn in (a, b, c, admin):
+            conn.close()
+        for _ in range(100):
+            now = _workers(proc.pid)
+            if len(now) == 2 and victim not in now:
+                try:
+                    psycopg.connect(dsn + " user=bob password=bob").close()
+                    psycopg.connect(dsn + " user=bob password=bob").close()
+                    break
+                except psycopg.OperationalError:
+                    pass
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the dead worker was not restarted")
+
+        # SIGTERM stops the supervisor and its workers
+        workers = _workers(proc.pid)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 0
+        for pid in workers:
+            assert not Path(f"/proc/{pid}").exists() or \
+                Path(f"/proc/{pid}/status").read_text().find("State:\tZ") >= 0
