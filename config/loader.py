@@ -15,7 +15,9 @@ from config.models import Config
 ENV_PREFIX = "DPPROXY_"
 """`DPPROXY_LISTEN__PORT=7000` sets `listen.port`; `__` separates levels."""
 
-_NOT_OVERRIDES = {"DPPROXY_TEST_DSN", "DPPROXY_CONFIG"}
+_NOT_OVERRIDES = {"DPPROXY_CONFIG"}
+_NOT_OVERRIDES_PREFIX = "DPPROXY_TEST_"
+"""The test suite's own variables (DPPROXY_TEST_DSN, DPPROXY_TEST_FUZZ_SEED, ...)."""
 
 
 class ConfigError(Exception):
@@ -63,7 +65,8 @@ def apply_env_overrides(
     """Return a copy of `raw` with every DPPROXY_A__B=v applied as raw[a][b] = v."""
     data = _deep_copy(raw)
     for key in sorted(environ):
-        if not key.startswith(ENV_PREFIX) or key in _NOT_OVERRIDES:
+        if not key.startswith(ENV_PREFIX) or key in _NOT_OVERRIDES or \
+                key.startswith(_NOT_OVERRIDES_PREFIX):
             continue
         path = [p.lower() for p in key[len(ENV_PREFIX):].split("__")]
         if not all(path):

@@ -37,7 +37,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--long"):
-        os.environ["DPPROXY_STOCHASTIC_LONG"] = "1"  # read by test_stochastic at import
+        os.environ["DPPROXY_TEST_STOCHASTIC_LONG"] = "1"  # read by test_stochastic at import
 
 
 TEST_DATABASE = "dpproxy_test"

@@ -108,6 +108,7 @@ def test_environment_overrides() -> None:
         "DPPROXY_BACKEND__PUSHDOWN_DSN": "postgresql://p:secret@db/x",
         "DPPROXY_ANALYSTS__ALICE__EPSILON_BUDGET": "2.5",
         "DPPROXY_TEST_DSN": "ignored: not a config key",
+        "DPPROXY_TEST_FUZZ_SEED": "ignored: the test suite's own variables",
         "OTHER": "ignored",
     }
     cfg = config_from_mapping(minimal(), environ=env)

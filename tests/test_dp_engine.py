@@ -53,7 +53,7 @@ def test_golden_pushdown(case: Path) -> None:
     text = "\n".join(ln for ln in case.read_text().splitlines() if not ln.startswith("--"))
     _, _, actual = build(text.strip())
     expected_file = case.with_suffix(".expected.sql")
-    if os.environ.get("DPPROXY_REGEN_GOLDEN") or not expected_file.exists():
+    if os.environ.get("DPPROXY_TEST_REGEN_GOLDEN") or not expected_file.exists():
         expected_file.write_text(actual + "\n")
     expected = expected_file.read_text()
     assert parse_sql(actual) == parse_sql(expected), f"{case.name}: pushdown differs\n{actual}"

@@ -1,6 +1,6 @@
 """Live fuzzing: malformed input to a running proxy never crashes it, leaks, or touches other sessions.
 
-Seeded (DPPROXY_FUZZ_SEED to replay a failure), bounded in time. Each round logs
+Seeded (DPPROXY_TEST_FUZZ_SEED to replay a failure), bounded in time. Each round logs
 in, sends one kind of damage, reads until the proxy answers or closes, and
 hangs up; a bystander session keeps working throughout.
 """
@@ -21,7 +21,7 @@ from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, process_rss_mib
 from .rawclient import RawClient
 
 ROUNDS = 150
-SEED = int(os.environ.get("DPPROXY_FUZZ_SEED", random.randrange(1 << 30)))
+SEED = int(os.environ.get("DPPROXY_TEST_FUZZ_SEED", random.randrange(1 << 30)))
 _TAGS = b"QPBDEHSXCdcfFp" + bytes(random.Random(1).sample(range(256), 16))
 
 

@@ -5,7 +5,7 @@ Flush, Sync and transaction blocks. The client must see the same messages either
 the DP answer's notice): the proxy's own statements are indistinguishable, to a driver, from
 Postgres's.
 
-Seeded (DPPROXY_FUZZ_SEED to replay a failure); each failure prints its sequence.
+Seeded (DPPROXY_TEST_FUZZ_SEED to replay a failure); each failure prints its sequence.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from server import protocol as p
 from .conftest import TEST_DATABASE, Proxy
 from .rawclient import RawClient, errors
 
-SEED = int(os.environ.get("DPPROXY_FUZZ_SEED", random.randrange(1 << 30)))
-SEQUENCES = int(os.environ.get("DPPROXY_FUZZ_ROUNDS", 30))
+SEED = int(os.environ.get("DPPROXY_TEST_FUZZ_SEED", random.randrange(1 << 30)))
+SEQUENCES = int(os.environ.get("DPPROXY_TEST_FUZZ_ROUNDS", 30))
 
 # (answered by the proxy, answered by Postgres): the same columns and number of rows
 SHAPES = {
@@ -150,7 +150,7 @@ def test_proxy_answers_look_like_postgres_answers(px: Proxy, round_: int) -> Non
     seq = _sequence(random.Random(seed))
     ours, theirs = _run(px, seq, 0), _run(px, seq, 1)
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        assert a == b, (f"DPPROXY_FUZZ_SEED={SEED} round {round_}: cycle {i} differs",
+        assert a == b, (f"DPPROXY_TEST_FUZZ_SEED={SEED} round {round_}: cycle {i} differs",
                         [s for s in seq], a, b)
 
 

@@ -6,7 +6,7 @@ dp.epsilon is a setting the proxy keeps itself: this checks that it follows Post
 for settings, implicit blocks of several statements included: those of one simple Query, and
 those of an extended-protocol batch up to its Sync (psycopg's pipeline mode).
 
-Seeded (DPPROXY_FUZZ_SEED to replay a failure); each failure prints its Queries.
+Seeded (DPPROXY_TEST_FUZZ_SEED to replay a failure); each failure prints its Queries.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 
 from .conftest import Backend, Proxy, show
 
-SEED = int(os.environ.get("DPPROXY_FUZZ_SEED", random.randrange(1 << 30)))
-SEQUENCES = int(os.environ.get("DPPROXY_FUZZ_ROUNDS", 30))
+SEED = int(os.environ.get("DPPROXY_TEST_FUZZ_SEED", random.randrange(1 << 30)))
+SEQUENCES = int(os.environ.get("DPPROXY_TEST_FUZZ_ROUNDS", 30))
 
 STATEMENTS = [
     "SET dp.epsilon = 0.5", "SET dp.epsilon = 0.25", "SET LOCAL dp.epsilon = 2.0",
@@ -95,7 +95,7 @@ def test_dp_settings_follow_postgres_in_any_sequence(
         for i, sql in enumerate(queries):
             ours = _outcome(conn, sql, "dp.epsilon", pipeline)
             theirs = _outcome(ref, sql, "ref.epsilon", pipeline)
-            assert ours == theirs, (f"DPPROXY_FUZZ_SEED={SEED} round {round_}: query {i}",
+            assert ours == theirs, (f"DPPROXY_TEST_FUZZ_SEED={SEED} round {round_}: query {i}",
                                     queries[: i + 1])
-            assert notices[0] == notices[1], (f"DPPROXY_FUZZ_SEED={SEED} round {round_}: "
+            assert notices[0] == notices[1], (f"DPPROXY_TEST_FUZZ_SEED={SEED} round {round_}: "
                                               f"notices after query {i}", queries[: i + 1])

@@ -4,8 +4,8 @@ Each query is answered or refused with a SQLSTATE that says why; never an intern
 error, a dropped connection, or a charged failure (on the demo data nothing times
 out, so a pushdown that fails after its charge is an expression the rewriter
 should have made total or refused). Refusals and EXPLAIN spend nothing; answers
-spend exactly their stated cost. Seeded (DPPROXY_FUZZ_SEED replays a failure;
-DPPROXY_FUZZ_ROUNDS runs longer).
+spend exactly their stated cost. Seeded (DPPROXY_TEST_FUZZ_SEED replays a failure;
+DPPROXY_TEST_FUZZ_ROUNDS runs longer).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from server import dp
 from .conftest import Backend, LoopThread, Proxy, running_proxy
 from .test_dp_queries import reset, spent  # noqa: F401  (reset is a fixture)
 
-SEED = int(os.environ.get("DPPROXY_FUZZ_SEED", random.randrange(1 << 30)))
-ROUNDS = int(os.environ.get("DPPROXY_FUZZ_ROUNDS", "120"))
+SEED = int(os.environ.get("DPPROXY_TEST_FUZZ_SEED", random.randrange(1 << 30)))
+ROUNDS = int(os.environ.get("DPPROXY_TEST_FUZZ_ROUNDS", "120"))
 
 # what a refusal may say: rules (0A000), protected reads (42501), syntax (42601), bad
 # options or bounds (22023), and Postgres's own errors on the analyst's SQL while the

@@ -2,7 +2,7 @@
 
 The tolerance: at most 1% of checked bins may fail (confidence bounds at z = 4 make
 false failures of a correct mechanism rare; the broken AVG fails far more bins).
-`pytest tests/test_stochastic.py --long` (or `DPPROXY_STOCHASTIC_LONG=1`) runs a deeper search
+`pytest tests/test_stochastic.py --long` (or `DPPROXY_TEST_STOCHASTIC_LONG=1`) runs a deeper search
 (more databases, samples, depth).
 """
 
@@ -21,7 +21,7 @@ from dp_core.release import release
 from .dp_tester import Mechanism, halton, halton_databases, neighbours_by_removal, test_mechanism
 from .test_dp_engine import build
 
-LONG = bool(os.environ.get("DPPROXY_STOCHASTIC_LONG"))
+LONG = bool(os.environ.get("DPPROXY_TEST_STOCHASTIC_LONG"))
 DATABASES = 12 if LONG else 4
 SAMPLES = 400_000 if LONG else 100_000
 DEPTH = 2 if LONG else 1
