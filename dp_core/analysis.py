@@ -663,11 +663,15 @@ def parse_select(stripped_sql: str, params: Mapping[int, ast.Node] | None = None
     return stmt
 
 
-def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form: bool) -> AnalyzedQuery:
-    """Check `stmt` against the DP rules and split it into keys, aggregates and the rest."""
+def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form: bool,
+            privacy_unit: str | None = None) -> AnalyzedQuery:
+    """Check `stmt` against the DP rules and split it into keys, aggregates and the rest.
+
+    `privacy_unit`: BigQuery's OPTIONS(privacy_unit_column=...), which must name the uid
+    column (the privacy unit is the configuration's, not the query's)."""
     answered = _post_processed(stmt)
     if answered is not None:
-        return replace(analyze(answered, policy, plain_form), outer=stmt)
+        return replace(analyze(answered, policy, plain_form, privacy_unit), outer=stmt)
     if stmt.op is not None and stmt.op != 0 and stmt.larg is not None:
         raise _refuse("set operations (UNION, INTERSECT, EXCEPT)")
     ctes: dict[str, str | None] = {}
@@ -708,6 +712,11 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     from_clause = tuple(fa.item(item) for item in stmt.fromClause)
     if not fa.tables:
         raise _refuse("a DP query must read a protected table")
+    if privacy_unit is not None and all(privacy_unit.lower() != t.uid_column.lower()
+                                        for t in fa.tables):
+        units = ", ".join(sorted({t.uid_column for t in fa.tables}))
+        raise _refuse(f"privacy_unit_column {privacy_unit} (the privacy unit is the configured uid "
+                      f"column: {units})")
     fa.check_connected(stmt.whereClause)
     where = None
     if stmt.whereClause is not None:
@@ -1102,6 +1111,29 @@ def _walk(node: Any) -> Iterator[Any]:
             stack.extend(cur)
 
 
+_PER_ROW_BOUNDS = "contribution_bounds_per_row"
+_PER_GROUP_BOUNDS = "contribution_bounds_per_group"
+
+
+def _positional_args(fc: ast.FuncCall, fname: str) -> list[Any]:
+    """`fc`'s arguments, with BigQuery's named bounds `contribution_bounds_per_group => (L, U)`
+    (SUM, AVG, COUNT, ...: each user's value in a group is clamped) or
+    `contribution_bounds_per_row => (L, U)` (PERCENTILE_CONT: each row's) as the two
+    positional bounds the ANON_ spelling takes."""
+    args = list(fc.args or ())
+    if not args or not isinstance(args[-1], ast.NamedArgExpr):
+        return args
+    named = args[-1]
+    wanted = _PER_ROW_BOUNDS if fname in QUANTILE_FUNCTIONS else _PER_GROUP_BOUNDS
+    if str(named.name).lower() != wanted or \
+            any(isinstance(a, ast.NamedArgExpr) for a in args[:-1]):
+        raise _refuse(f"{fname.upper()} takes its bounds as {wanted} => (lower, upper)", _sql(fc))
+    pair = named.arg
+    if not isinstance(pair, ast.RowExpr) or len(pair.args or ()) != 2:
+        raise _refuse(f"{wanted} => (lower, upper), two number literals", _sql(fc))
+    return args[:-1] + list(pair.args)
+
+
 def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
                     policy: Mapping[str, TablePolicy], totalize: Totalizer) -> Aggregate:
     fname = _funcname(fc)
@@ -1112,7 +1144,7 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
     kind = ANON_FUNCTIONS.get(fname) or PLAIN_FUNCTIONS[fname]
     if fc.agg_order or fc.agg_within_group:
         raise _refuse("ORDER BY or WITHIN GROUP in a DP aggregate", _sql(fc))
-    args = list(fc.args or ())
+    args = _positional_args(fc, fname)
     if fc.agg_filter is not None and fc.agg_distinct and not (
             kind is AggKind.COUNT and len(args) == 1 and _is_uid(args[0], fa)):
         raise _refuse("FILTER with DISTINCT in a DP aggregate", _sql(fc))
@@ -1130,6 +1162,11 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
                 bound = _bound_literal(args[-1], fc)
                 args = []
             return Aggregate(AggKind.COUNT, _filtered(fc, None, totalize), Bounds(0, bound), name)
+        if len(args) == 3:  # COUNT(x, contribution_bounds_per_group => (0, U))
+            if _bound_literal(args[1], fc) != 0:
+                raise _refuse("a count's lower bound other than 0 (each user adds 0 to U rows)",
+                              _sql(fc))
+            args = [args[0], args[2]]
         if len(args) not in (1, 2):
             raise _refuse("COUNT takes one column (and an optional per-user bound)", _sql(fc))
         bound = _bound_literal(args[1], fc) if len(args) == 2 else 1.0
@@ -1180,7 +1217,7 @@ def _bounds(arg: Any, written: Sequence[Any], fc: ast.FuncCall, fa: _FromAnalysi
 def _make_quantile(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
                    policy: Mapping[str, TablePolicy], totalize: Totalizer) -> Aggregate:
     fname = _funcname(fc)
-    args = list(fc.args or ())
+    args = _positional_args(fc, fname)
     if fc.agg_distinct or fc.agg_star:
         raise _refuse(f"DISTINCT or * in {fname.upper()}", _sql(fc))
     if fname == "percentile_cont" and fc.agg_within_group:

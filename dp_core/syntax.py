@@ -17,7 +17,10 @@ from pglast import parser
 from dp_core.errors import SyntaxError_
 
 DP_KEYWORDS = frozenset({"anonymization", "differential_privacy"})
-OPTION_NAMES = frozenset({"epsilon", "delta", "max_groups_contributed", "noise"})
+OPTION_NAMES = frozenset({"epsilon", "delta", "max_groups_contributed", "noise",
+                          "privacy_unit_column", "max_rows_contributed"})
+"""BigQuery's privacy_unit_column must name the configured uid column (the analysis checks
+it); its max_rows_contributed is refused with 0A000 (server.dp), not as unknown."""
 
 OptionValue = float | int | str
 
@@ -58,6 +61,9 @@ def strip_dp_clauses(sql: str) -> tuple[str, tuple[DPClause, ...]]:
     pieces: list[str] = []
     done = 0
     clauses = []
+    in_dp_statement = False
+    """Since a DP clause, up to the end of its statement: BigQuery's COUNT(*, bounds) is read
+    there as ANON_COUNT(*, U) is everywhere."""
     i = 0
     while i < len(tokens):
         t = tokens[i]
@@ -78,16 +84,22 @@ def strip_dp_clauses(sql: str) -> tuple[str, tuple[DPClause, ...]]:
             pieces.append(" " * len(sql[start:end].encode("utf-8")))
             done = end
             clauses.append(DPClause(len(sql[: t.start].encode("utf-8")), options))
+            in_dp_statement = True
             i = j
+        elif t.name == "ASCII_59":
+            in_dp_statement = False
+            i += 1
         elif (
             t.name == "IDENT"
-            and _text(raw, t).lower() == "anon_count"
+            and (_text(raw, t).lower() == "anon_count"
+                 or (in_dp_statement and _text(raw, t).lower() == "count"))
             and i + 3 < len(tokens)
             and tokens[i + 1].name == "ASCII_40"
             and tokens[i + 2].name == "ASCII_42"
             and tokens[i + 3].name == "ASCII_44"
         ):
-            # ANON_COUNT(*, U) is not Postgres grammar; counting 1 counts the same rows
+            # ANON_COUNT(*, U) (and in a DP query BigQuery's COUNT(*, contribution_bounds_per_group
+            # => (L, U))) is not Postgres grammar; counting 1 counts the same rows
             star = tokens[i + 2].start
             pieces.append(sql[done:star])
             pieces.append("1")

@@ -348,7 +348,13 @@ class DPService:
             # the per-query caps are checked against the plan's cost, after the budget
             unlimited = Caps(math.inf, 1.0 - 1e-12, 10_000)
             for name, value in st.dp_clause.options:
-                values[name] = validate(name, value, unlimited)
+                if name == "max_rows_contributed":
+                    raise FeatureNotSupported(
+                        "max_rows_contributed is not supported: dp-proxy bounds each user's "
+                        "groups (max_groups_contributed) and each user's value in a group (the "
+                        "aggregates' bounds)", hint="use max_groups_contributed")
+                if name != "privacy_unit_column":  # (checked by the analysis)
+                    values[name] = validate(name, value, unlimited)
         return (float(values["epsilon"]), float(values["delta"]),
                 int(values["max_groups_contributed"]), NoiseKind(values["noise"]))
 
@@ -367,7 +373,9 @@ class DPService:
         params = None if bind is None else \
             await self._bind_params(bind, param_types, link.codec, link.encoding)
         stmt = parse_select(st.stripped_sql, params)
-        query = analyze(stmt, self.policy, plain_form=st.dp_clause is None)
+        unit = st.dp_clause.option("privacy_unit_column") if st.dp_clause is not None else None
+        query = analyze(stmt, self.policy, plain_form=st.dp_clause is None,
+                        privacy_unit=None if unit is None else str(unit))
         epsilon, delta, max_groups, noise = self._settings(session, st)
         plan = make_plan(query, epsilon, delta, max_groups, noise)
         try:

@@ -34,7 +34,9 @@ def build(sql: str, epsilon: float = 1.0, delta: float = 1e-6, max_groups: int =
           noise: NoiseKind = NoiseKind.LAPLACE):  # type: ignore[no-untyped-def]
     (st,) = CLASSIFIER.classify(sql)
     options = dict(st.dp_clause.options) if st.dp_clause else {}
-    query = analyze(parse_select(st.stripped_sql), POLICY, plain_form=st.dp_clause is None)
+    unit = options.get("privacy_unit_column")
+    query = analyze(parse_select(st.stripped_sql), POLICY, plain_form=st.dp_clause is None,
+                    privacy_unit=None if unit is None else str(unit))
     plan = make_plan(query, float(options.get("epsilon", epsilon)), float(options.get("delta", delta)),
                      int(options.get("max_groups_contributed", max_groups)),
                      NoiseKind(options.get("noise", noise)))
@@ -279,6 +281,52 @@ def test_where_subqueries_read_public_tables_only() -> None:
     with pytest.raises(FeatureNotSupported, match="subqueries inside"):  # WHERE only
         build("SELECT count(*) FILTER (WHERE country IN (SELECT code FROM countries)) "
               "FROM visits")
+
+
+def test_bigquery_spellings_of_bounds_and_privacy_unit() -> None:
+    """BigQuery's `contribution_bounds_per_group => (L, U)` (SUM, AVG, COUNT: each user's
+    value in a group) and `contribution_bounds_per_row => (L, U)` (PERCENTILE_CONT) are the
+    ANON_ forms' bounds; COUNT(*, ...) parses in a DP query; privacy_unit_column must name
+    the uid column."""
+    bq = "SELECT WITH DIFFERENTIAL_PRIVACY OPTIONS(epsilon=1, delta=1e-5{}) "
+    cases = [
+        ("SUM(duration, contribution_bounds_per_group => (0, 60))", AggKind.SUM, Bounds(0, 60)),
+        ("AVG(duration, contribution_bounds_per_group => (-5, 60))", AggKind.AVG, Bounds(-5, 60)),
+        ("COUNT(*, contribution_bounds_per_group => (0, 5))", AggKind.COUNT, Bounds(0, 5)),
+        ("COUNT(duration, contribution_bounds_per_group => (0, 3))", AggKind.COUNT, Bounds(0, 3)),
+        ("PERCENTILE_CONT(duration, 0.9, contribution_bounds_per_row => (0, 600))",
+         AggKind.QUANTILE, Bounds(0, 600)),
+    ]
+    for agg, kind, bounds in cases:
+        query, _, _ = build(bq.format(", privacy_unit_column=uid") + f"browser, {agg} "
+                            "FROM visits GROUP BY browser")
+        assert [(a.kind, a.bounds) for a in query.aggregates] == [(kind, bounds)], agg
+    # the ANON_ spelling's pushdown, byte for byte
+    _, _, ours = build("SELECT WITH ANONYMIZATION OPTIONS(epsilon=1, delta=1e-5) browser, "
+                       "ANON_SUM(duration, 0, 60), ANON_COUNT(*, 5) FROM visits GROUP BY browser")
+    _, _, theirs = build(bq.format("") + "browser, SUM(duration, contribution_bounds_per_group "
+                         "=> (0, 60)), COUNT(*, contribution_bounds_per_group => (0, 5)) "
+                         "FROM visits GROUP BY browser")
+    assert ours == theirs
+    for refused, rule in [
+        (bq.format(", privacy_unit_column=browser") + "COUNT(*) FROM visits",
+         "privacy_unit_column browser (the privacy unit is the configured uid column: uid)"),
+        (bq.format("") + "SUM(duration, contribution_bounds_per_row => (0, 1)) FROM visits",
+         "SUM takes its bounds as contribution_bounds_per_group"),
+        (bq.format("") + "PERCENTILE_CONT(duration, 0.5, contribution_bounds_per_group => (0, 1)) "
+         "FROM visits", "PERCENTILE_CONT takes its bounds as contribution_bounds_per_row"),
+        (bq.format("") + "SUM(duration, contribution_bounds_per_group => 5) FROM visits",
+         "(lower, upper), two number literals"),
+        (bq.format("") + "COUNT(*, contribution_bounds_per_group => (1, 5)) FROM visits",
+         "a count's lower bound other than 0"),
+    ]:
+        with pytest.raises(FeatureNotSupported, match=re.escape(rule)):
+            build(refused)
+    # outside a DP query COUNT(*, x) stays Postgres's syntax error (also after one)
+    for sql in ("SELECT count(*, 2) FROM countries",
+                bq.format("") + "COUNT(*) FROM visits; SELECT count(*, 2) FROM countries"):
+        with pytest.raises(SyntaxError_, match="at or near"):
+            CLASSIFIER.classify(sql)
 
 
 def test_keys_alone_are_released_by_partition_selection() -> None:

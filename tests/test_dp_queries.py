@@ -180,6 +180,27 @@ def test_filtered_aggregates(proxy: Proxy, reset: None) -> None:
         assert abs(users_us - where_us) < 100
 
 
+def test_bigquery_spelling_is_answered(proxy: Proxy, reset: None) -> None:
+    """A query as BigQuery's documentation writes it runs as is: WITH DIFFERENTIAL_PRIVACY,
+    privacy_unit_column, named contribution bounds, COUNT(*, ...). A privacy unit other than
+    the uid, or max_rows_contributed, is refused before the charge."""
+    bq = "SELECT WITH DIFFERENTIAL_PRIVACY OPTIONS(epsilon=1, delta=1e-5, {}) "
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        for refused in [bq.format("privacy_unit_column=browser") + "COUNT(*) FROM visits",
+                        bq.format("max_rows_contributed=5") + "COUNT(*) FROM visits"]:
+            with pytest.raises(psycopg.errors.FeatureNotSupported):
+                conn.execute(refused)
+        assert spent(conn)[0] == 0
+        rows = conn.execute(
+            bq.format("max_groups_contributed=1, privacy_unit_column=uid") + "browser, "
+            "COUNT(*, contribution_bounds_per_group => (0, 5)) AS visits, "
+            "AVG(duration, contribution_bounds_per_group => (0, 600)) AS avg_duration, "
+            "PERCENTILE_CONT(duration, 0.5, contribution_bounds_per_row => (0, 600)) AS median "
+            "FROM visits GROUP BY browser").fetchall()
+        assert rows and all(0 <= float(r[2]) <= 600 and 0 <= float(r[3]) <= 600 for r in rows)
+        assert spent(conn)[0] == pytest.approx(1.0)
+
+
 def test_where_subqueries_read_public_tables_only(proxy: Proxy, reset: None) -> None:
     """IN over a public table filters rows; a WHERE subquery that reads a protected table is
     refused before the charge (DESIGN §3.1), and the join on the uid says the same."""
