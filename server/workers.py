@@ -157,7 +157,8 @@ class Supervisor:
             return
         self._drop_control(worker)
         worker.ready = False
-        if self._stopping:
+        if self._stopping or code == 0:
+            # (0: it was stopped by a signal, as the terminal's Ctrl-C stops every process)
             return
         log.error("worker %d exited (status %s); its sessions are lost; restarting it",
                   worker.index, code)
