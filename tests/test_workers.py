@@ -77,14 +77,10 @@ def _serve(backend: Backend, tmp_path: Path, **env: str) -> Iterator[tuple[subpr
     dsn = (f"host=127.0.0.1 port={port} dbname={backend.pushdown.database} sslmode=disable "
            "connect_timeout=5")
     try:
-        for _ in range(200):
-            try:
-                psycopg.connect(dsn + " user=bob password=bob").close()
+        for _ in range(300):  # (the supervisor logs it once every worker is ready)
+            if "listening on" in log_path.read_text() or proc.poll() is not None:
                 break
-            except psycopg.OperationalError:
-                if proc.poll() is not None:
-                    break
-                time.sleep(0.1)
+            time.sleep(0.1)
         else:
             raise AssertionError("dp-proxy did not start: " + log_path.read_text())
         assert proc.poll() is None, log_path.read_text()
@@ -194,3 +190,31 @@ def test_workers_share_clients_cancels_limits_metrics_reload_and_stop(
         for pid in workers:
             assert not Path(f"/proc/{pid}").exists() or \
                 Path(f"/proc/{pid}/status").read_text().find("State:\tZ") >= 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="processes and signals")
+def test_workers_speak_tls_and_refuse_plaintext_when_required(
+        backend: Backend, tmp_path: Path) -> None:
+    """The supervisor hands over the socket before a byte is read: SSLRequest, the handshake
+    and require_tls happen in the worker, as in a lone proxy."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.private_key_pem.write_to_path(str(tmp_path / "server.key"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "server.crt"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.crt"))
+    with _serve(backend, tmp_path, DPPROXY_LISTEN__WORKERS="2",
+                DPPROXY_TLS__CERT_FILE=str(tmp_path / "server.crt"),
+                DPPROXY_TLS__KEY_FILE=str(tmp_path / "server.key"),
+                DPPROXY_TLS__REQUIRE="true") as (_, _, dsn):
+        plain = dsn.replace("sslmode=disable", "sslmode=verify-full sslrootcert=" +
+                            str(tmp_path / "ca.crt"))
+        conns = [psycopg.connect(plain + " user=bob password=bob") for _ in range(2)]
+        assert {c.info.backend_pid % 2 for c in conns} == {0, 1}
+        for c in conns:
+            assert c.pgconn.ssl_in_use
+            assert c.execute("SELECT count(*) FROM countries").fetchone() == (152,)
+            c.close()
+        with pytest.raises(psycopg.OperationalError, match=r"TLS|SSL|ssl"):
+            psycopg.connect(dsn + " user=bob password=bob")
