@@ -298,7 +298,7 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
     set_format(config.log.format)
     from server.app import ProxyServer
     from server.embedded import EmbeddedPostgres, EmbeddedPostgresError
-    from server.workers import Supervisor, WorkerLink
+    from server.workers import Supervisor, WorkerLink, WorkerStartError
 
     log = logging.getLogger("dp_proxy")
     stop = asyncio.Event()
@@ -365,18 +365,28 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
             except DSNError as e:
                 print(f"dp-proxy: backend DSN: {e}", file=sys.stderr)
                 return EXIT_CONFIG
-        if worker is None and config.listen.workers > 1:
-            supervisor = Supervisor(config, restricted, pushdown,
-                                    str(config_path) if config_path else None,
-                                    logging.getLevelName(logging.getLogger().level))
-            await supervisor.start()
-            port = supervisor.port
-        else:
-            server = ProxyServer(config, restricted, pushdown)
-            if worker is not None:
-                server.worker = WorkerLink(server, worker[4], worker[2], worker[3])
-            await server.start()
-            port = server.port
+        import asyncpg
+
+        try:
+            if worker is None and config.listen.workers > 1:
+                supervisor = Supervisor(config, restricted, pushdown,
+                                        str(config_path) if config_path else None,
+                                        logging.getLevelName(logging.getLogger().level))
+                await supervisor.start()
+                port = supervisor.port
+            else:
+                server = ProxyServer(config, restricted, pushdown)
+                if worker is not None:
+                    server.worker = WorkerLink(server, worker[4], worker[2], worker[3])
+                await server.start()
+                port = server.port
+        except (OSError, WorkerStartError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            # (the backend unreachable or refusing the pushdown role, the port taken...)
+            log.debug("start failed", exc_info=True)
+            where = f" (backend {pushdown.host}:{pushdown.port})" \
+                if isinstance(e, ConnectionError) else ""
+            print(f"dp-proxy: cannot start: {e}{where}", file=sys.stderr)
+            return 1
         host = config.listen.host
         if worker is not None:
             pass

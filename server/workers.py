@@ -65,6 +65,10 @@ def _control_pair() -> tuple[socket.socket, socket.socket]:
 # ---------------------------------------------------------------------------- supervisor
 
 
+class WorkerStartError(RuntimeError):
+    """A worker exited before it was ready (it printed why)."""
+
+
 class _Worker:
     """The supervisor's view of one worker process."""
 
@@ -92,6 +96,8 @@ class Supervisor:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._stopping = False
+        self._started = False
+        """Every worker was ready once: from then on one that dies is restarted."""
         self._ask = asyncio.Lock()
         self._watch: set[asyncio.Task[None]] = set()
         self.ops: Any = None
@@ -112,6 +118,7 @@ class Supervisor:
         for worker in self.workers:
             self._spawn(worker)
         await asyncio.wait_for(self._all_ready(), 60)
+        self._started = True
         self._accepting = loop.create_task(self._accept())
         log.info("listening on %s:%s with %d workers", listen.host, self.port, len(self.workers))
         m = self.config.metrics
@@ -125,8 +132,8 @@ class Supervisor:
         while not all(w.ready for w in self.workers):
             for w in self.workers:
                 if w.proc is not None and w.proc.poll() is not None and not w.ready:
-                    raise RuntimeError(f"worker {w.index} exited at start (status "
-                                       f"{w.proc.returncode})")
+                    raise WorkerStartError(f"worker {w.index} exited at start (status "
+                                           f"{w.proc.returncode})")
             await asyncio.sleep(0.05)
 
     def _spawn(self, worker: _Worker) -> None:
@@ -157,7 +164,7 @@ class Supervisor:
             return
         self._drop_control(worker)
         worker.ready = False
-        if self._stopping or code == 0:
+        if self._stopping or code == 0 or not self._started:
             # (0: it was stopped by a signal, as the terminal's Ctrl-C stops every process)
             return
         log.error("worker %d exited (status %s); its sessions are lost; restarting it",
