@@ -93,8 +93,8 @@ class Supervisor:
         self.log_level = log_level
         self.workers = [_Worker(i) for i in range(config.listen.workers)]
         self.port = 0
-        self._listener: socket.socket | None = None
-        self._accepting: asyncio.Task[None] | None = None
+        self._listeners: list[socket.socket] = []
+        self._accepting: list[asyncio.Task[None]] = []
         self._stopping = False
         self._started = False
         """Every worker was ready once: from then on one that dies is restarted."""
@@ -105,21 +105,28 @@ class Supervisor:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         listen = self.config.listen
-        infos = await loop.getaddrinfo(listen.host, listen.port, type=socket.SOCK_STREAM,
+        infos = await loop.getaddrinfo(listen.host or None, listen.port, type=socket.SOCK_STREAM,
                                        flags=socket.AI_PASSIVE)
-        family, _, _, _, address = infos[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(1024)
-        sock.setblocking(False)
-        self._listener = sock
-        self.port = int(sock.getsockname()[1])
+        # every address the host names, as asyncio's create_server binds them (localhost:
+        # 127.0.0.1 and ::1), on one port
+        for family, _, _, _, address in dict.fromkeys((i[0], i[1], i[2], i[3], i[4])
+                                                      for i in infos):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            self._listeners.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if self.port:
+                address = (address[0], self.port, *address[2:])
+            sock.bind(address)
+            sock.listen(1024)
+            sock.setblocking(False)
+            self.port = int(sock.getsockname()[1])
         for worker in self.workers:
             self._spawn(worker)
         await asyncio.wait_for(self._all_ready(), 60)
         self._started = True
-        self._accepting = loop.create_task(self._accept())
+        self._accepting = [loop.create_task(self._accept(s)) for s in self._listeners]
         log.info("listening on %s:%s with %d workers", listen.host, self.port, len(self.workers))
         m = self.config.metrics
         if m.port is not None:
@@ -215,12 +222,11 @@ class Supervisor:
             return False
         return True
 
-    async def _accept(self) -> None:
+    async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        assert self._listener is not None
         while True:
             try:
-                conn, _ = await loop.sock_accept(self._listener)
+                conn, _ = await loop.sock_accept(listener)
             except OSError as e:
                 log.warning("accept failed: %s", e)
                 await asyncio.sleep(0.1)
@@ -277,12 +283,12 @@ class Supervisor:
         """Stop accepting, pass the stop on to the workers (SIGTERM: they let running queries
         finish within shutdown_grace; SIGINT: at once) and wait for them."""
         self._stopping = True
-        if self._accepting is not None:
-            self._accepting.cancel()
+        for task in self._accepting:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._accepting
-        if self._listener is not None:
-            self._listener.close()
+                await task
+        for sock in self._listeners:
+            sock.close()
         self.signal_workers(signal.SIGTERM if graceful else signal.SIGINT)
         deadline = self.config.listen.shutdown_grace + 15
         for w in self.workers:

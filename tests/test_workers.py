@@ -196,7 +196,8 @@ def test_workers_share_clients_cancels_limits_metrics_reload_and_stop(
 def test_workers_speak_tls_and_refuse_plaintext_when_required(
         backend: Backend, tmp_path: Path) -> None:
     """The supervisor hands over the socket before a byte is read: SSLRequest, the handshake
-    and require_tls happen in the worker, as in a lone proxy."""
+    and require_tls happen in the worker, as in a lone proxy. (It listens on every address
+    of a host name, as asyncio's create_server does: here localhost.)"""
     import trustme
 
     ca = trustme.CA()
@@ -204,7 +205,7 @@ def test_workers_speak_tls_and_refuse_plaintext_when_required(
     cert.private_key_pem.write_to_path(str(tmp_path / "server.key"))
     cert.cert_chain_pems[0].write_to_path(str(tmp_path / "server.crt"))
     ca.cert_pem.write_to_path(str(tmp_path / "ca.crt"))
-    with _serve(backend, tmp_path, DPPROXY_LISTEN__WORKERS="2",
+    with _serve(backend, tmp_path, DPPROXY_LISTEN__WORKERS="2", DPPROXY_LISTEN__HOST="localhost",
                 DPPROXY_TLS__CERT_FILE=str(tmp_path / "server.crt"),
                 DPPROXY_TLS__KEY_FILE=str(tmp_path / "server.key"),
                 DPPROXY_TLS__REQUIRE="true") as (_, _, dsn):
