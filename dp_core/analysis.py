@@ -109,6 +109,23 @@ fails out of range; text → anything fails on malformed input."""
 
 _CHECKED_CAST_TARGETS = frozenset(t for targets in TOTAL_CASTS.values() for t in targets)
 
+_INTEGER_RANGES = {
+    "int2": ("-32768.5", "32767.5"),
+    "int4": ("-2147483648.5", "2147483647.5"),
+    "int8": ("-9223372036854775808.5", "9223372036854775807.5"),
+}
+"""Open intervals whose numbers cast to each integer type (Postgres rounds half away from
+zero for numeric, half to even for float8; the open bounds are safe for both)."""
+
+
+def _is_number_valued(node: Any) -> bool:
+    """Arithmetic or a numeric function's call: a number (never a boolean or text), so a cast
+    of it to an integer type can be guarded by comparisons (`_guarded_integer_cast`)."""
+    if isinstance(node, ast.A_Expr):
+        return node.kind == A_Expr_Kind.AEXPR_OP and bool(node.name) \
+            and str(node.name[-1].sval) in _ARITHMETIC
+    return isinstance(node, ast.FuncCall) and _funcname(node) in _NUMERIC_ARG_FUNCTIONS
+
 
 def check_casts(casts: Sequence[CastCheck], source_types: Sequence[str]) -> None:
     """Refuse the query unless every deferred cast is total for its source type."""
@@ -414,6 +431,9 @@ class Totalizer:
             return node
         names = node.typeName.names
         builtin = len(names) == 1 or str(names[0].sval) == "pg_catalog"
+        if builtin and target in _INTEGER_RANGES and _is_number_valued(node.arg) \
+                and not node.typeName.typmods and not node.typeName.arrayBounds:
+            return self._guarded_integer_cast(node, target, ctx)
         if builtin and target in _CHECKED_CAST_TARGETS \
                 and not node.typeName.typmods and not node.typeName.arrayBounds:
             text = _sql(node)
@@ -422,6 +442,22 @@ class Totalizer:
             return node
         raise _refuse(f"casts of column values to {target} (they can fail on some values)",
                       _sql(node))
+
+    def _guarded_integer_cast(self, node: ast.TypeCast, target: str, ctx: str) -> ast.TypeCast:
+        """`(duration / 60)::int`: a number cast to an integer type, made total. Postgres
+        rounds to the nearest integer and fails out of range (and on NaN and ±Infinity), so
+        the value is cast only strictly inside (min − ½, max + ½), else NULL: NaN sorts above
+        every number and fails the upper test. The argument is arithmetic or a numeric
+        function (`_is_number_valued`), so the comparisons with numeric literals resolve."""
+        value = self._total(node.arg, ctx)
+        low, high = _INTEGER_RANGES[target]
+        inside = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(
+            ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval=">"),),
+                       lexpr=copy.deepcopy(value), rexpr=ast.A_Const(val=ast.Float(fval=low))),
+            ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval="<"),),
+                       lexpr=copy.deepcopy(value), rexpr=ast.A_Const(val=ast.Float(fval=high)))))
+        node.arg = ast.CaseExpr(args=(ast.CaseWhen(expr=inside, result=value),))
+        return node
 
     def _function(self, fc: ast.FuncCall, ctx: str) -> Any:
         name = _funcname(fc)

@@ -104,6 +104,12 @@ CASES = [
     Case("division by a user-dependent zero", DP + "ANON_COUNT(*) FROM visits "
          "WHERE 1 / (uid - 42) > 0", None),
     Case("division in the aggregate", DP + "ANON_SUM(100 / (uid - 42), 0, 10) FROM visits", None),
+    Case("an integer cast that overflows (or meets NaN, Infinity) for one user",
+         DP + "(CASE uid WHEN 1 THEN 'NaN'::float8 WHEN 2 THEN 'Infinity'::float8 WHEN 3 "
+         "THEN 1e300 ELSE duration END / 1)::int AS b, ANON_COUNT(*) FROM visits GROUP BY 1",
+         None),
+    Case("a smallint cast of a sum that overflows for one user", DP + "ANON_COUNT(*) FROM visits "
+         "WHERE (duration * uid)::int2 > 0", None),
     Case("column aliases swapping uid and browser (the unit would be the browser)",
          "SELECT count(*) FROM visits AS v (browser, uid) WHERE v.browser = 42", "0A000"),
     Case("column aliases renaming a WITH query's uid",

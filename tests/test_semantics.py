@@ -7,7 +7,8 @@ and every group of 5 users or more passes τ (2.31). Each case pairs a DP query 
 plain query Postgres runs as superuser; the released groups must be the groups of 5 users
 or more (with none of fewer than 2; a FILTER leaves the groups as they are), their counts
 within 2 of Postgres's. This is what checks the
-rewrites that change SQL (FILTER to CASE, subqueries over public tables made total, a query
+rewrites that change SQL (FILTER to CASE, subqueries over public tables made total, integer
+casts guarded, a query
 around a DP query, DISTINCT to GROUP BY) against Postgres's own reading of it.
 """
 
@@ -52,6 +53,11 @@ CASES: dict[str, tuple[str, ...]] = {
         "GROUP BY country",
         "SELECT country, count(DISTINCT uid) FILTER (WHERE browser = 'Chrome') FROM visits "
         "GROUP BY country", GROUPS),
+    "an integer cast of arithmetic (guarded)": (
+        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits WHERE (duration / 600.0)::int >= 1 "
+        "GROUP BY country",
+        "SELECT country, count(DISTINCT uid) FROM visits WHERE (duration / 600.0)::int >= 1 "
+        "GROUP BY country"),
     "a query around a DP query": (
         "SELECT t.country, t.n FROM (" + DP + "country, ANON_COUNT(DISTINCT uid) AS n "
         "FROM visits GROUP BY country) AS t WHERE t.country LIKE 'B%'",
