@@ -91,6 +91,23 @@ class CastCheck:
     DP query's own FROM. Its FROM is final once the analysis is done."""
 
 
+@dataclass(frozen=True)
+class ArithmeticCheck:
+    """An arithmetic operator as the analyst wrote it, whose type Postgres reports when the
+    proxy prepares `argument_probe_sql` (t{i}): where it is an integer type, the analysis runs
+    again with it (`analyze(..., integer_types=...)`) so that the total form keeps Postgres's
+    integer semantics (`duration / 60` truncates) and type."""
+
+    arg: ast.Node
+    """The operator's expression, untouched (prepared, never run)."""
+    location: int
+    """Its offset in the statement: the key of `integer_types`."""
+    scope: ast.SelectStmt | None = None
+
+
+INTEGER_TYPES = frozenset({"int2", "int4", "int8"})
+
+
 TOTAL_CASTS: dict[str, frozenset[str]] = {
     "int2": frozenset({"int2", "int4", "int8", "numeric", "float4", "float8"}),
     "int4": frozenset({"int4", "int8", "numeric", "float4", "float8"}),
@@ -196,6 +213,8 @@ class AnalyzedQuery:
     """What the client sees, in select-list order."""
     casts: tuple[CastCheck, ...] = ()
     """Casts whose totality depends on their source type (see `check_casts`)."""
+    arithmetic: tuple[ArithmeticCheck, ...] = ()
+    """Arithmetic operators whose type decides their integer semantics (`ArithmeticCheck`)."""
     outer: ast.SelectStmt | None = None
     """A query over this one's answer (`SELECT ... FROM (DP query) AS t WHERE ...`, as Power BI
     writes): post-processing, run over the released rows; its FROM item's subquery is
@@ -309,6 +328,22 @@ def _numeric(node: ast.Node) -> ast.Node:
     return ast.TypeCast(arg=node, typeName=ast.TypeName(names=(ast.String(sval="numeric"),)))
 
 
+def _as_integer(value: ast.Node, type_name: str) -> ast.Node:
+    """Exact, integer-valued arithmetic `value` as Postgres's integer type `type_name`: cast
+    where it is in the type's range, else NULL (where Postgres would fail: overflow)."""
+    low, high = _INTEGER_LIMITS[type_name]
+    inside = ast.A_Expr(kind=A_Expr_Kind.AEXPR_BETWEEN, name=(ast.String(sval="BETWEEN"),),
+                        lexpr=copy.deepcopy(value),
+                        rexpr=(ast.A_Const(val=ast.Float(fval=low)),
+                               ast.A_Const(val=ast.Float(fval=high))))
+    cast = ast.TypeCast(arg=value, typeName=ast.TypeName(names=(ast.String(sval=type_name),)))
+    return ast.CaseExpr(args=(ast.CaseWhen(expr=inside, result=cast),))
+
+
+_INTEGER_LIMITS = {"int2": ("-32768", "32767"), "int4": ("-2147483648", "2147483647"),
+                   "int8": ("-9223372036854775808", "9223372036854775807")}
+
+
 def _nullif_zero(node: ast.Node) -> ast.Node:
     zero = ast.A_Const(val=ast.Integer(ival=0))
     return ast.A_Expr(kind=A_Expr_Kind.AEXPR_NULLIF, name=(ast.String(sval="="),),
@@ -322,11 +357,19 @@ class Totalizer:
     """Checks an expression over user rows and returns a total version of it."""
 
     def __init__(self, protected_names: frozenset[str], casts: list[CastCheck] | None = None,
-                 scope: ast.SelectStmt | None = None) -> None:
+                 scope: ast.SelectStmt | None = None,
+                 arithmetic: list[ArithmeticCheck] | None = None,
+                 integer_types: Mapping[int, str] | None = None) -> None:
         self.protected_names = protected_names
         self.casts: list[CastCheck] = [] if casts is None else casts
         """Casts whose totality depends on their argument's type, which Postgres reports when
         the proxy prepares `argument_probe_sql`; shared by the query's scopes."""
+        self.arithmetic: list[ArithmeticCheck] = [] if arithmetic is None else arithmetic
+        """Arithmetic operators of the analyst's text, whose types the proxy asks Postgres."""
+        self.integer_types: Mapping[int, str] = integer_types or {}
+        """The integer type of the arithmetic operators that have one, by location."""
+        self._in_arithmetic = 0
+        """How many arithmetic operators the expression being totalised is inside."""
         self.scope = scope
         """The inner query whose FROM the expressions read (None: the DP query's own)."""
         self.semi_joins: Callable[[ast.SubLink], ast.SubLink] | None = None
@@ -335,11 +378,13 @@ class Totalizer:
 
     def inner(self, scope: ast.SelectStmt) -> Totalizer:
         """The totaliser of an inner query's expressions (its casts are checked in its FROM)."""
-        return Totalizer(self.protected_names, self.casts, scope)
+        return Totalizer(self.protected_names, self.casts, scope, self.arithmetic,
+                         self.integer_types)
 
     def with_semi_joins(self, check: Callable[[ast.SubLink], ast.SubLink]) -> Totalizer:
         """This totaliser, with IN and EXISTS subqueries accepted where `check` accepts them."""
-        other = Totalizer(self.protected_names, self.casts, self.scope)
+        other = Totalizer(self.protected_names, self.casts, self.scope, self.arithmetic,
+                          self.integer_types)
         other.semi_joins = check
         return other
 
@@ -396,11 +441,27 @@ class Totalizer:
                 return node
             if op in _ARITHMETIC:
                 # exact numeric arithmetic cannot overflow on column values; x/0 is NULL
-                left = None if node.lexpr is None else _numeric(self._total(node.lexpr, ctx))
-                right = self._total(node.rexpr, ctx)
+                location = node.location if isinstance(node.location, int) else -1
+                if location >= 0:
+                    self.arithmetic.append(ArithmeticCheck(copy.deepcopy(node), location,
+                                                           self.scope))
+                outermost = not self._in_arithmetic
+                self._in_arithmetic += 1
+                try:
+                    left = None if node.lexpr is None else _numeric(self._total(node.lexpr, ctx))
+                    right = self._total(node.rexpr, ctx)
+                finally:
+                    self._in_arithmetic -= 1
                 node.lexpr = left
                 node.rexpr = _nullif_zero(right) if op in ("/", "%") else _numeric(right)
-                return node
+                integer = self.integer_types.get(location)
+                if integer is None:
+                    return node
+                # Postgres's integer semantics: a quotient truncated toward zero; the type
+                # (and its range) only where the arithmetic ends, inner values being exact
+                value = ast.FuncCall(funcname=(ast.String(sval="trunc"),), args=(node,)) \
+                    if op == "/" else node
+                return _as_integer(value, integer) if outermost else value
             raise _refuse(f"operator {op} (it can fail on some values)", _sql(node))
         if kind in (A_Expr_Kind.AEXPR_IN, A_Expr_Kind.AEXPR_DISTINCT, A_Expr_Kind.AEXPR_NOT_DISTINCT,
                     A_Expr_Kind.AEXPR_BETWEEN, A_Expr_Kind.AEXPR_NOT_BETWEEN,
@@ -700,18 +761,23 @@ def parse_select(stripped_sql: str, params: Mapping[int, ast.Node] | None = None
 
 
 def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form: bool,
-            privacy_unit: str | None = None) -> AnalyzedQuery:
+            privacy_unit: str | None = None,
+            integer_types: Mapping[int, str] | None = None) -> AnalyzedQuery:
     """Check `stmt` against the DP rules and split it into keys, aggregates and the rest.
 
     `privacy_unit`: BigQuery's OPTIONS(privacy_unit_column=...), which must name the uid
-    column (the privacy unit is the configuration's, not the query's)."""
+    column (the privacy unit is the configuration's, not the query's). `integer_types`: the
+    integer type of arithmetic operators (by location), as Postgres reported them for a first
+    analysis's `ArithmeticCheck`s."""
     answered = _post_processed(stmt)
     if answered is not None:
-        return replace(analyze(answered, policy, plain_form, privacy_unit), outer=stmt)
+        return replace(analyze(answered, policy, plain_form, privacy_unit, integer_types),
+                       outer=stmt)
     if stmt.op is not None and stmt.op != 0 and stmt.larg is not None:
         raise _refuse("set operations (UNION, INTERSECT, EXCEPT)")
     ctes: dict[str, str | None] = {}
     casts: list[CastCheck] = []
+    arithmetic: list[ArithmeticCheck] = []
     cte_nodes: tuple[Any, ...] = ()
     if stmt.withClause is not None:
         if stmt.withClause.recursive:
@@ -725,7 +791,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
             if not isinstance(cte.ctequery, ast.SelectStmt):
                 raise _refuse("data-modifying WITH", name)
             ctes[name] = _owned_subquery(cte.ctequery, policy,
-                                         Totalizer(frozenset(policy), casts, cte.ctequery), ctes)
+                                         Totalizer(frozenset(policy), casts, cte.ctequery,
+                                                   arithmetic, integer_types), ctes)
         cte_nodes = tuple(stmt.withClause.ctes)
     if stmt.distinctClause == (None,) and not stmt.groupClause and not any(
             _dp_aggregates_in(t) for t in stmt.targetList or ()):
@@ -743,7 +810,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         raise _refuse("SELECT INTO or FOR UPDATE")
     if not stmt.fromClause:
         raise _refuse("a DP query must read a protected table")
-    totalize = Totalizer(frozenset(policy), casts)
+    totalize = Totalizer(frozenset(policy), casts, None, arithmetic, integer_types)
     fa = _FromAnalysis(policy, totalize, ctes)
     from_clause = tuple(fa.item(item) for item in stmt.fromClause)
     if not fa.tables:
@@ -824,7 +891,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         aggregates=tuple(aggregates), outputs=tuple(outputs), having=stmt.havingClause,
         order_by=tuple(stmt.sortClause or ()), limit=stmt.limitCount, offset=stmt.limitOffset,
         plain_form=plain_form, ctes=cte_nodes, select=tuple(select),
-        casts=tuple(totalize.casts),
+        casts=tuple(totalize.casts), arithmetic=tuple(totalize.arithmetic),
     )
 
 

@@ -31,6 +31,7 @@ from pglast.visitors import Visitor
 from config import Accountant, Config
 from dp_core.accounting import AnswerCost
 from dp_core.analysis import (
+    INTEGER_TYPES,
     AggKind,
     AnalyzedQuery,
     Bounds,
@@ -358,6 +359,13 @@ class DPService:
         return (float(values["epsilon"]), float(values["delta"]),
                 int(values["max_groups_contributed"]), NoiseKind(values["noise"]))
 
+    @staticmethod
+    async def _probe(query: AnalyzedQuery, conn: Any) -> list[Any]:
+        """The result attributes of `argument_probe_sql(query)` (none when it has nothing to
+        ask), which Postgres reports when the statement is prepared (never run)."""
+        probe = argument_probe_sql(query)
+        return [] if probe is None else list((await conn.prepare(probe)).get_attributes())
+
     async def prepare(self, session: Session, st: Statement, bind: p.Bind | None,
                       param_types: Sequence[int] = (), conn: Any = None) -> Prepared:
         """Analyse and plan `st` and prepare its pushdown; raises DPError on refusal.
@@ -372,20 +380,30 @@ class DPService:
         assert link is not None
         params = None if bind is None else \
             await self._bind_params(bind, param_types, link.codec, link.encoding)
-        stmt = parse_select(st.stripped_sql, params)
         unit = st.dp_clause.option("privacy_unit_column") if st.dp_clause is not None else None
-        query = analyze(stmt, self.policy, plain_form=st.dp_clause is None,
-                        privacy_unit=None if unit is None else str(unit))
+
+        def analysis(integer_types: dict[int, str] | None = None) -> AnalyzedQuery:
+            return analyze(parse_select(st.stripped_sql, params), self.policy,
+                           plain_form=st.dp_clause is None,
+                           privacy_unit=None if unit is None else str(unit),
+                           integer_types=integer_types)
+
+        query = analysis()
         epsilon, delta, max_groups, noise = self._settings(session, st)
-        plan = make_plan(query, epsilon, delta, max_groups, noise)
         try:
-            probe = argument_probe_sql(query)
-            arg_types: dict[int, str] = {}
-            if probe is not None:
-                attrs = (await conn.prepare(probe)).get_attributes()
+            attrs = await self._probe(query, conn)
+            types = {a.name: a.type.name for a in attrs}
+            integers = {c.location: types[f"t{i}"] for i, c in enumerate(query.arithmetic)
+                        if types[f"t{i}"] in INTEGER_TYPES}
+            if integers:
+                # integer arithmetic as Postgres types it: analysed again with that known,
+                # so that `duration / 60` truncates and keeps its type (`_as_integer`)
+                query = analysis(integers)
+                attrs = await self._probe(query, conn)
                 types = {a.name: a.type.name for a in attrs}
-                arg_types = {int(name[1:]): t for name, t in types.items() if name[0] == "a"}
-                check_casts(query.casts, [types[f"c{i}"] for i in range(len(query.casts))])
+            arg_types = {int(name[1:]): t for name, t in types.items() if name[0] == "a"}
+            check_casts(query.casts, [types[f"c{i}"] for i in range(len(query.casts))])
+            if attrs:
                 query = query.with_hashed_keys(await self._hashed_keys(
                     [a.type.oid for a in attrs if a.name[0] == "k"], conn))
             # what the statements depend on but the order seed (`PushdownCache`)
@@ -393,6 +411,7 @@ class DPService:
                          bind.params if bind else None, tuple(param_types), epsilon, delta,
                          max_groups, noise, tuple(sorted(arg_types.items())),
                          tuple(k.hashed for k in query.keys))
+            plan = make_plan(query, epsilon, delta, max_groups, noise)
             pd = self._pushdowns.pushdown(cache_key, query, plan, arg_types)
             statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
         except asyncpg.PostgresError as e:
@@ -400,10 +419,10 @@ class DPService:
         key_types: list[TypeRef] = []
         key_oids: list[int] = []
         if query.keys:  # grouped: the main statement has the keys (it counts the users)
-            attrs = {a.name: a.type for a in statements["main"].get_attributes()}
-            key_types = [(attrs[f"dp_k{i}"].schema, attrs[f"dp_k{i}"].name)
+            main = {a.name: a.type for a in statements["main"].get_attributes()}
+            key_types = [(main[f"dp_k{i}"].schema, main[f"dp_k{i}"].name)
                          for i in range(len(query.keys))]
-            key_oids = [attrs[f"dp_k{i}"].oid for i in range(len(query.keys))]
+            key_oids = [main[f"dp_k{i}"].oid for i in range(len(query.keys))]
         param_oids: list[int] = []
         for stmt in statements.values():
             found = [t.oid for t in stmt.get_parameters()]

@@ -108,6 +108,8 @@ CASES = [
          DP + "(CASE uid WHEN 1 THEN 'NaN'::float8 WHEN 2 THEN 'Infinity'::float8 WHEN 3 "
          "THEN 1e300 ELSE duration END / 1)::int AS b, ANON_COUNT(*) FROM visits GROUP BY 1",
          None),
+    Case("integer arithmetic that overflows int4 for some users", DP + "ANON_COUNT(*) FROM visits "
+         "WHERE uid * 2147483647 > 0 AND (uid - uid - 2147483647 - 1) / -1 > 0", None),
     Case("a smallint cast of a sum that overflows for one user", DP + "ANON_COUNT(*) FROM visits "
          "WHERE (duration * uid)::int2 > 0", None),
     Case("column aliases swapping uid and browser (the unit would be the browser)",

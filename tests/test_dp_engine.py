@@ -283,6 +283,28 @@ def test_where_subqueries_read_public_tables_only() -> None:
               "FROM visits")
 
 
+def test_integer_arithmetic_keeps_postgres_semantics_once_typed() -> None:
+    """Arithmetic runs in numeric (no overflow, x/0 is NULL); Postgres reports the type of
+    each operator as written (t{i} in the probe), and where it is an integer type the query
+    is analysed again: a quotient truncates toward zero, and the outermost operator is cast
+    back to its type inside its range (else NULL), so `duration / 60` means what it does in
+    Postgres and keeps its type."""
+    sql = "SELECT (duration + uid) / 60 AS m, count(*) FROM visits GROUP BY 1"
+    first = analyze(parse_select(sql), POLICY, plain_form=True)
+    assert [(str(RawStream()(c.arg)), c.location) for c in first.arithmetic] == [
+        ("(duration + uid) / 60", 24), ("duration + uid", 17)]
+    probe = argument_probe_sql(first)
+    assert probe is not None and "(duration + uid) / 60 AS t0, duration + uid AS t1" in probe
+    assert "trunc" not in str(RawStream()(first.keys[0].expr))  # (untyped: numeric division)
+    typed = analyze(parse_select(sql), POLICY, plain_form=True,
+                    integer_types={24: "int4", 17: "int4"})
+    assert str(RawStream()(typed.keys[0].expr)) == (
+        "CASE WHEN trunc(CAST(CAST(duration AS numeric) + CAST(uid AS numeric) AS numeric) / "
+        "NULLIF(CAST(60 AS numeric), 0)) BETWEEN -2147483648 AND 2147483647 THEN "
+        "CAST(trunc(CAST(CAST(duration AS numeric) + CAST(uid AS numeric) AS numeric) / "
+        "NULLIF(CAST(60 AS numeric), 0)) AS int4) END")
+
+
 def test_bigquery_spellings_of_bounds_and_privacy_unit() -> None:
     """BigQuery's `contribution_bounds_per_group => (L, U)` (SUM, AVG, COUNT: each user's
     value in a group) and `contribution_bounds_per_row => (L, U)` (PERCENTILE_CONT) are the

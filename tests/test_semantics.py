@@ -8,7 +8,7 @@ plain query Postgres runs as superuser; the released groups must be the groups o
 or more (with none of fewer than 2; a FILTER leaves the groups as they are), their counts
 within 2 of Postgres's. This is what checks the
 rewrites that change SQL (FILTER to CASE, subqueries over public tables made total, integer
-casts guarded, a query
+arithmetic and casts made total, a query
 around a DP query, DISTINCT to GROUP BY) against Postgres's own reading of it.
 """
 
@@ -53,11 +53,16 @@ CASES: dict[str, tuple[str, ...]] = {
         "GROUP BY country",
         "SELECT country, count(DISTINCT uid) FILTER (WHERE browser = 'Chrome') FROM visits "
         "GROUP BY country", GROUPS),
-    "an integer cast of arithmetic (guarded)": (
-        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits WHERE (duration / 600.0)::int >= 1 "
+    "integer division truncates, as in Postgres": (
+        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits WHERE duration / 600 = 1 "
         "GROUP BY country",
-        "SELECT country, count(DISTINCT uid) FROM visits WHERE (duration / 600.0)::int >= 1 "
+        "SELECT country, count(DISTINCT uid) FROM visits WHERE duration / 600 = 1 "
         "GROUP BY country"),
+    "an integer cast of arithmetic (guarded)": (
+        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits WHERE (duration / 600.0)::int = 1 "
+        "AND (uid % 7 + 1)::int2 > 2 GROUP BY country",
+        "SELECT country, count(DISTINCT uid) FROM visits WHERE (duration / 600.0)::int = 1 "
+        "AND (uid % 7 + 1)::int2 > 2 GROUP BY country"),
     "a query around a DP query": (
         "SELECT t.country, t.n FROM (" + DP + "country, ANON_COUNT(DISTINCT uid) AS n "
         "FROM visits GROUP BY country) AS t WHERE t.country LIKE 'B%'",
