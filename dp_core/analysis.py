@@ -89,6 +89,8 @@ class CastCheck:
     scope: ast.SelectStmt | None = None
     """The inner query (subquery in FROM, or WITH query) whose FROM `arg` reads; None: the
     DP query's own FROM. Its FROM is final once the analysis is done."""
+    rule: str | None = None
+    """The refusal's rule when it is not a cast (an operand of `||` that is not text)."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,9 @@ TOTAL_CASTS: dict[str, frozenset[str]] = {
     "date": frozenset({"date"}),
     "timestamp": frozenset({"timestamp", "date"}),
     "timestamptz": frozenset({"timestamptz", "date"}),
+    "text": frozenset({"text"}),
+    "varchar": frozenset({"text"}),
+    "bpchar": frozenset({"text"}),
 }
 """Casts that succeed on every value of the source type (Postgres ≥ 14). Narrowing casts
 (int8 → int4, float8 → float4, numeric → float8) overflow on some values; date → timestamp
@@ -148,6 +153,8 @@ def check_casts(casts: Sequence[CastCheck], source_types: Sequence[str]) -> None
     """Refuse the query unless every deferred cast is total for its source type."""
     for cast, source in zip(casts, source_types, strict=True):
         if cast.target not in TOTAL_CASTS.get(source, frozenset()):
+            if cast.rule is not None:
+                raise _refuse(f"{cast.rule}, not {source}", cast.text)
             raise _refuse(f"casts of column values from {source} to {cast.target} (they can "
                           "fail on some values)", cast.text)
 
@@ -462,6 +469,8 @@ class Totalizer:
                 value = ast.FuncCall(funcname=(ast.String(sval="trunc"),), args=(node,)) \
                     if op == "/" else node
                 return _as_integer(value, integer) if outermost else value
+            if op == "||":
+                return self._concatenation(node, ctx)
             raise _refuse(f"operator {op} (it can fail on some values)", _sql(node))
         if kind in (A_Expr_Kind.AEXPR_IN, A_Expr_Kind.AEXPR_DISTINCT, A_Expr_Kind.AEXPR_NOT_DISTINCT,
                     A_Expr_Kind.AEXPR_BETWEEN, A_Expr_Kind.AEXPR_NOT_BETWEEN,
@@ -503,6 +512,23 @@ class Totalizer:
             return node
         raise _refuse(f"casts of column values to {target} (they can fail on some values)",
                       _sql(node))
+
+    def _concatenation(self, node: ast.A_Expr, ctx: str) -> ast.A_Expr:
+        """`a || b` of text cannot fail (as concat() cannot), but `||` of arrays can: each
+        operand that is not a literal or another `||` must be text, which Postgres reports
+        when the query is planned (a CastCheck to text, accepted from text, varchar, bpchar)."""
+        text = _sql(node)
+        for side in ("lexpr", "rexpr"):
+            operand = getattr(node, side)
+            total = self._total(operand, ctx)
+            setattr(node, side, total)
+            if operand is None or isinstance(operand, ast.A_Const) or (
+                    isinstance(operand, ast.A_Expr) and operand.kind == A_Expr_Kind.AEXPR_OP
+                    and operand.name and str(operand.name[-1].sval) == "||"):
+                continue
+            self.casts.append(CastCheck(copy.deepcopy(total), "text", text, self.scope,
+                                        rule="operands of || must be text"))
+        return node
 
     def _guarded_integer_cast(self, node: ast.TypeCast, target: str, ctx: str) -> ast.TypeCast:
         """`(duration / 60)::int`: a number cast to an integer type, made total. Postgres

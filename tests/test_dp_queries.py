@@ -201,6 +201,20 @@ def test_bigquery_spelling_is_answered(proxy: Proxy, reset: None) -> None:
         assert spent(conn)[0] == pytest.approx(1.0)
 
 
+def test_concatenation_needs_text_operands(proxy: Proxy, reset: None) -> None:
+    """`||` of text is total (as concat() is); of anything else (arrays fail on mismatched
+    dimensions) it is refused, by the operand's type as Postgres reports it, before the
+    charge."""
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.FeatureNotSupported,
+                           match=r"operands of \|\| must be text, not int8"):
+            conn.execute("SELECT count(*) FROM visits WHERE uid || 'x' = '1x'")
+        assert spent(conn)[0] == 0
+        rows = conn.execute("SELECT browser || ' in ' || country AS k, count(DISTINCT uid) "
+                            "FROM visits GROUP BY 1 ORDER BY 2 DESC LIMIT 1").fetchall()
+        assert rows and " in " in rows[0][0]
+
+
 def test_where_subqueries_read_public_tables_only(proxy: Proxy, reset: None) -> None:
     """IN over a public table filters rows; a WHERE subquery that reads a protected table is
     refused before the charge (DESIGN §3.1), and the join on the uid says the same."""

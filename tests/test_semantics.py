@@ -63,6 +63,11 @@ CASES: dict[str, tuple[str, ...]] = {
         "AND (uid % 7 + 1)::int2 > 2 GROUP BY country",
         "SELECT country, count(DISTINCT uid) FROM visits WHERE (duration / 600.0)::int = 1 "
         "AND (uid % 7 + 1)::int2 > 2 GROUP BY country"),
+    "|| of text": (
+        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits WHERE lower(browser) || '/' || "
+        "country LIKE 'chrome/%' GROUP BY country",
+        "SELECT country, count(DISTINCT uid) FROM visits WHERE lower(browser) || '/' || "
+        "country LIKE 'chrome/%' GROUP BY country"),
     "a query around a DP query": (
         "SELECT t.country, t.n FROM (" + DP + "country, ANON_COUNT(DISTINCT uid) AS n "
         "FROM visits GROUP BY country) AS t WHERE t.country LIKE 'B%'",
