@@ -277,6 +277,38 @@ TOTAL_FUNCTIONS = frozenset({
     "isfinite", "date_trunc", "date_part", "extract", "coalesce", "nullif", "num_nulls",
     "num_nonnulls",
 })
+def _integer_literal(node: Any, low: float = -2**31, high: float = 2**31 - 1) -> bool:
+    value = const_number(node)
+    return value is not None and value.is_integer() and low <= value <= high
+
+
+_LITERAL_ARGUMENT_FUNCTIONS: dict[str, Callable[[list[Any]], bool]] = {
+    "substring": lambda a: len(a) in (1, 2) and _integer_literal(a[0])
+    and (len(a) == 1 or _integer_literal(a[1], 0)),
+    "substr": lambda a: len(a) in (1, 2) and _integer_literal(a[0])
+    and (len(a) == 1 or _integer_literal(a[1], 0)),
+    "left": lambda a: len(a) == 1 and _integer_literal(a[0]),
+    "right": lambda a: len(a) == 1 and _integer_literal(a[0]),
+    "split_part": lambda a: len(a) == 2 and const_string(a[0]) is not None
+    and _integer_literal(a[1]) and const_number(a[1]) != 0,
+    "replace": lambda a: len(a) == 2 and all(const_string(x) is not None for x in a),
+    "strpos": lambda a: len(a) == 1 and const_string(a[0]) is not None,
+    "position": lambda a: len(a) == 1 and const_string(a[0]) is not None,
+    "lpad": lambda a: len(a) in (1, 2) and _integer_literal(a[0], 0, 10_000)
+    and all(const_string(x) is not None for x in a[1:]),
+    "rpad": lambda a: len(a) in (1, 2) and _integer_literal(a[0], 0, 10_000)
+    and all(const_string(x) is not None for x in a[1:]),
+}
+"""Text functions that fail only on some arguments, allowed when every argument after the
+value is a literal that cannot make them fail (the value is made total as any other)."""
+_LITERAL_ARGUMENT_RULES = {
+    "substring": "(x, integer start [, length >= 0]); the regular-expression forms are refused",
+    "substr": "(x, integer start [, length >= 0])",
+    "left": "(x, integer)", "right": "(x, integer)",
+    "split_part": "(x, 'delimiter', non-zero integer)",
+    "replace": "(x, 'from', 'to')", "strpos": "(x, 'text')", "position": "('text' IN x)",
+    "lpad": "(x, length 0 to 10000 [, 'fill'])", "rpad": "(x, length 0 to 10000 [, 'fill'])",
+}
 _NUMERIC_ARG_FUNCTIONS = frozenset({"abs", "sign", "round", "floor", "ceil", "ceiling", "trunc"})
 _DATE_UNITS = frozenset({
     "microseconds", "milliseconds", "second", "minute", "hour", "day", "week", "month", "quarter",
@@ -554,13 +586,20 @@ class Totalizer:
             raise _refuse("aggregates inside expressions or in WHERE", _sql(fc))
         if len(fc.funcname) > 1 and str(fc.funcname[0].sval) != "pg_catalog":
             raise _refuse("only built-in functions", _sql(fc))
-        if name not in TOTAL_FUNCTIONS:
+        if name not in TOTAL_FUNCTIONS and name not in _LITERAL_ARGUMENT_FUNCTIONS:
             raise _refuse(f"function {name}() (only immutable built-ins that cannot fail are "
-                          f"allowed: {', '.join(sorted(TOTAL_FUNCTIONS))})", _sql(fc))
+                          f"allowed: {', '.join(sorted(TOTAL_FUNCTIONS))}, and "
+                          f"{', '.join(sorted(_LITERAL_ARGUMENT_FUNCTIONS))} with literal "
+                          "arguments after the first)", _sql(fc))
         if fc.agg_star or fc.agg_distinct or fc.agg_order or fc.agg_filter or fc.func_variadic:
             raise _refuse("aggregate syntax on a plain function", _sql(fc))
         args = list(fc.args or ())
-        if name in ("date_trunc", "date_part", "extract"):
+        if name in _LITERAL_ARGUMENT_FUNCTIONS:
+            if not _LITERAL_ARGUMENT_FUNCTIONS[name](args[1:]):
+                raise _refuse(f"{name}() but as {name}{_LITERAL_ARGUMENT_RULES[name]}: literal "
+                              "arguments after the value, which cannot make it fail", _sql(fc))
+            args[:1] = [self._total(a, ctx) for a in args[:1]]
+        elif name in ("date_trunc", "date_part", "extract"):
             unit = const_string(args[0]) if args else None
             if unit is None or unit.lower() not in _DATE_UNITS:
                 raise _refuse(f"{name}() needs a constant, valid unit", _sql(fc))

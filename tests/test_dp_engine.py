@@ -283,6 +283,26 @@ def test_where_subqueries_read_public_tables_only() -> None:
               "FROM visits")
 
 
+def test_text_functions_with_literal_arguments() -> None:
+    """substring, left, right, split_part, replace, strpos, position, lpad and rpad fail on
+    some arguments (a negative length, field 0, a huge pad, a malformed regular expression):
+    allowed when every argument after the value is a literal that cannot make them fail."""
+    for expr in ["substring(country from 1 for 1)", "substr(country, 2)", "left(browser, -2)",
+                 "right(browser, 3)", "split_part(browser, ' ', -1)", "replace(browser, 'e', '')",
+                 "strpos(browser, 'o')", "position('a' in browser)", "lpad(country, 5, '*')",
+                 "rpad(lower(country), 3)"]:
+        query, _, _ = build(f"SELECT {expr} AS k, count(*) FROM visits GROUP BY 1")
+        assert len(query.keys) == 1, expr
+    for expr, rule in [("substring(country from 1 for -1)", "substring(x, integer start"),
+                       ("substring(country from 'a.*')", "regular-expression forms"),
+                       ("split_part(browser, ' ', 0)", "non-zero integer"),
+                       ("left(browser, uid)", "left(x, integer)"),
+                       ("lpad(country, 100000)", "length 0 to 10000"),
+                       ("replace(browser, browser, 'x')", "replace(x, 'from', 'to')")]:
+        with pytest.raises(FeatureNotSupported, match=re.escape(rule)):
+            build(f"SELECT {expr} AS k, count(*) FROM visits GROUP BY 1")
+
+
 def test_integer_arithmetic_keeps_postgres_semantics_once_typed() -> None:
     """Arithmetic runs in numeric (no overflow, x/0 is NULL); Postgres reports the type of
     each operator as written (t{i} in the probe), and where it is an integer type the query

@@ -63,6 +63,11 @@ CASES: dict[str, tuple[str, ...]] = {
         "AND (uid % 7 + 1)::int2 > 2 GROUP BY country",
         "SELECT country, count(DISTINCT uid) FROM visits WHERE (duration / 600.0)::int = 1 "
         "AND (uid % 7 + 1)::int2 > 2 GROUP BY country"),
+    "text functions with literal arguments": (
+        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits WHERE substring(country from 1 for 1) "
+        "IN ('B', 'C') AND left(browser, 2) <> 'Ed' GROUP BY country",
+        "SELECT country, count(DISTINCT uid) FROM visits WHERE substring(country from 1 for 1) "
+        "IN ('B', 'C') AND left(browser, 2) <> 'Ed' GROUP BY country"),
     "|| of text": (
         DP + "country, ANON_COUNT(DISTINCT uid) FROM visits WHERE lower(browser) || '/' || "
         "country LIKE 'chrome/%' GROUP BY country",
