@@ -562,6 +562,24 @@ class Totalizer:
                                         rule="operands of || must be text"))
         return node
 
+    def _width_bucket(self, fc: ast.FuncCall, args: list[Any], ctx: str) -> ast.Node:
+        """`width_bucket(x, low, high, n)` (a histogram's bins): it fails on NaN bounds or
+        operand, infinite or equal bounds and n <= 0, so the bounds and n must be literals
+        that cannot make it fail, and a NaN x gives NULL (`x::numeric = 'NaN'`: every number
+        type casts to numeric, ±Infinity included, and Postgres's NaN equals NaN)."""
+        low, high = (const_number(a) for a in args[1:3]) if len(args) == 4 else (None, None)
+        if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)) \
+                or low == high or not _integer_literal(args[3], 1, 2**31 - 2):
+            raise _refuse("width_bucket() but as width_bucket(x, low, high, n) with finite, "
+                          "different literal bounds and a literal n >= 1", _sql(fc))
+        value = self._total(args[0], ctx)
+        fc.args = (value, *args[1:])
+        nan = ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval="="),),
+                         lexpr=_numeric(copy.deepcopy(value)),
+                         rexpr=_numeric(ast.A_Const(val=ast.String(sval="NaN"))))
+        return ast.CaseExpr(args=(ast.CaseWhen(expr=nan, result=ast.A_Const(isnull=True)),),
+                            defresult=fc)
+
     def _guarded_integer_cast(self, node: ast.TypeCast, target: str, ctx: str) -> ast.TypeCast:
         """`(duration / 60)::int`: a number cast to an integer type, made total. Postgres
         rounds to the nearest integer and fails out of range (and on NaN and ±Infinity), so
@@ -586,7 +604,8 @@ class Totalizer:
             raise _refuse("aggregates inside expressions or in WHERE", _sql(fc))
         if len(fc.funcname) > 1 and str(fc.funcname[0].sval) != "pg_catalog":
             raise _refuse("only built-in functions", _sql(fc))
-        if name not in TOTAL_FUNCTIONS and name not in _LITERAL_ARGUMENT_FUNCTIONS:
+        if name not in TOTAL_FUNCTIONS and name not in _LITERAL_ARGUMENT_FUNCTIONS \
+                and name != "width_bucket":
             raise _refuse(f"function {name}() (only immutable built-ins that cannot fail are "
                           f"allowed: {', '.join(sorted(TOTAL_FUNCTIONS))}, and "
                           f"{', '.join(sorted(_LITERAL_ARGUMENT_FUNCTIONS))} with literal "
@@ -594,6 +613,8 @@ class Totalizer:
         if fc.agg_star or fc.agg_distinct or fc.agg_order or fc.agg_filter or fc.func_variadic:
             raise _refuse("aggregate syntax on a plain function", _sql(fc))
         args = list(fc.args or ())
+        if name == "width_bucket":
+            return self._width_bucket(fc, args, ctx)
         if name in _LITERAL_ARGUMENT_FUNCTIONS:
             if not _LITERAL_ARGUMENT_FUNCTIONS[name](args[1:]):
                 raise _refuse(f"{name}() but as {name}{_LITERAL_ARGUMENT_RULES[name]}: literal "

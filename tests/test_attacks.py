@@ -110,6 +110,9 @@ CASES = [
          None),
     Case("integer arithmetic that overflows int4 for some users", DP + "ANON_COUNT(*) FROM visits "
          "WHERE uid * 2147483647 > 0 AND (uid - uid - 2147483647 - 1) / -1 > 0", None),
+    Case("width_bucket of NaN or Infinity for one user", DP + "width_bucket(CASE uid WHEN 1 "
+         "THEN 'NaN'::float8 WHEN 2 THEN '-Infinity'::float8 ELSE duration END, 0, 3600, 4) AS b, "
+         "ANON_COUNT(*) FROM visits GROUP BY 1", None),
     Case("a smallint cast of a sum that overflows for one user", DP + "ANON_COUNT(*) FROM visits "
          "WHERE (duration * uid)::int2 > 0", None),
     Case("column aliases swapping uid and browser (the unit would be the browser)",

@@ -298,7 +298,10 @@ def test_text_functions_with_literal_arguments() -> None:
                        ("split_part(browser, ' ', 0)", "non-zero integer"),
                        ("left(browser, uid)", "left(x, integer)"),
                        ("lpad(country, 100000)", "length 0 to 10000"),
-                       ("replace(browser, browser, 'x')", "replace(x, 'from', 'to')")]:
+                       ("replace(browser, browser, 'x')", "replace(x, 'from', 'to')"),
+                       ("width_bucket(duration, 0, 0, 4)", "different literal bounds"),
+                       ("width_bucket(duration, 0, uid, 4)", "different literal bounds"),
+                       ("width_bucket(duration, 0, 10, 0)", "a literal n >= 1")]:
         with pytest.raises(FeatureNotSupported, match=re.escape(rule)):
             build(f"SELECT {expr} AS k, count(*) FROM visits GROUP BY 1")
 

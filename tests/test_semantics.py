@@ -68,6 +68,11 @@ CASES: dict[str, tuple[str, ...]] = {
         "IN ('B', 'C') AND left(browser, 2) <> 'Ed' GROUP BY country",
         "SELECT country, count(DISTINCT uid) FROM visits WHERE substring(country from 1 for 1) "
         "IN ('B', 'C') AND left(browser, 2) <> 'Ed' GROUP BY country"),
+    "width_bucket (NaN guarded)": (
+        DP + "country, ANON_COUNT(DISTINCT uid) FROM visits WHERE width_bucket(duration, 0, "
+        "3600, 6) = 2 GROUP BY country",
+        "SELECT country, count(DISTINCT uid) FROM visits WHERE width_bucket(duration, 0, "
+        "3600, 6) = 2 GROUP BY country"),
     "|| of text": (
         DP + "country, ANON_COUNT(DISTINCT uid) FROM visits WHERE lower(browser) || '/' || "
         "country LIKE 'chrome/%' GROUP BY country",
