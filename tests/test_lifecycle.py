@@ -122,6 +122,17 @@ def test_reload_changes_budgets_adds_and_removes_analysts_without_dropping_sessi
         adm.execute("SELECT dp_reset_budget('alice')")
 
 
+def await_epsilon_total(conn: psycopg.Connection, value: float, failure: str) -> None:
+    """Wait up to 5 s until the session's dp_budget() shows `value` as its ε total (a reload
+    is taken asynchronously)."""
+    for _ in range(50):
+        row = conn.execute("SELECT epsilon_total FROM dp_budget()").fetchone()
+        if row is not None and float(row[0]) == value:
+            return
+        time.sleep(0.1)
+    raise AssertionError(failure)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="signals to a child process")
 def test_serve_reloads_on_sighup_and_stops_on_sigterm(backend: Backend, tmp_path: Path) -> None:
     cfg = _config_for(backend, tmp_path, "dp_pushdown", "dp_restricted")
@@ -150,13 +161,7 @@ def test_serve_reloads_on_sighup_and_stops_on_sigterm(backend: Backend, tmp_path
         cfg.write_text(text.replace("epsilon_budget = 1\n", "epsilon_budget = 2.5\n"))
         assert "epsilon_budget = 2.5" in cfg.read_text()
         os.kill(proc.pid, signal.SIGHUP)
-        for _ in range(50):
-            row = conn.execute("SELECT epsilon_total FROM dp_budget()").fetchone()
-            if row is not None and float(row[0]) == 2.5:
-                break
-            time.sleep(0.1)
-        else:
-            raise AssertionError("SIGHUP did not reload bob's budget")
+        await_epsilon_total(conn, 2.5, "SIGHUP did not reload bob's budget")
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(15) == 0
         conn.close()

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.workers import sum_expositions
 
 from .conftest import Backend
+from .test_lifecycle import await_epsilon_total
 from .test_operations import ROOT, _config_for
 
 
@@ -152,13 +153,7 @@ def test_workers_share_clients_cancels_limits_metrics_reload_and_stop(
         cfg.write_text(cfg.read_text().replace("epsilon_budget = 1\n", "epsilon_budget = 2.5\n"))
         os.kill(proc.pid, signal.SIGHUP)
         for conn in (a, b, c):
-            for _ in range(50):
-                row = conn.execute("SELECT epsilon_total FROM dp_budget()").fetchone()
-                if row is not None and float(row[0]) == 2.5:
-                    break
-                time.sleep(0.1)
-            else:
-                raise AssertionError("SIGHUP did not reload bob's budget in every worker")
+            await_epsilon_total(conn, 2.5, "SIGHUP did not reload bob's budget in every worker")
 
         # a worker that dies is restarted (its clients are lost, the others' are not)
         victim = workers[a.info.backend_pid % 2]
