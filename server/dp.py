@@ -410,7 +410,7 @@ class DPService:
             cache_key = (st.sql, bind.param_formats if bind else None,
                          bind.params if bind else None, tuple(param_types), epsilon, delta,
                          max_groups, noise, tuple(sorted(arg_types.items())),
-                         tuple(k.hashed for k in query.keys))
+                         tuple(k.hashed for k in query.keys), tuple(sorted(integers.items())))
             plan = make_plan(query, epsilon, delta, max_groups, noise)
             pd = self._pushdowns.pushdown(cache_key, query, plan, arg_types)
             statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
