@@ -290,7 +290,7 @@ _LITERAL_ARGUMENT_FUNCTIONS: dict[str, Callable[[list[Any]], bool]] = {
     "left": lambda a: len(a) == 1 and _integer_literal(a[0]),
     "right": lambda a: len(a) == 1 and _integer_literal(a[0]),
     "split_part": lambda a: len(a) == 2 and const_string(a[0]) is not None
-    and _integer_literal(a[1]) and const_number(a[1]) != 0,
+    and _integer_literal(a[1], 1),  # (a negative field fails before Postgres 14)
     "replace": lambda a: len(a) == 2 and all(const_string(x) is not None for x in a),
     "strpos": lambda a: len(a) == 1 and const_string(a[0]) is not None,
     "position": lambda a: len(a) == 1 and const_string(a[0]) is not None,
@@ -305,7 +305,7 @@ _LITERAL_ARGUMENT_RULES = {
     "substring": "(x, integer start [, length >= 0]); the regular-expression forms are refused",
     "substr": "(x, integer start [, length >= 0])",
     "left": "(x, integer)", "right": "(x, integer)",
-    "split_part": "(x, 'delimiter', non-zero integer)",
+    "split_part": "(x, 'delimiter', field >= 1)",
     "replace": "(x, 'from', 'to')", "strpos": "(x, 'text')", "position": "('text' IN x)",
     "lpad": "(x, length 0 to 10000 [, 'fill'])", "rpad": "(x, length 0 to 10000 [, 'fill'])",
 }
