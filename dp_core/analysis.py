@@ -131,15 +131,6 @@ fails out of range; text → anything fails on malformed input."""
 
 _CHECKED_CAST_TARGETS = frozenset(t for targets in TOTAL_CASTS.values() for t in targets)
 
-_INTEGER_RANGES = {
-    "int2": ("-32768.5", "32767.5"),
-    "int4": ("-2147483648.5", "2147483647.5"),
-    "int8": ("-9223372036854775808.5", "9223372036854775807.5"),
-}
-"""Open intervals whose numbers cast to each integer type (Postgres rounds half away from
-zero for numeric, half to even for float8; the open bounds are safe for both)."""
-
-
 def _is_number_valued(node: Any) -> bool:
     """Arithmetic or a numeric function's call: a number (never a boolean or text), so a cast
     of it to an integer type can be guarded by comparisons (`_guarded_integer_cast`)."""
@@ -282,33 +273,38 @@ def _integer_literal(node: Any, low: float = -2**31, high: float = 2**31 - 1) ->
     return value is not None and value.is_integer() and low <= value <= high
 
 
-_LITERAL_ARGUMENT_FUNCTIONS: dict[str, Callable[[list[Any]], bool]] = {
-    "substring": lambda a: len(a) in (1, 2) and _integer_literal(a[0])
-    and (len(a) == 1 or _integer_literal(a[1], 0)),
-    "substr": lambda a: len(a) in (1, 2) and _integer_literal(a[0])
-    and (len(a) == 1 or _integer_literal(a[1], 0)),
-    "left": lambda a: len(a) == 1 and _integer_literal(a[0]),
-    "right": lambda a: len(a) == 1 and _integer_literal(a[0]),
-    "split_part": lambda a: len(a) == 2 and const_string(a[0]) is not None
-    and _integer_literal(a[1], 1),  # (a negative field fails before Postgres 14)
-    "replace": lambda a: len(a) == 2 and all(const_string(x) is not None for x in a),
-    "strpos": lambda a: len(a) == 1 and const_string(a[0]) is not None,
-    "position": lambda a: len(a) == 1 and const_string(a[0]) is not None,
-    "lpad": lambda a: len(a) in (1, 2) and _integer_literal(a[0], 0, 10_000)
-    and all(const_string(x) is not None for x in a[1:]),
-    "rpad": lambda a: len(a) in (1, 2) and _integer_literal(a[0], 0, 10_000)
-    and all(const_string(x) is not None for x in a[1:]),
+def _start_and_length(a: list[Any]) -> bool:
+    return len(a) in (1, 2) and _integer_literal(a[0]) and (len(a) == 1 or _integer_literal(a[1], 0))
+
+
+def _pad(a: list[Any]) -> bool:
+    return len(a) in (1, 2) and _integer_literal(a[0], 0, 10_000) \
+        and all(const_string(x) is not None for x in a[1:])
+
+
+def _one_string(a: list[Any]) -> bool:
+    return len(a) == 1 and const_string(a[0]) is not None
+
+
+_LITERAL_ARGUMENT_FUNCTIONS: dict[str, tuple[Callable[[list[Any]], bool], str]] = {
+    "substring": (_start_and_length, "(x, integer start [, length >= 0]); the "
+                                     "regular-expression forms are refused"),
+    "substr": (_start_and_length, "(x, integer start [, length >= 0])"),
+    "left": (lambda a: len(a) == 1 and _integer_literal(a[0]), "(x, integer)"),
+    "right": (lambda a: len(a) == 1 and _integer_literal(a[0]), "(x, integer)"),
+    "split_part": (lambda a: len(a) == 2 and const_string(a[0]) is not None
+                   and _integer_literal(a[1], 1),  # (a negative field fails before Postgres 14)
+                   "(x, 'delimiter', field >= 1)"),
+    "replace": (lambda a: len(a) == 2 and all(const_string(x) is not None for x in a),
+                "(x, 'from', 'to')"),
+    "strpos": (_one_string, "(x, 'text')"),
+    "position": (_one_string, "('text' IN x)"),
+    "lpad": (_pad, "(x, length 0 to 10000 [, 'fill'])"),
+    "rpad": (_pad, "(x, length 0 to 10000 [, 'fill'])"),
 }
 """Text functions that fail only on some arguments, allowed when every argument after the
-value is a literal that cannot make them fail (the value is made total as any other)."""
-_LITERAL_ARGUMENT_RULES = {
-    "substring": "(x, integer start [, length >= 0]); the regular-expression forms are refused",
-    "substr": "(x, integer start [, length >= 0])",
-    "left": "(x, integer)", "right": "(x, integer)",
-    "split_part": "(x, 'delimiter', field >= 1)",
-    "replace": "(x, 'from', 'to')", "strpos": "(x, 'text')", "position": "('text' IN x)",
-    "lpad": "(x, length 0 to 10000 [, 'fill'])", "rpad": "(x, length 0 to 10000 [, 'fill'])",
-}
+value is a literal that cannot make them fail (the value is made total as any other): the
+check of those arguments, and the shape the refusal names."""
 _NUMERIC_ARG_FUNCTIONS = frozenset({"abs", "sign", "round", "floor", "ceil", "ceiling", "trunc"})
 _DATE_UNITS = frozenset({
     "microseconds", "milliseconds", "second", "minute", "hour", "day", "week", "month", "quarter",
@@ -533,7 +529,7 @@ class Totalizer:
             return node
         names = node.typeName.names
         builtin = len(names) == 1 or str(names[0].sval) == "pg_catalog"
-        if builtin and target in _INTEGER_RANGES and _is_number_valued(node.arg) \
+        if builtin and target in _INTEGER_LIMITS and _is_number_valued(node.arg) \
                 and not node.typeName.typmods and not node.typeName.arrayBounds:
             return self._guarded_integer_cast(node, target, ctx)
         if builtin and target in _CHECKED_CAST_TARGETS \
@@ -580,21 +576,15 @@ class Totalizer:
         return ast.CaseExpr(args=(ast.CaseWhen(expr=nan, result=ast.A_Const(isnull=True)),),
                             defresult=fc)
 
-    def _guarded_integer_cast(self, node: ast.TypeCast, target: str, ctx: str) -> ast.TypeCast:
-        """`(duration / 60)::int`: a number cast to an integer type, made total. Postgres
-        rounds to the nearest integer and fails out of range (and on NaN and ±Infinity), so
-        the value is cast only strictly inside (min − ½, max + ½), else NULL: NaN sorts above
-        every number and fails the upper test. The argument is arithmetic or a numeric
-        function (`_is_number_valued`), so the comparisons with numeric literals resolve."""
-        value = self._total(node.arg, ctx)
-        low, high = _INTEGER_RANGES[target]
-        inside = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(
-            ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval=">"),),
-                       lexpr=copy.deepcopy(value), rexpr=ast.A_Const(val=ast.Float(fval=low))),
-            ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval="<"),),
-                       lexpr=copy.deepcopy(value), rexpr=ast.A_Const(val=ast.Float(fval=high)))))
-        node.arg = ast.CaseExpr(args=(ast.CaseWhen(expr=inside, result=value),))
-        return node
+    def _guarded_integer_cast(self, node: ast.TypeCast, target: str, ctx: str) -> ast.Node:
+        """`(duration / 60)::int`: a number cast to an integer type, made total. The argument
+        is arithmetic or a numeric function (`_is_number_valued`), numeric once totalised, and
+        its cast rounds as round(numeric) does and fails out of range, on NaN and ±Infinity:
+        so the rounded value is cast where it is in range, else NULL (`_as_integer`; NaN
+        sorts above every number)."""
+        rounded = ast.FuncCall(funcname=(ast.String(sval="round"),),
+                               args=(self._total(node.arg, ctx),))
+        return _as_integer(rounded, target)
 
     def _function(self, fc: ast.FuncCall, ctx: str) -> Any:
         name = _funcname(fc)
@@ -616,9 +606,10 @@ class Totalizer:
         if name == "width_bucket":
             return self._width_bucket(fc, args, ctx)
         if name in _LITERAL_ARGUMENT_FUNCTIONS:
-            if not _LITERAL_ARGUMENT_FUNCTIONS[name](args[1:]):
-                raise _refuse(f"{name}() but as {name}{_LITERAL_ARGUMENT_RULES[name]}: literal "
-                              "arguments after the value, which cannot make it fail", _sql(fc))
+            check, shape = _LITERAL_ARGUMENT_FUNCTIONS[name]
+            if not check(args[1:]):
+                raise _refuse(f"{name}() but as {name}{shape}: literal arguments after the "
+                              "value, which cannot make it fail", _sql(fc))
             args[:1] = [self._total(a, ctx) for a in args[:1]]
         elif name in ("date_trunc", "date_part", "extract"):
             unit = const_string(args[0]) if args else None

@@ -157,7 +157,7 @@ class ProxyServer:
         ignored = [name for name in ("listen", "tls", "metrics", "auth_method", "backend", "defaults",
                                      "tables")
                    if getattr(new, name) != getattr(self.config, name)]
-        merged = self.config.model_copy(update={"analysts": new.analysts, "log": new.log})
+        merged = reloaded(self.config, new)
         if new.log != self.config.log:
             set_format(new.log.format)
             self.statement_log = StatementLogger(new.log)
@@ -241,6 +241,11 @@ class ProxyServer:
 
     def default_settings(self) -> DPSettings:
         return self._default_settings
+
+def reloaded(current: Config, new: Config) -> Config:
+    """`current` with what a reload takes from `new`: the analysts and [log]."""
+    return current.model_copy(update={"analysts": new.analysts, "log": new.log})
+
 
 def _shutdown_error() -> AdminShutdown:
     return AdminShutdown("terminating connection due to administrator command")

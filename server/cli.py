@@ -296,7 +296,7 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
     (server.workers), which run this function with `worker` set: (restricted and pushdown
     DSNs, their index, the number of workers, the control socket)."""
     set_format(config.log.format)
-    from server.app import ProxyServer
+    from server.app import ProxyServer, reloaded
     from server.embedded import EmbeddedPostgres, EmbeddedPostgresError
     from server.workers import Supervisor, WorkerLink, WorkerStartError
 
@@ -321,8 +321,7 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
             supervisor.signal_workers(signal.SIGHUP)  # each worker reloads the file itself
             new = _load(config_path) if config_path is not None else None
             if new is not None:  # (what a worker restarted later starts with)
-                supervisor.config = supervisor.config.model_copy(
-                    update={"analysts": new.analysts, "log": new.log})
+                supervisor.config = reloaded(supervisor.config, new)
             return
         if server is None or config_path is None:
             return
@@ -388,14 +387,12 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
             print(f"dp-proxy: cannot start: {e}{where}", file=sys.stderr)
             return 1
         host = config.listen.host
-        if worker is not None:
-            pass
-        elif demo:
+        if worker is None and demo:
             print("dp-proxy demo is running: embedded Postgres with the demo data.", flush=True)
             print("Connect as an analyst (password = user name; also bob, and admin):", flush=True)
             print(f'  psql "postgresql://alice:alice@{host}:{port}/demo"', flush=True)
             print("Ctrl-C stops the proxy and Postgres.", flush=True)
-        else:
+        elif worker is None:
             log.info("dp-proxy serving database %s on %s:%s", restricted.database, host, port)
         await stop.wait()
         return 0
