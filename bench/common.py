@@ -134,13 +134,24 @@ def _status_mib(pid: int, field: str) -> float:
 
 
 def peak_rss_mib(pid: int) -> float:
-    """A process's peak resident set size (VmHWM), in MiB."""
-    return _status_mib(pid, "VmHWM")
+    """The proxy's peak resident set size (VmHWM), in MiB: of the process and, with
+    `[listen] workers` above 1, its worker processes, summed (their peaks may not have
+    been at the same moment, so an upper bound)."""
+    return sum(_status_mib(p, "VmHWM") for p in _process_tree(pid))
 
 
 def rss_mib(pid: int) -> float:
-    """A process's resident set size now (VmRSS), in MiB."""
-    return _status_mib(pid, "VmRSS")
+    """The proxy's resident set size now (VmRSS), in MiB: the process and its workers."""
+    return sum(_status_mib(p, "VmRSS") for p in _process_tree(pid))
+
+
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its child processes (a supervisor's workers), as Linux lists them."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [pid, *(int(c) for c in f.read().split())]
+    except FileNotFoundError:
+        return [pid]
 
 
 def latency_ms(latencies: list[float]) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""Proxy memory against data size: peak RSS of the dp-proxy process at two scales.
+"""Proxy memory against data size: peak RSS of the dp-proxy processes (summed over its workers) at two scales.
 
     .venv/bin/python bench/memory.py [--scales 1 10] [--runs 3]
 

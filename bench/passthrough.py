@@ -4,7 +4,8 @@
 
 Starts an embedded Postgres (TCP on loopback) with the demo tables and pgbench's
 tables, then dp-proxy as a separate process (uvloop, as `dp-proxy serve` runs; once
-with one process, once with `[listen] workers = 2`),
+as configured by default, `[listen] workers = "auto"`: one worker per core, and once
+as one process, `workers = 1`),
 and a bare byte relay (bench/relay.py: the ceiling of any Python proxy on this
 machine), and alternates direct, relayed and proxied pgbench runs in simple and
 extended query mode. Prints the median TPS of each and the ratios, and appends
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import append_results, free_port, machine  # noqa: E402
 
 from config import DEMO_CONFIG, load_config  # noqa: E402
+from config.models import usable_cores  # noqa: E402
 from server.bootstrap import apply_backend_setup, demo_config_text, load_demo_data  # noqa: E402
 from server.dsn import DSN  # noqa: E402
 from server.embedded import EmbeddedPostgres, find_bindir  # noqa: E402
@@ -62,14 +64,14 @@ async def _prepare(pg: EmbeddedPostgres) -> None:
 
 
 def _start_proxy(pg: EmbeddedPostgres, port: int, workdir: Path,
-                 workers: int = 1) -> subprocess.Popen[bytes]:
+                 workers: str = "auto") -> subprocess.Popen[bytes]:
     text = demo_config_text(DSN(str(pg.socket_dir), pg.port, "dp_pushdown", DATABASE),
                             DSN(str(pg.socket_dir), pg.port, "dp_restricted", DATABASE), port)
     cfg = workdir / f"bench{port}.toml"
     cfg.write_text(text)
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "--log-level", "WARNING", "serve",
                              "--config", str(cfg)], cwd=ROOT,
-                            env=dict(os.environ, DPPROXY_LISTEN__WORKERS=str(workers)))
+                            env=dict(os.environ, DPPROXY_LISTEN__WORKERS=workers))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -108,7 +110,7 @@ def main() -> int:
         port = free_port()
         proxy = _start_proxy(pg, port, Path(tmp))
         port2 = free_port()
-        proxy2 = _start_proxy(pg, port2, Path(tmp), workers=2)
+        proxy1 = _start_proxy(pg, port2, Path(tmp), workers="1")
         relay_port = free_port()
         relay = subprocess.Popen([sys.executable, str(Path(__file__).with_name("relay.py")),
                                   str(relay_port), str(pg.socket_dir / f".s.PGSQL.{pg.port}")])
@@ -118,31 +120,33 @@ def main() -> int:
                     for target, (p, user) in {"direct": (pg.port, "postgres"),
                                               "relay": (relay_port, "postgres"),
                                               "proxy": (port, "alice"),
-                                              "proxy2": (port2, "alice")}.items():
+                                              "proxy1": (port2, "alice")}.items():
                         tps = _pgbench("127.0.0.1", p, user, mode, args.seconds, args.clients)
                         results.setdefault((mode, target), []).append(tps)
                         print(f"{mode:8s} {target:6s} {tps:10.0f} tps", flush=True)
         finally:
             relay.terminate()
             relay.wait(30)
-            for proc in (proxy, proxy2):
+            for proc in (proxy, proxy1):
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(30)
 
     lines = [f"### Pass-through: pgbench -S, {args.clients} clients, 2 threads, "
              f"{args.runs} × {args.seconds} s (median)", "", f"Machine: {machine()}", "",
+             f"dp-proxy as configured by default: `workers = \"auto\"`, {usable_cores()} "
+             f"worker{'s' if usable_cores() > 1 else ''} here", "",
              "| mode | direct TPS | bare relay TPS | through dp-proxy TPS | relay / direct "
-             "| dp-proxy / direct | dp-proxy / relay | dp-proxy, 2 workers / direct |",
+             "| dp-proxy / direct | dp-proxy / relay | dp-proxy, one process / direct |",
              "|---|---|---|---|---|---|---|---|"]
     for mode in ("simple", "extended"):
         d = statistics.median(results[(mode, "direct")])
         r = statistics.median(results[(mode, "relay")])
         x = statistics.median(results[(mode, "proxy")])
-        x2 = statistics.median(results[(mode, "proxy2")])
+        x1 = statistics.median(results[(mode, "proxy1")])
         lines.append(f"| {mode} | {d:.0f} | {r:.0f} | {x:.0f} | {r / d:.2f}× | {x / d:.2f}× "
-                     f"| {x / r:.2f}× | {x2 / d:.2f}× |")
+                     f"| {x / r:.2f}× | {x1 / d:.2f}× |")
         print(f"{mode}: proxied / direct = {x / d:.2f}× (bare relay {r / d:.2f}×, "
-              f"2 workers {x2 / d:.2f}×)")
+              f"one process {x1 / d:.2f}×)")
     if not args.no_write:
         append_results(lines)
     return 0

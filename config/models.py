@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from enum import StrEnum
 from pathlib import Path
@@ -48,10 +49,30 @@ class ListenConfig(_Strict):
     shutdown_grace: float = Field(
         default=30.0, ge=0,
         description="on SIGTERM, how long running queries may finish before sessions close")
-    workers: int = Field(default=1, ge=1, le=64, description=(
-        "processes serving clients: above 1, a supervisor process accepts connections and "
-        "hands each to the worker with the fewest, so the proxy uses that many cores (each "
-        "worker has its own pushdown pool of backend.pushdown_pool_size connections)"))
+    workers: int = Field(default_factory=lambda: usable_cores(), ge=1, le=64, description=(
+        "processes serving clients, or \"auto\" (the default): one per core this process may "
+        "run on. Above 1, a supervisor process accepts connections and hands each to the "
+        "worker with the fewest, so the proxy uses that many cores; the pushdown pool's "
+        "connections are divided among the workers"))
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _auto_workers(cls, v: object) -> object:
+        if v == "auto":
+            return usable_cores()
+        if isinstance(v, str):
+            raise ValueError(f'{v!r} is neither a number of processes nor "auto"')
+        return v
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container's cpuset
+    narrows), at most 64: what `workers = "auto"` starts."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on Linux)
+        n = os.cpu_count() or 1
+    return max(1, min(n, 64))
 
 
 class MetricsConfig(_Strict):
@@ -106,7 +127,9 @@ class BackendConfig(_Strict):
     embedded: bool = False
     pushdown_dsn: str | None = None
     restricted_dsn: str | None = None
-    pushdown_pool_size: int = Field(default=10, ge=1, le=1000)
+    pushdown_pool_size: int = Field(default=10, ge=1, le=1000, description=(
+        "connections for DP queries' pushdowns, opened as needed: the proxy's total, divided "
+        "among its workers (at least one each)"))
     statement_timeout: float = Field(default=300.0, gt=0)
     pushdown_work_mem: str | None = Field(
         default=None, pattern=r"^[0-9]+(kB|MB|GB)$",

@@ -71,8 +71,10 @@ class ProxyServer:
         from server.ledger import Ledger
 
         b = self.config.backend
+        size = b.pushdown_pool_size if self.worker is None else \
+            pool_share(b.pushdown_pool_size, self.worker.index, self.worker.workers)
         self.pool = await asyncpg.create_pool(
-            self.pushdown.uri(), min_size=1, max_size=b.pushdown_pool_size,
+            self.pushdown.uri(), min_size=1, max_size=size,
             server_settings=await self._pushdown_settings(),
         )
         ledger = Ledger(self.pool, b.ledger_schema,
@@ -269,3 +271,9 @@ class _Refuse(asyncio.Protocol):
             return
         self.transport.write(error_response(self.err).encode())
         self.transport.close()
+
+
+def pool_share(size: int, index: int, workers: int) -> int:
+    """Worker `index`'s part of a pushdown pool of `size` connections divided among
+    `workers`: the parts add up to `size`, and each is at least one."""
+    return max(1, size // workers + (1 if index < size % workers else 0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from config import DEMO_CONFIG, EXAMPLE_CONFIG, ConfigError, NoiseKind, config_from_mapping, load_config
+from config.models import usable_cores
+from server.app import pool_share
 from server.scram import make_verifier
 
 GOOD_VERIFIER = str(make_verifier("pw", salt=b"0123456789abcdef"))
@@ -116,6 +119,29 @@ def test_environment_overrides() -> None:
     assert cfg.defaults.noise is NoiseKind.GAUSSIAN
     assert cfg.backend.pushdown_dsn == "postgresql://p:secret@db/x"
     assert cfg.analysts["alice"].epsilon_budget == 2.5
+
+
+def test_workers_default_to_one_per_usable_core() -> None:
+    """`[listen] workers`: "auto" (the default) is the cores this process may run on."""
+    assert usable_cores() == min(64, len(os.sched_getaffinity(0)))
+    assert config_from_mapping(minimal(), environ={}).listen.workers == usable_cores()
+    auto = config_from_mapping(minimal(), environ={"DPPROXY_LISTEN__WORKERS": "auto"})
+    assert auto.listen.workers == usable_cores()
+    assert config_from_mapping(minimal(), environ={"DPPROXY_LISTEN__WORKERS": "3"}).listen.workers == 3
+    for bad, problem in (("many", "listen.workers: 'many' is neither a number of processes nor "
+                                  '"auto"'),
+                         ("0", "listen.workers: Input should be greater than or equal to 1")):
+        with pytest.raises(ConfigError) as exc:
+            config_from_mapping(minimal(), environ={"DPPROXY_LISTEN__WORKERS": bad})
+        assert exc.value.problems == [problem]
+
+
+def test_the_pushdown_pool_is_divided_among_workers() -> None:
+    assert [pool_share(10, i, 1) for i in range(1)] == [10]
+    assert [pool_share(10, i, 2) for i in range(2)] == [5, 5]
+    assert [pool_share(10, i, 3) for i in range(3)] == [4, 3, 3]
+    assert [pool_share(10, i, 4) for i in range(4)] == [3, 3, 2, 2]
+    assert [pool_share(2, i, 4) for i in range(4)] == [1, 1, 1, 1]  # at least one each
 
 
 def test_bad_environment_override_is_reported() -> None:

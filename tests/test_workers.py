@@ -230,3 +230,49 @@ def test_an_unreachable_backend_is_one_line_and_exit_1(tmp_path: Path, workers: 
     assert out.returncode == 1
     assert "dp-proxy: cannot start:" in out.stderr and "(backend 127.0.0.1:1)" in out.stderr
     assert "Traceback" not in out.stderr and "restarting" not in out.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="processes and signals")
+def test_by_default_one_worker_per_core_each_with_its_share_of_the_pool(
+        backend: Backend, tmp_path: Path) -> None:
+    """`workers = "auto"` (the default) starts one worker per usable core; the pushdown pool
+    (`pushdown_pool_size`, the proxy's total) is divided among them: with 2 connections and
+    2 workers, two DP queries on one worker run their pushdowns one after the other."""
+    from config.models import usable_cores
+
+    with _serve(backend, tmp_path) as (proc, _, _):
+        assert len(_workers(proc.pid)) == (usable_cores() if usable_cores() > 1 else 0)
+    with _serve(backend, tmp_path, DPPROXY_LISTEN__WORKERS="2",
+                DPPROXY_BACKEND__PUSHDOWN_POOL_SIZE="2") as (_, _, dsn), \
+            psycopg.connect(backend.admin_dsn, autocommit=True) as watch:
+        conns = [psycopg.connect(dsn + " user=alice password=alice", autocommit=True)
+                 for _ in range(3)]
+        pair = [c for c in conns if c.info.backend_pid % 2 == conns[0].info.backend_pid % 2]
+        assert len(pair) == 2  # (clients go to the worker with fewer: 0, 1, 0)
+        answers: list[tuple[int, ...] | None] = []
+
+        def ask(c: psycopg.Connection) -> None:
+            answers.append(c.execute("SELECT COUNT(*) FROM visits").fetchone())
+
+        with psycopg.connect(backend.admin_dsn) as locker:
+            locker.execute("LOCK TABLE visits IN ACCESS EXCLUSIVE MODE")
+            threads = [threading.Thread(target=ask, args=(c,)) for c in pair]
+            for t in threads:
+                t.start()
+            seen: list[int] = []
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                row = watch.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE usename = %s "
+                    "AND datname = current_database() AND wait_event_type = 'Lock'",
+                    (backend.pushdown.user,)).fetchone()
+                assert row is not None
+                seen.append(row[0])
+                time.sleep(0.05)
+            assert max(seen) == 1 and seen[-1] == 1  # the second query waits for the pool
+            locker.rollback()
+        for t in threads:
+            t.join(30)
+        assert len(answers) == 2 and all(a is not None for a in answers)
+        for c in conns:
+            c.close()
