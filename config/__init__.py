@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from config.loader import ConfigError, config_from_mapping, load_config
+from config.loader import ConfigError, config_from_mapping, load_config, reloaded
 from config.models import (
     Accountant,
     AnalystConfig,
@@ -35,4 +35,5 @@ __all__ = [
     "TableConfig",
     "config_from_mapping",
     "load_config",
+    "reloaded",
 ]

@@ -111,3 +111,8 @@ def format_validation_error(e: ValidationError) -> list[str]:
             msg = "required but missing"
         lines.append(f"{loc}: {msg}")
     return lines
+
+
+def reloaded(current: Config, new: Config) -> Config:
+    """`current` with what a reload takes from `new`: the analysts and [log]."""
+    return current.model_copy(update={"analysts": new.analysts, "log": new.log})

@@ -11,7 +11,7 @@ from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dp_core.mechanisms import NoiseKind as NoiseKind
+from dp_core.kinds import NoiseKind as NoiseKind
 
 _SCRAM_VERIFIER = re.compile(
     r"^SCRAM-SHA-256\$(?P<iterations>\d+):(?P<salt>[A-Za-z0-9+/=]+)"

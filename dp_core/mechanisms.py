@@ -17,21 +17,17 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
-from enum import StrEnum
 
 import numpy as np
 from numpy.typing import NDArray
+
+from dp_core.kinds import NoiseKind as NoiseKind
 
 GRID_BITS = 40
 """The grid is 2^-GRID_BITS of the noise scale (rounded up to a power of two)."""
 
 Z_95 = 1.959963984540054
 """The two-sided 95% quantile of the standard normal."""
-
-
-class NoiseKind(StrEnum):
-    LAPLACE = "laplace"
-    GAUSSIAN = "gaussian"
 
 
 def granularity(scale: float) -> float:

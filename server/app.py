@@ -8,19 +8,19 @@ import logging
 import os
 import secrets
 import ssl
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from config import Config
+from config import Config, reloaded
 from dp_core.classify import Classifier, ProtectionPolicy
-from dp_core.errors import AdminShutdown, DPError, TooManyConnections
+from dp_core.errors import AdminShutdown, TooManyConnections
 from dp_core.settings import Caps, DPSettings
 from server import backend
-from server import protocol as p
 from server.dsn import DSN
 from server.encodings import encoding_named
 from server.logs import StatementLogger, set_format
 from server.metrics import Metrics, OpsServer
-from server.session import ClientProtocol, error_response
+from server.replies import Refuse
+from server.session import ClientProtocol
 
 if TYPE_CHECKING:
     from server.session import Session
@@ -127,7 +127,7 @@ class ProxyServer:
 
     def new_connection(self) -> asyncio.Protocol:
         if self.worker is None and len(self.sessions) >= self.config.listen.max_connections:
-            return _Refuse(TooManyConnections("sorry, too many clients already"))
+            return Refuse(TooManyConnections("sorry, too many clients already"))
         return ClientProtocol(self)
 
     async def shutdown(self, grace: float | None = None) -> None:
@@ -244,33 +244,8 @@ class ProxyServer:
     def default_settings(self) -> DPSettings:
         return self._default_settings
 
-def reloaded(current: Config, new: Config) -> Config:
-    """`current` with what a reload takes from `new`: the analysts and [log]."""
-    return current.model_copy(update={"analysts": new.analysts, "log": new.log})
-
-
 def _shutdown_error() -> AdminShutdown:
     return AdminShutdown("terminating connection due to administrator command")
-
-
-class _Refuse(asyncio.Protocol):
-    """Answers a connection over the limit with one FATAL error and closes it."""
-
-    def __init__(self, err: DPError) -> None:
-        self.err = err
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        # answer SSL/GSS requests with 'N' so the client reads the error in clear
-        if len(data) >= 8 and data[4:8] in (
-            p.SSLRequest().encode()[4:], p.GSSENCRequest().encode()[4:]
-        ):
-            self.transport.write(b"N")
-            return
-        self.transport.write(error_response(self.err).encode())
-        self.transport.close()
 
 
 def pool_share(size: int, index: int, workers: int) -> int:

@@ -11,12 +11,15 @@ import socket
 import sys
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from config import DEMO_CONFIG, Config, ConfigError, load_config
 from server.dsn import DSN
 from server.logs import configure as configure_logs
 from server.logs import set_format
+
+if TYPE_CHECKING:
+    from server.app import ProxyServer
 
 EXIT_CONFIG = 2
 
@@ -296,7 +299,7 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
     (server.workers), which run this function with `worker` set: (restricted and pushdown
     DSNs, their index, the number of workers, the control socket)."""
     set_format(config.log.format)
-    from server.app import ProxyServer, reloaded
+    from config import reloaded
     from server.embedded import EmbeddedPostgres, EmbeddedPostgresError
     from server.workers import Supervisor, WorkerLink, WorkerStartError
 
@@ -374,6 +377,8 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
                 await supervisor.start()
                 port = supervisor.port
             else:
+                from server.app import ProxyServer
+
                 server = ProxyServer(config, restricted, pushdown)
                 if worker is not None:
                     server.worker = WorkerLink(server, worker[4], worker[2], worker[3])

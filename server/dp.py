@@ -880,7 +880,7 @@ class DPService:
 
     def _notice(self, prepared: Prepared, run: _Run, released: Released,
                 budget: Any) -> p.NoticeResponse:
-        from server.session import notice_response
+        from server.replies import notice_response
 
         plan = run.plan
         widths = []

@@ -54,6 +54,7 @@ from server import protocol as p
 from server.backend_setup import quote_ident
 from server.block_settings import BlockSettings
 from server.encodings import UnsupportedEncoding, codec, invalid_text, untranslatable
+from server.replies import error_response
 from server.scram import MECHANISM, ScramError, ScramServer, Verifier
 
 if TYPE_CHECKING:
@@ -120,28 +121,6 @@ class LocalStatement:
 class LocalPortal:
     statement: LocalStatement
     bind: p.Bind
-
-
-def error_response(err: DPError) -> p.ErrorResponse:
-    fields = [
-        (p.FIELD_SEVERITY, err.severity),
-        (p.FIELD_SEVERITY_V, err.severity),
-        (p.FIELD_CODE, err.sqlstate),
-        (p.FIELD_MESSAGE, err.message),
-    ]
-    if err.detail:
-        fields.append((p.FIELD_DETAIL, err.detail))
-    if err.hint:
-        fields.append((p.FIELD_HINT, err.hint))
-    return p.ErrorResponse(tuple(fields))
-
-
-def notice_response(message: str, detail: str | None = None) -> p.NoticeResponse:
-    fields = [(p.FIELD_SEVERITY, "NOTICE"), (p.FIELD_SEVERITY_V, "NOTICE"),
-              (p.FIELD_CODE, "00000"), (p.FIELD_MESSAGE, message)]
-    if detail:
-        fields.append((p.FIELD_DETAIL, detail))
-    return p.NoticeResponse(tuple(fields))
 
 
 def _non_standard_strings() -> DPError:

@@ -247,13 +247,13 @@ class Supervisor:
         """Answer a connection the workers cannot take with one FATAL error (in the
         supervisor's loop, as a lone ProxyServer answers one over its limit)."""
         from dp_core.errors import CannotConnectNow, TooManyConnections
-        from server.app import _Refuse
+        from server.replies import Refuse
 
         err = TooManyConnections("sorry, too many clients already") if full else \
             CannotConnectNow("the proxy is starting up or restarting a worker")
         sock = conn.dup()
         asyncio.get_running_loop().create_task(
-            asyncio.get_running_loop().connect_accepted_socket(lambda: _Refuse(err), sock))
+            asyncio.get_running_loop().connect_accepted_socket(lambda: Refuse(err), sock))
 
     async def ask(self, tag: bytes, timeout: float = 5.0) -> list[bytes]:
         """Send `tag` to every worker and collect their replies (a worker that does not answer

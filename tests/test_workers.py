@@ -276,3 +276,14 @@ def test_by_default_one_worker_per_core_each_with_its_share_of_the_pool(
         assert len(answers) == 2 and all(a is not None for a in answers)
         for c in conns:
             c.close()
+
+
+def test_the_supervisor_does_not_load_the_dp_engine() -> None:
+    """The supervisor reads the configuration and hands sockets on: numpy and pglast (tens of
+    MiB each process) stay in the workers."""
+    out = subprocess.run([sys.executable, "-c",
+                          "import sys, server.cli, server.workers, server.replies, config; "
+                          "print(sorted(m for m in ('numpy', 'pglast', 'server.app', "
+                          "'server.session', 'dp_core.mechanisms') if m in sys.modules))"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
