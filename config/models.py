@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -51,9 +52,9 @@ class ListenConfig(_Strict):
         description="on SIGTERM, how long running queries may finish before sessions close")
     workers: int = Field(default_factory=lambda: usable_cores(), ge=1, le=64, description=(
         "processes serving clients, or \"auto\" (the default): one per core this process may "
-        "run on. Above 1, a supervisor process accepts connections and hands each to the "
-        "worker with the fewest, so the proxy uses that many cores; the pushdown pool's "
-        "connections are divided among the workers"))
+        "run on, within its cgroup CPU quota. Above 1, a supervisor process accepts "
+        "connections and hands each to the worker with the fewest, so the proxy uses that "
+        "many cores; the pushdown pool's connections are divided among the workers"))
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -65,14 +66,59 @@ class ListenConfig(_Strict):
         return v
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, which a container's cpuset
-    narrows), at most 64: what `workers = "auto"` starts."""
+def usable_cores(cgroup: Path = Path("/proc/self/cgroup"),
+                 cgroup_fs: Path = Path("/sys/fs/cgroup")) -> int:
+    """What `workers = "auto"` starts: the cores this process may run on (its CPU affinity,
+    which a container's cpuset narrows), fewer where a cgroup CPU quota allows less time
+    (`docker run --cpus 1.5`: 2), at most 64."""
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # (not on Linux)
         n = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup, cgroup_fs)
+    if quota is not None:
+        n = min(n, math.ceil(quota))
     return max(1, min(n, 64))
+
+
+def cgroup_cpu_quota(cgroup: Path, cgroup_fs: Path) -> float | None:
+    """The CPU time this process's cgroups allow, in CPUs (quota / period), the smallest
+    along its cgroup and their ancestors, or None where none sets a quota.
+
+    `cgroup` lists the process's cgroups (/proc/self/cgroup): `0::/path` for cgroup v2,
+    whose limit is `cpu.max` ("max 100000" or "150000 100000") under `cgroup_fs`/path;
+    `N:cpu,cpuacct:/path` for v1, whose limit is `cpu.cfs_quota_us` (-1: none) over
+    `cpu.cfs_period_us` under the controller's mount. A container without a cgroup
+    namespace sees its host's path but has its own cgroup mounted at the root, so the
+    root counts too."""
+    try:
+        lines = cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas: list[float] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        rel = Path(path.lstrip("/"))
+        dirs = [rel, *rel.parents]
+        if controllers == "":
+            for d in dirs:
+                with contextlib.suppress(OSError, ValueError, ZeroDivisionError):
+                    quota, period = (cgroup_fs / d / "cpu.max").read_text().split()
+                    if quota != "max":
+                        quotas.append(int(quota) / int(period))
+        elif "cpu" in controllers.split(","):
+            mount = cgroup_fs / controllers
+            if not mount.is_dir():
+                mount = cgroup_fs / "cpu"
+            for d in dirs:
+                with contextlib.suppress(OSError, ValueError, ZeroDivisionError):
+                    quota_us = int((mount / d / "cpu.cfs_quota_us").read_text())
+                    if quota_us > 0:
+                        quotas.append(quota_us / int((mount / d / "cpu.cfs_period_us").read_text()))
+    return min(quotas) if quotas else None
 
 
 class MetricsConfig(_Strict):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from config import DEMO_CONFIG, EXAMPLE_CONFIG, ConfigError, NoiseKind, config_from_mapping, load_config
-from config.models import usable_cores
+from config.models import cgroup_cpu_quota, usable_cores
 from server.app import pool_share
 from server.scram import make_verifier
 
@@ -123,7 +123,7 @@ def test_environment_overrides() -> None:
 
 def test_workers_default_to_one_per_usable_core() -> None:
     """`[listen] workers`: "auto" (the default) is the cores this process may run on."""
-    assert usable_cores() == min(64, len(os.sched_getaffinity(0)))
+    assert 1 <= usable_cores() <= min(64, len(os.sched_getaffinity(0)))
     assert config_from_mapping(minimal(), environ={}).listen.workers == usable_cores()
     auto = config_from_mapping(minimal(), environ={"DPPROXY_LISTEN__WORKERS": "auto"})
     assert auto.listen.workers == usable_cores()
@@ -134,6 +134,42 @@ def test_workers_default_to_one_per_usable_core() -> None:
         with pytest.raises(ConfigError) as exc:
             config_from_mapping(minimal(), environ={"DPPROXY_LISTEN__WORKERS": bad})
         assert exc.value.problems == [problem]
+
+
+def test_a_cgroup_cpu_quota_limits_the_auto_workers(tmp_path: Path) -> None:
+    """`docker run --cpus 1.5` sets a cgroup quota of 1.5 CPUs: "auto" starts 2 workers, not
+    one per core of the host. cgroup v2 (cpu.max) and v1 (cfs_quota_us / cfs_period_us), the
+    smallest along the path and its ancestors, the mount's root counting (a container
+    without a cgroup namespace)."""
+    fs, listing = tmp_path / "fs", tmp_path / "cgroup"
+
+    def write(rel: str, text: str) -> None:
+        (fs / rel).parent.mkdir(parents=True, exist_ok=True)
+        (fs / rel).write_text(text)
+
+    listing.write_text("0::/system.slice/app.scope\n")
+    assert cgroup_cpu_quota(listing, fs) is None  # no files: no quota
+    write("system.slice/app.scope/cpu.max", "max 100000\n")
+    assert cgroup_cpu_quota(listing, fs) is None
+    write("system.slice/cpu.max", "150000 100000\n")
+    assert cgroup_cpu_quota(listing, fs) == 1.5
+    write("cpu.max", "50000 100000\n")
+    assert cgroup_cpu_quota(listing, fs) == 0.5
+    assert usable_cores(listing, fs) == 1  # (at least one)
+    write("cpu.max", "max 100000\n")
+    assert usable_cores(listing, fs) == min(2, len(os.sched_getaffinity(0)))
+
+    fs = tmp_path / "v1"
+    listing.write_text("4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n0::/\n")
+    write("cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "-1\n")
+    write("cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000\n")
+    assert cgroup_cpu_quota(listing, fs) is None
+    write("cpu,cpuacct/cpu.cfs_quota_us", "300000\n")  # the container's own, at the root
+    write("cpu,cpuacct/cpu.cfs_period_us", "100000\n")
+    assert cgroup_cpu_quota(listing, fs) == 3.0
+    write("cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "100000\n")
+    assert cgroup_cpu_quota(listing, fs) == 1.0
+    assert cgroup_cpu_quota(tmp_path / "missing", fs) is None
 
 
 def test_the_pushdown_pool_is_divided_among_workers() -> None:
