@@ -13,6 +13,7 @@ from typing import Annotated, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dp_core.kinds import NoiseKind as NoiseKind
+from dp_core.kinds import SelectionKind as SelectionKind
 
 _SCRAM_VERIFIER = re.compile(
     r"^SCRAM-SHA-256\$(?P<iterations>\d+):(?P<salt>[A-Za-z0-9+/=]+)"
@@ -237,6 +238,11 @@ class DefaultsConfig(_Strict):
     delta: Probability = 1e-6
     max_groups_contributed: int = Field(default=1, ge=1, le=10_000)
     noise: NoiseKind = NoiseKind.LAPLACE
+    partition_selection: SelectionKind = Field(default=SelectionKind.LAPLACE, description=(
+        "how grouped queries pick the groups they release: \"laplace\" (τ-thresholding of "
+        "a noisy user count, paper §3.5) or \"truncated_geometric\" (Desfontaines et al. "
+        "2022: fewer users needed for the same ε, δ; used where the user count is not "
+        "itself released)"))
     max_epsilon_per_query: PositiveFloat = 10.0
     max_delta_per_query: Probability = 1e-3
     max_groups_contributed_limit: int = Field(default=100, ge=1, le=10_000)

@@ -136,3 +136,51 @@ def threshold_tau(max_groups: int, epsilon: float, delta: float) -> float:
     # 1 - (1-δ)^(1/C_u) computed without cancellation
     tail = -math.expm1(math.log1p(-delta) / max_groups)
     return 1.0 - (max_groups / epsilon) * math.log(2.0 * tail)
+
+
+def keep_probability(users: NDArray[np.float64] | float, max_groups: int, epsilon: float,
+                     delta: float) -> NDArray[np.float64]:
+    """The probability that truncated-geometric partition selection keeps a group of
+    `users` users (Desfontaines, Voss, Gipson, Mandayam 2022, "Differentially private
+    partition selection", Theorem 1: the (ε, δ)-DP selection that keeps the most groups).
+
+    For a user in at most C_u groups, each group's choice is (ε/C_u, δ/C_u)-DP. With that
+    (ε', δ'): π(0) = 0 and π(n) = min(e^ε' π(n−1) + δ', 1 − e^−ε' (1 − π(n−1) − δ'), 1).
+    Both maps are increasing, so π(n) is the smallest value over every order of applying
+    them; the smallest applies the first k times and then the second, with k where the
+    first stops being the smaller (π(k−1) ≤ (1 − δ')/(1 + e^ε')). The closed forms of the
+    two runs are evaluated at that k and its neighbours, so that rounding in k cannot pick
+    a larger value than the recursion's.
+    """
+    if not (epsilon > 0 and 0 < delta < 1 and max_groups >= 1):
+        raise ValueError("epsilon must be positive, delta in (0, 1), max_groups at least 1")
+    eps, dlt = epsilon / max_groups, delta / max_groups
+    n = np.atleast_1d(np.asarray(users, dtype=np.float64))
+    growth = math.expm1(eps)  # e^ε' − 1
+    crossover = (1.0 - dlt) / (1.0 + math.exp(eps))
+    k0 = math.floor(math.log1p(crossover * growth / dlt) / eps) + 1
+    fixed = -dlt / growth  # the second map's fixed point, as 1 − π
+    best = np.full(n.shape, np.inf)
+    for k in range(max(0, k0 - 2), k0 + 3):
+        first = np.minimum(n, k)  # the first map's steps (a group has fewer users than k)
+        after_first = dlt * np.expm1(np.minimum(first * eps, 700.0)) / growth
+        rest = n - first
+        value = 1.0 - fixed - np.exp(-rest * eps) * (1.0 - after_first - fixed)
+        best = np.minimum(best, value)
+    kept: NDArray[np.float64] = np.clip(best, 0.0, 1.0)
+    return kept
+
+
+def users_kept_with(probability: float, max_groups: int, epsilon: float, delta: float) -> int:
+    """The fewest users a group needs to be kept with at least `probability` by
+    truncated-geometric selection (π is increasing in n; EXPLAIN's summary of it)."""
+    lo, hi = 0, 1
+    while keep_probability(hi, max_groups, epsilon, delta)[0] < probability:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if keep_probability(mid, max_groups, epsilon, delta)[0] < probability:
+            lo = mid
+        else:
+            hi = mid
+    return hi

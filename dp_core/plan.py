@@ -12,6 +12,7 @@ from fractions import Fraction
 
 from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery, Bounds
 from dp_core.errors import InternalError, InvalidParameterValue
+from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import NoiseKind, NoiseSpec, threshold_tau
 from dp_core.quantiles import DEPTH
 
@@ -76,6 +77,13 @@ class DPQueryPlan:
     cost: PrivacyCost
     approx_bounds: tuple[NoisyQuantity, ...] = ()
     """One APPROX_BOUNDS histogram per aggregate without written or configured bounds."""
+    selection: SelectionKind = SelectionKind.LAPLACE
+    """How `threshold`'s share picks the released groups: τ-thresholding of the noisy user
+    count, or truncated-geometric selection on the true one (`keep_probability`)."""
+    selection_asked: SelectionKind = SelectionKind.LAPLACE
+    """What the session or OPTIONS asked for: truncated-geometric selection is used only
+    where the noisy user count is not itself released (COUNT(*) reads it: thresholding the
+    released count costs nothing more)."""
 
     @property
     def groups_per_user(self) -> int:
@@ -142,7 +150,8 @@ def groups_per_user(grouped: bool, max_groups: int) -> int:
 
 
 def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: int,
-              noise: NoiseKind, auto: frozenset[int] = frozenset()) -> DPQueryPlan:
+              noise: NoiseKind, auto: frozenset[int] = frozenset(),
+              selection: SelectionKind = SelectionKind.LAPLACE) -> DPQueryPlan:
     """Split (ε, δ) over the query's noisy quantities and calibrate each one's noise.
 
     Aggregates without bounds get an APPROX_BOUNDS histogram (together APPROX_BOUNDS_SHARE
@@ -175,12 +184,14 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     delta_each = (dlt - delta_threshold) / n_gauss if n_gauss else Fraction(0)
     threshold: NoisyQuantity | None = None
     tau = None
+    used = SelectionKind.LAPLACE if shared else selection
     quantities = []
     for name, component, agg_index, sensitivity in specs:
         if name == "dp_users" and grouped:
             spec = NoiseSpec.calibrate(NoiseKind.LAPLACE, float(share), 0, max_groups, 1.0)
             threshold = NoisyQuantity(name, component, None, 1.0, share, delta_threshold, spec)
-            tau = threshold_tau(max_groups, float(share), float(delta_threshold))
+            if used is SelectionKind.LAPLACE:
+                tau = threshold_tau(max_groups, float(share), float(delta_threshold))
             continue
         kind = NoiseKind.GAUSSIAN if gaussian else NoiseKind.LAPLACE
         noise_spec = None if sensitivity is None else NoiseSpec.calibrate(
@@ -202,7 +213,8 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
         for i in sorted(auto))
     cost = PrivacyCost(eps, delta_threshold + delta_each * n_gauss)
     plan = DPQueryPlan(eps, dlt, max_groups, noise, grouped, tau, threshold, tuple(quantities),
-                       shared, cost, histograms)
+                       shared, cost, histograms, used if grouped else SelectionKind.LAPLACE,
+                       selection)
     spent_eps = sum((q.epsilon for q in plan.all_quantities), Fraction(0))
     spent_delta = sum((q.delta for q in plan.all_quantities), Fraction(0))
     if spent_eps != cost.epsilon or spent_delta != cost.delta or cost.delta > dlt:

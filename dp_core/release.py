@@ -22,7 +22,8 @@ from numpy.typing import NDArray
 
 from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery
 from dp_core.errors import InternalError
-from dp_core.mechanisms import secure_rng
+from dp_core.kinds import SelectionKind
+from dp_core.mechanisms import keep_probability, secure_rng
 from dp_core.plan import Component, DPQueryPlan, reads_user_count
 from dp_core.quantiles import LEAVES, LEVEL_OFFSETS, walk
 
@@ -182,8 +183,9 @@ def _matched(rows: Sequence[Mapping[str, Any]], kept: list[int],
 def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, Any]],
            rng: np.random.Generator | None = None) -> Selection:
     """Add noise to every group's quantities and keep the groups whose noisy user count
-    reaches τ (every group when there is no threshold). Run before the quantile trees are
-    walked, so that only kept groups' trees are."""
+    reaches τ, or, with truncated-geometric selection, each group of n users with
+    probability π(n) (every group when there is no threshold). Run before the quantile
+    trees are walked, so that only kept groups' trees are."""
     rng = rng or secure_rng()
     if plan.pending:
         raise InternalError("release before APPROX_BOUNDS found the bounds (this is a bug)")
@@ -191,12 +193,18 @@ def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, 
                                                                       Component.BOUNDS)]
     if not query.keys and not rows:
         rows = [{q.name: 0 for q in per_group}]  # an aggregate over no rows
+    geometric = plan.selection is SelectionKind.TRUNCATED_GEOMETRIC and plan.threshold is not None
     noisy: dict[str, NDArray[np.float64]] = {
         q.name: q.spec.add(_column(rows, q.name), rng) if rows else np.zeros(0)
-        for q in per_group
+        for q in per_group if not (geometric and q is plan.threshold)
     }
     keep = np.ones(len(rows), dtype=bool)
-    if plan.threshold is not None and plan.tau is not None:
+    if geometric and plan.threshold is not None and rows:
+        # (the true user count decides, through π(n): it is never released)
+        t = plan.threshold
+        keep = rng.random(len(rows)) < keep_probability(
+            _column(rows, t.name), plan.max_groups_contributed, float(t.epsilon), float(t.delta))
+    elif plan.threshold is not None and plan.tau is not None:
         keep = noisy[plan.threshold.name] >= plan.tau
     kept = [int(x) for x in np.flatnonzero(keep)]
     matched = _matched(rows, kept, query) if query.has_quantiles else frozenset()

@@ -8,8 +8,9 @@ from typing import Any
 
 from dp_core.errors import InvalidParameterValue, UndefinedObject
 
-SETTING_NAMES = ("epsilon", "delta", "max_groups_contributed", "noise")
+SETTING_NAMES = ("epsilon", "delta", "max_groups_contributed", "noise", "partition_selection")
 NOISE_KINDS = ("laplace", "gaussian")
+SELECTION_KINDS = ("laplace", "truncated_geometric")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class DPSettings:
     delta: float
     max_groups_contributed: int
     noise: str
+    partition_selection: str = "laplace"
 
     def show(self, name: str) -> str:
         """The value of `dp.<name>` as SHOW prints it."""
@@ -59,6 +61,13 @@ def validate(key: str, value: object, caps: Caps) -> float | int | str:
             raise InvalidParameterValue(
                 f"invalid value for dp.noise: {value!r}", hint="use 'laplace' or 'gaussian'"
             )
+        return text
+    if key == "partition_selection":
+        text = str(value).lower()
+        if text not in SELECTION_KINDS:
+            raise InvalidParameterValue(
+                f"invalid value for dp.partition_selection: {value!r}",
+                hint="use 'laplace' (τ-thresholding) or 'truncated_geometric'")
         return text
     if key == "max_groups_contributed":
         number = _number(key, value)

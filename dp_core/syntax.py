@@ -18,7 +18,8 @@ from dp_core.errors import SyntaxError_
 
 DP_KEYWORDS = frozenset({"anonymization", "differential_privacy"})
 OPTION_NAMES = frozenset({"epsilon", "delta", "max_groups_contributed", "noise",
-                          "privacy_unit_column", "max_rows_contributed"})
+                          "partition_selection", "privacy_unit_column",
+                          "max_rows_contributed"})
 """BigQuery's privacy_unit_column must name the configured uid column (the analysis checks
 it); its max_rows_contributed is refused with 0A000 (server.dp), not as unknown."""
 

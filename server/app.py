@@ -47,7 +47,7 @@ class ProxyServer:
         self.caps = Caps(d.max_epsilon_per_query, d.max_delta_per_query,
                          d.max_groups_contributed_limit)
         self._default_settings = DPSettings(d.epsilon, d.delta, d.max_groups_contributed,
-                                            d.noise.value)
+                                            d.noise.value, d.partition_selection.value)
         self.mock_secret = secrets.token_bytes(16)
         self.pool: Any = None
         self.dp: Any = None

@@ -50,7 +50,8 @@ from dp_core.errors import (
     InvalidBinaryRepresentation,
     InvalidParameterValue,
 )
-from dp_core.mechanisms import NoiseKind, secure_rng
+from dp_core.kinds import SelectionKind
+from dp_core.mechanisms import NoiseKind, secure_rng, users_kept_with
 from dp_core.plan import Component, DPQueryPlan, make_plan
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, choose_bounds
 from dp_core.release import (
@@ -340,11 +341,12 @@ class DPService:
 
     # ------------------------------------------------------------------ analysis and planning
 
-    def _settings(self, session: Session, st: Statement) -> tuple[float, float, int, NoiseKind]:
+    def _settings(self, session: Session, st: Statement) -> tuple[float, float, int, NoiseKind,
+                                                                  SelectionKind]:
         s = session.settings
         values: dict[str, Any] = {"epsilon": s.epsilon, "delta": s.delta,
                                   "max_groups_contributed": s.max_groups_contributed,
-                                  "noise": s.noise}
+                                  "noise": s.noise, "partition_selection": s.partition_selection}
         if st.dp_clause is not None:
             # the per-query caps are checked against the plan's cost, after the budget
             unlimited = Caps(math.inf, 1.0 - 1e-12, 10_000)
@@ -357,7 +359,8 @@ class DPService:
                 if name != "privacy_unit_column":  # (checked by the analysis)
                     values[name] = validate(name, value, unlimited)
         return (float(values["epsilon"]), float(values["delta"]),
-                int(values["max_groups_contributed"]), NoiseKind(values["noise"]))
+                int(values["max_groups_contributed"]), NoiseKind(values["noise"]),
+                SelectionKind(values["partition_selection"]))
 
     @staticmethod
     async def _probe(query: AnalyzedQuery, conn: Any) -> list[Any]:
@@ -389,7 +392,7 @@ class DPService:
                            integer_types=integer_types)
 
         query = analysis()
-        epsilon, delta, max_groups, noise = self._settings(session, st)
+        epsilon, delta, max_groups, noise, selection = self._settings(session, st)
         try:
             attrs = await self._probe(query, conn)
             types = {a.name: a.type.name for a in attrs}
@@ -409,9 +412,9 @@ class DPService:
             # what the statements depend on but the order seed (`PushdownCache`)
             cache_key = (st.sql, bind.param_formats if bind else None,
                          bind.params if bind else None, tuple(param_types), epsilon, delta,
-                         max_groups, noise, tuple(sorted(arg_types.items())),
+                         max_groups, noise, selection, tuple(sorted(arg_types.items())),
                          tuple(k.hashed for k in query.keys), tuple(sorted(integers.items())))
-            plan = make_plan(query, epsilon, delta, max_groups, noise)
+            plan = make_plan(query, epsilon, delta, max_groups, noise, selection=selection)
             pd = self._pushdowns.pushdown(cache_key, query, plan, arg_types)
             statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
         except asyncpg.PostgresError as e:
@@ -698,6 +701,8 @@ class DPService:
                       for q in plan.all_quantities}
         if plan.tau is not None:
             mechanisms["threshold"] = {"tau": plan.tau}
+        elif plan.selection is SelectionKind.TRUNCATED_GEOMETRIC:
+            mechanisms["threshold"] = {"selection": plan.selection.value}
         accountant = self.config.analysts[session.user].accountant
         try:
             await self._check_affordable(session, plan, conn, accountant)
@@ -762,7 +767,8 @@ class DPService:
                         bins[q.aggregate], q.spec, rng, query.aggregates[q.aggregate].output_name)
                 query = query.with_bounds({i: Bounds(f.lower, f.upper) for i, f in found.items()})
                 plan = make_plan(query, float(plan.epsilon), float(plan.delta),
-                                 plan.max_groups_contributed, plan.noise_kind, plan.auto_bounds)
+                                 plan.max_groups_contributed, plan.noise_kind, plan.auto_bounds,
+                                 plan.selection_asked)
                 if plan.cost != prepared.plan.cost:
                     raise InternalError("the plan's cost changed with its bounds (this is a bug)")
                 seed = prepared.pushdown.order_seed
@@ -1053,6 +1059,17 @@ def explain_lines(prepared: Prepared) -> list[str]:
         lines.append(f"Partition selection: noisy user count >= tau {_g(plan.tau)} "
                      f"(laplace scale {_g(t.spec.scale)}, epsilon {_g(float(t.epsilon))}, "
                      f"delta {_g(float(t.delta))})")
+        if plan.selection_asked is not plan.selection:
+            lines.append("  (not truncated_geometric: the noisy user count is released as a "
+                         "count, and thresholding it costs nothing more)")
+    elif plan.threshold is not None:
+        t = plan.threshold
+        args = (plan.max_groups_contributed, float(t.epsilon), float(t.delta))
+        lines.append(f"Partition selection: truncated geometric (Desfontaines et al. 2022), "
+                     f"epsilon {_g(float(t.epsilon))}, delta {_g(float(t.delta))}: a group of n "
+                     f"users is kept with probability pi(n), at least 0.5 from "
+                     f"{users_kept_with(0.5, *args)} users and 1 from "
+                     f"{users_kept_with(1.0, *args)}")
     for q in plan.approx_bounds:
         assert q.aggregate is not None
         lines.append(f"APPROX_BOUNDS for {_visible_name(prepared.query, q.aggregate)}: log-scale "

@@ -17,6 +17,7 @@ from pglast.stream import RawStream
 from dp_core.analysis import AggKind, Bounds, TablePolicy, analyze, parse_select
 from dp_core.classify import Classifier, ProtectionPolicy
 from dp_core.errors import FeatureNotSupported, SyntaxError_
+from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import NoiseKind, gaussian_sigma, granularity, threshold_tau
 from dp_core.plan import make_plan
 from dp_core.release import release
@@ -39,7 +40,8 @@ def build(sql: str, epsilon: float = 1.0, delta: float = 1e-6, max_groups: int =
                     privacy_unit=None if unit is None else str(unit))
     plan = make_plan(query, float(options.get("epsilon", epsilon)), float(options.get("delta", delta)),
                      int(options.get("max_groups_contributed", max_groups)),
-                     NoiseKind(options.get("noise", noise)))
+                     NoiseKind(options.get("noise", noise)),
+                     selection=SelectionKind(options.get("partition_selection", "laplace")))
     pd = pushdown(query, plan, order_seed=1234)
     return query, plan, ";\n".join(pd.statements().values())
 
@@ -514,6 +516,31 @@ def test_threshold_drops_small_groups_and_keeps_large_ones() -> None:
     n = {r[0]: r[1] for r in out.rows}
     assert abs(n["k2"] - 5000) < 100 and abs(n["k3"] - 10000) < 100
     assert all(isinstance(r[1], int) for r in out.rows) and all(isinstance(r[2], float) for r in out.rows)
+
+
+def test_truncated_geometric_selection_plan_and_release() -> None:
+    """dp.partition_selection = 'truncated_geometric': the same split and cost as
+    τ-thresholding, no τ; the true user count decides. A query whose COUNT(*) is the noisy
+    user count keeps τ-thresholding (the count is released, thresholding it is free)."""
+    sql = ("SELECT WITH ANONYMIZATION OPTIONS(partition_selection='{}') browser, "
+           "ANON_SUM(duration, 0, 10) AS s FROM visits GROUP BY browser")
+    _, laplace_plan, laplace_sql = build(sql.format("laplace"))
+    query, plan, pushdown_sql = build(sql.format("truncated_geometric"))
+    assert plan.selection is SelectionKind.TRUNCATED_GEOMETRIC and plan.tau is None
+    assert laplace_plan.selection is SelectionKind.LAPLACE and laplace_plan.tau is not None
+    assert plan.cost == laplace_plan.cost and plan.threshold == laplace_plan.threshold
+    assert pushdown_sql == laplace_sql  # (the same pushdown: dp_users, the true count)
+    rows = [{"dp_k0": f"k{i}", "dp_t0": f"k{i}", "dp_users": u, "dp_a0_sum": 0.0}
+            for i, u in enumerate([1, 2, 10_000])]
+    for _ in range(20):  # π(1) = δ/2 = 5e-7, π(10000) = 1
+        assert [r[0] for r in release(query, plan, rows).rows] == ["k2"]
+    _, counted, _ = build("SELECT WITH ANONYMIZATION OPTIONS(partition_selection="
+                          "'truncated_geometric') browser, ANON_COUNT(*) FROM visits GROUP BY browser")
+    assert counted.selection is SelectionKind.LAPLACE and counted.tau is not None
+    assert counted.selection_asked is SelectionKind.TRUNCATED_GEOMETRIC
+    _, global_plan, _ = build("SELECT WITH ANONYMIZATION OPTIONS(partition_selection="
+                              "'truncated_geometric') ANON_SUM(duration, 0, 10) FROM visits")
+    assert global_plan.threshold is None and global_plan.selection is SelectionKind.LAPLACE
 
 
 def test_global_aggregate_over_no_rows_is_one_row() -> None:

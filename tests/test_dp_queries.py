@@ -688,6 +688,43 @@ def test_session_settings_drive_the_plan(proxy: Proxy, reset: None) -> None:
         assert spent(conn)[0] == pytest.approx(0.4)
 
 
+def test_truncated_geometric_partition_selection(proxy: Proxy, reset: None) -> None:
+    """`SET dp.partition_selection` / OPTIONS(partition_selection=...): EXPLAIN says which
+    selection runs and from how many users groups are kept; the answer releases the big
+    groups and costs what τ-thresholding costs; a bad value is 22023."""
+    sum_sql = "browser, ANON_SUM(duration, 0, 100) AS s FROM visits GROUP BY browser"
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        assert conn.execute("SHOW dp.partition_selection").fetchone() == ("laplace",)
+        conn.execute("SET dp.partition_selection = 'truncated_geometric'")
+        assert conn.execute("SHOW dp.partition_selection").fetchone() == ("truncated_geometric",)
+        plan = "\n".join(r[0] for r in conn.execute(
+            f"EXPLAIN SELECT WITH ANONYMIZATION {sum_sql}").fetchall())
+        # ε/2 for the selection, δ = 1e-6 (by hand: π(n) = δ(e^{n/2} − 1)/(e^{1/2} − 1) while
+        # π ≤ (1 − δ)/(1 + e^{1/2}) = 0.3775, so π(24) = 0.2509, π(25) = 0.4137; then
+        # 1 − π shrinks by e^{−1/2} a step: π(26) = 0.6444, and 1 from n = 51. τ-thresholding
+        # would need a noisy count ≥ τ = 1 − 2·ln(2e-6) ≈ 27.2)
+        assert re.search(r"Partition selection: truncated geometric \(Desfontaines et al. 2022\), "
+                         r"epsilon 0.5, delta 1e-06: .* at least 0.5 from 26 users and 1 from 51",
+                         plan), plan
+        assert "tau" not in plan
+        rows = conn.execute(f"SELECT WITH ANONYMIZATION {sum_sql}").fetchall()
+        assert rows and "Chrome" in {r[0] for r in rows}
+        assert spent(conn) == (pytest.approx(1.0), pytest.approx(1e-6))
+        # COUNT(*) is the noisy user count: thresholding it stays, and EXPLAIN says why
+        plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits "
+            "GROUP BY browser").fetchall())
+        assert "noisy user count >= tau" in plan and "not truncated_geometric" in plan
+        conn.execute("RESET dp.partition_selection")
+        plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN SELECT WITH ANONYMIZATION OPTIONS(partition_selection='truncated_geometric') "
+            f"{sum_sql}").fetchall())
+        assert "truncated geometric" in plan
+        with pytest.raises(psycopg.Error) as exc:
+            conn.execute("SET dp.partition_selection = 'gaussian'")
+        assert exc.value.sqlstate == "22023"
+
+
 def test_expressions_over_dp_aggregates(proxy: Proxy, reset: None) -> None:
     sql = ("SELECT WITH ANONYMIZATION browser, ANON_SUM(duration, 0, 100) / greatest(ANON_COUNT(*), 1) "
            "AS per_user, ANON_COUNT(*) AS n FROM visits GROUP BY browser ORDER BY n DESC LIMIT 3")

@@ -21,8 +21,10 @@ from dp_core.mechanisms import (
     gaussian_delta,
     gaussian_sigma,
     granularity,
+    keep_probability,
     laplace,
     threshold_tau,
+    users_kept_with,
 )
 
 N = 200_000
@@ -46,6 +48,60 @@ def test_tau_is_monotone() -> None:
     assert threshold_tau(1, 0.5, 1e-6) > threshold_tau(1, 1.0, 1e-6)
     assert threshold_tau(1, 1.0, 1e-8) > threshold_tau(1, 1.0, 1e-6)
     assert threshold_tau(5, 1.0, 1e-6) > threshold_tau(1, 1.0, 1e-6)
+
+
+def _pi_by_recursion(n: int, max_groups: int, epsilon: float, delta: float) -> list[float]:
+    """π(1..n) by the recursion of Desfontaines et al. 2022, Theorem 1, step by step."""
+    e, d = epsilon / max_groups, delta / max_groups
+    p, out = 0.0, []
+    for _ in range(n):
+        p = min(math.exp(e) * p + d, 1 - math.exp(-e) * (1 - p - d), 1.0)
+        out.append(p)
+    return out
+
+
+def test_truncated_geometric_keep_probability_by_hand() -> None:
+    # ε = ln 2, δ = 0.1: π(1) = δ = 0.1; π(2) = min(2·0.1 + 0.1, 1 − ½(1 − 0.1 − 0.1)) = 0.3;
+    # π(3) = min(0.7, 1 − ½·0.6) = 0.7; π(4) = min(1.5, 1 − ½·0.2) = 0.9; π(5) = 1
+    expected = [0.1, 0.3, 0.7, 0.9, 1.0, 1.0]
+    got = keep_probability(np.arange(1, 7), 1, math.log(2), 0.1)
+    assert got == pytest.approx(expected, abs=1e-12)
+    # C_u groups per user: each group's choice at (ε/C_u, δ/C_u)
+    assert keep_probability(np.arange(1, 7), 3, 3 * math.log(2), 0.3) == pytest.approx(expected, abs=1e-12)
+    assert keep_probability(0, 1, 1.0, 1e-6)[0] == 0.0  # (a group of no users)
+    assert users_kept_with(0.5, 1, math.log(2), 0.1) == 3 and users_kept_with(1.0, 1, math.log(2), 0.1) == 5
+
+
+@pytest.mark.parametrize("max_groups,epsilon,delta", [
+    (1, 1.0, 1e-6), (1, 0.1, 1e-6), (5, 1.0, 1e-6), (3, 10.0, 1e-5), (1, 0.01, 1e-9), (2, 3.0, 0.3)])
+def test_truncated_geometric_is_the_recursion_and_is_dp(max_groups: int, epsilon: float,
+                                                      delta: float) -> None:
+    """The closed form equals the recursion step by step; each group's choice is
+    (ε/C_u, δ/C_u)-DP between n − 1 and n users both ways; π is increasing and reaches 1."""
+    n = 5000
+    pi = keep_probability(np.arange(1, n + 1), max_groups, epsilon, delta)
+    assert pi == pytest.approx(_pi_by_recursion(n, max_groups, epsilon, delta), abs=1e-12)
+    e, d = epsilon / max_groups, delta / max_groups
+    prev = np.concatenate([[0.0], pi[:-1]])
+    assert np.all(pi <= math.exp(e) * prev + d + 1e-12)
+    assert np.all(1 - prev <= math.exp(e) * (1 - pi) + d + 1e-12)
+    assert np.all(np.diff(pi) >= 0) and pi[0] == pytest.approx(d)
+    certain = users_kept_with(1.0, max_groups, epsilon, delta)
+    assert keep_probability(certain, max_groups, epsilon, delta)[0] == 1.0
+    assert keep_probability(certain - 1, max_groups, epsilon, delta)[0] < 1.0
+
+
+@pytest.mark.parametrize("epsilon,delta", [(1.0, 1e-6), (0.1, 1e-6), (0.5, 1e-8)])
+def test_truncated_geometric_keeps_at_least_what_laplace_thresholding_keeps(
+        epsilon: float, delta: float) -> None:
+    """With C_u = 1 both are (ε, δ)-DP choices of each group from its user count, and
+    π is the largest such (the paper's optimality): never below P(n + Lap(1/ε) ≥ τ)."""
+    tau, b = threshold_tau(1, epsilon, delta), 1 / epsilon
+    n = np.arange(1, int(3 * tau) + 10, dtype=np.float64)
+    laplace_keep = np.where(n < tau, 0.5 * np.exp(-(tau - n) / b), 1 - 0.5 * np.exp(-(n - tau) / b))
+    assert np.all(keep_probability(n, 1, epsilon, delta) >= laplace_keep - 1e-12)
+    # and users needed for an even chance: fewer (ε = 0.1: 109 against τ ≈ 132)
+    assert users_kept_with(0.5, 1, epsilon, delta) <= math.ceil(tau)
 
 
 def test_laplace_scale_hand_computed() -> None:

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from dp_core.mechanisms import NoiseSpec, secure_rng
+from dp_core.kinds import SelectionKind
+from dp_core.mechanisms import NoiseSpec, keep_probability, secure_rng, users_kept_with
 from dp_core.quantiles import tree_codes, walk
 from dp_core.release import release
 
@@ -138,6 +139,29 @@ def test_partition_selection_release_probability() -> None:
         assert (1 - q) <= np.exp(EPSILON) * (1 - p + slack) + 1e-6 + slack
     # one user alone is (almost) never released
     assert released_share(1, n) < 1e-3
+
+
+def test_truncated_geometric_selection_release_probability() -> None:
+    """Truncated-geometric selection through `release`: a group of n users is released with
+    probability π(n) (within 5 standard errors), so between n − 1 and n users (ε, δ)-DP."""
+    query, plan, _ = build(f"SELECT WITH ANONYMIZATION OPTIONS(epsilon={EPSILON}, "
+                           "partition_selection='truncated_geometric') browser, "
+                           "ANON_SUM(duration, 0, 10) AS s FROM visits GROUP BY browser")
+    assert plan.selection is SelectionKind.TRUNCATED_GEOMETRIC and plan.tau is None
+    t = plan.threshold
+    assert t is not None
+    rng = secure_rng()
+    n = 20_000
+
+    def released_share(users: int) -> float:
+        row = {"dp_k0": "k", "dp_t0": "k", "dp_users": users, "dp_a0_sum": 0}
+        return float(np.mean([bool(release(query, plan, [row], rng).rows) for _ in range(n)]))
+
+    half = users_kept_with(0.5, 1, float(t.epsilon), float(t.delta))
+    for users in (1, half - 3, half - 1, half, half + 2, users_kept_with(1.0, 1, float(t.epsilon),
+                                                                         float(t.delta))):
+        pi = float(keep_probability(users, 1, float(t.epsilon), float(t.delta))[0])
+        assert abs(released_share(users) - pi) <= 5 * np.sqrt(max(pi * (1 - pi), 1e-6) / n) + 1e-4
 
 
 def test_halton_and_neighbours() -> None:
