@@ -154,7 +154,8 @@ def keep_probability(users: NDArray[np.float64] | float, max_groups: int, epsilo
     """
     if not (epsilon > 0 and 0 < delta < 1 and max_groups >= 1):
         raise ValueError("epsilon must be positive, delta in (0, 1), max_groups at least 1")
-    eps, dlt = epsilon / max_groups, delta / max_groups
+    # (an ε' above 700 is used as 700, which keeps less: still (ε', δ')-DP, and exp() finite)
+    eps, dlt = min(epsilon / max_groups, 700.0), delta / max_groups
     n = np.atleast_1d(np.asarray(users, dtype=np.float64))
     growth = math.expm1(eps)  # e^ε' − 1
     crossover = (1.0 - dlt) / (1.0 + math.exp(eps))
@@ -163,10 +164,12 @@ def keep_probability(users: NDArray[np.float64] | float, max_groups: int, epsilo
     best = np.full(n.shape, np.inf)
     for k in range(max(0, k0 - 2), k0 + 3):
         first = np.minimum(n, k)  # the first map's steps (a group has fewer users than k)
-        after_first = dlt * np.expm1(np.minimum(first * eps, 700.0)) / growth
-        rest = n - first
-        value = 1.0 - fixed - np.exp(-rest * eps) * (1.0 - after_first - fixed)
-        best = np.minimum(best, value)
+        with np.errstate(over="ignore", invalid="ignore"):
+            after_first = dlt * np.expm1(first * eps) / growth  # (inf where it overflows)
+            rest = n - first
+            value = 1.0 - fixed - np.exp(-rest * eps) * (1.0 - after_first - fixed)
+        # at 1 or above after the first map's steps, the second map keeps it there
+        best = np.minimum(best, np.where(after_first >= 1.0, np.inf, value))
     kept: NDArray[np.float64] = np.clip(best, 0.0, 1.0)
     return kept
 

@@ -69,11 +69,15 @@ def test_truncated_geometric_keep_probability_by_hand() -> None:
     # C_u groups per user: each group's choice at (ε/C_u, δ/C_u)
     assert keep_probability(np.arange(1, 7), 3, 3 * math.log(2), 0.3) == pytest.approx(expected, abs=1e-12)
     assert keep_probability(0, 1, 1.0, 1e-6)[0] == 0.0  # (a group of no users)
+    # a huge ε (a config may allow one) neither overflows nor keeps a one-user group more
+    # often than δ
+    assert keep_probability(np.arange(1, 4), 1, 5000.0, 1e-6) == pytest.approx([1e-6, 1, 1])
     assert users_kept_with(0.5, 1, math.log(2), 0.1) == 3 and users_kept_with(1.0, 1, math.log(2), 0.1) == 5
 
 
 @pytest.mark.parametrize("max_groups,epsilon,delta", [
-    (1, 1.0, 1e-6), (1, 0.1, 1e-6), (5, 1.0, 1e-6), (3, 10.0, 1e-5), (1, 0.01, 1e-9), (2, 3.0, 0.3)])
+    (1, 1.0, 1e-6), (1, 0.1, 1e-6), (5, 1.0, 1e-6), (3, 10.0, 1e-5), (1, 0.01, 1e-9), (2, 3.0, 0.3),
+    (1, 200.0, 1e-6)])
 def test_truncated_geometric_is_the_recursion_and_is_dp(max_groups: int, epsilon: float,
                                                       delta: float) -> None:
     """The closed form equals the recursion step by step; each group's choice is
