@@ -151,11 +151,14 @@ def keep_probability(users: NDArray[np.float64] | float, max_groups: int, epsilo
     first stops being the smaller (π(k−1) ≤ (1 − δ')/(1 + e^ε')). The closed forms of the
     two runs are evaluated at that k and its neighbours, so that rounding in k cannot pick
     a larger value than the recursion's.
+
+    Floating point: a π within 2^-53 of 1 is 1, and the draw `uniform < π` has 2^-53 steps,
+    which could break the second inequality by up to e^ε'·2^-52. So π is computed with
+    `selection_parameters`: δ' less a reserved 1/64 of it, and ε' no larger than makes
+    e^ε'·2^-52 fit in that reserve (δ' = 1e-6: ε' ≤ 18, where π reaches 1 from 3 users).
+    Smaller parameters keep fewer groups and stay (ε', δ')-DP.
     """
-    if not (epsilon > 0 and 0 < delta < 1 and max_groups >= 1):
-        raise ValueError("epsilon must be positive, delta in (0, 1), max_groups at least 1")
-    # (an ε' above 700 is used as 700, which keeps less: still (ε', δ')-DP, and exp() finite)
-    eps, dlt = min(epsilon / max_groups, 700.0), delta / max_groups
+    eps, dlt = selection_parameters(max_groups, epsilon, delta)
     n = np.atleast_1d(np.asarray(users, dtype=np.float64))
     growth = math.expm1(eps)  # e^ε' − 1
     crossover = (1.0 - dlt) / (1.0 + math.exp(eps))
@@ -172,6 +175,23 @@ def keep_probability(users: NDArray[np.float64] | float, max_groups: int, epsilo
         best = np.minimum(best, np.where(after_first >= 1.0, np.inf, value))
     kept: NDArray[np.float64] = np.clip(best, 0.0, 1.0)
     return kept
+
+
+SELECTION_RESERVE = 1 / 64
+"""The share of δ' that truncated-geometric selection leaves for floating-point rounding."""
+
+
+def selection_parameters(max_groups: int, epsilon: float, delta: float) -> tuple[float, float]:
+    """The (ε', δ') each group's truncated-geometric choice is computed with: (ε/C_u, δ/C_u),
+    less δ's reserve for rounding, with ε' capped where e^ε'·2^-52 would exceed it."""
+    if not (epsilon > 0 and 0 < delta < 1 and max_groups >= 1):
+        raise ValueError("epsilon must be positive, delta in (0, 1), max_groups at least 1")
+    eps, dlt = epsilon / max_groups, delta / max_groups
+    reserve = dlt * SELECTION_RESERVE
+    cap = math.log(reserve) + 52 * math.log(2)
+    if cap <= 0:
+        raise ValueError(f"delta per group {dlt:g} is below what float64 selection can honour")
+    return min(eps, cap), dlt - reserve
 
 
 def users_kept_with(probability: float, max_groups: int, epsilon: float, delta: float) -> int:

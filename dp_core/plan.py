@@ -13,7 +13,7 @@ from fractions import Fraction
 from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery, Bounds
 from dp_core.errors import InternalError, InvalidParameterValue
 from dp_core.kinds import SelectionKind
-from dp_core.mechanisms import NoiseKind, NoiseSpec, threshold_tau
+from dp_core.mechanisms import NoiseKind, NoiseSpec, selection_parameters, threshold_tau
 from dp_core.quantiles import DEPTH
 
 
@@ -192,6 +192,15 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
             threshold = NoisyQuantity(name, component, None, 1.0, share, delta_threshold, spec)
             if used is SelectionKind.LAPLACE:
                 tau = threshold_tau(max_groups, float(share), float(delta_threshold))
+                continue
+            try:
+                selection_parameters(max_groups, float(share), float(delta_threshold))
+            except ValueError:
+                raise InvalidParameterValue(
+                    f"truncated_geometric partition selection needs a delta of at least "
+                    f"{max_groups * 2.0 ** -46:.3g} for the selection (here "
+                    f"{float(delta_threshold):g})",
+                    hint="raise delta, or use dp.partition_selection = 'laplace'") from None
             continue
         kind = NoiseKind.GAUSSIAN if gaussian else NoiseKind.LAPLACE
         noise_spec = None if sensitivity is None else NoiseSpec.calibrate(

@@ -16,7 +16,7 @@ from pglast.stream import RawStream
 
 from dp_core.analysis import AggKind, Bounds, TablePolicy, analyze, parse_select
 from dp_core.classify import Classifier, ProtectionPolicy
-from dp_core.errors import FeatureNotSupported, SyntaxError_
+from dp_core.errors import FeatureNotSupported, InvalidParameterValue, SyntaxError_
 from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import NoiseKind, gaussian_sigma, granularity, threshold_tau
 from dp_core.plan import make_plan
@@ -538,6 +538,8 @@ def test_truncated_geometric_selection_plan_and_release() -> None:
                           "'truncated_geometric') browser, ANON_COUNT(*) FROM visits GROUP BY browser")
     assert counted.selection is SelectionKind.LAPLACE and counted.tau is not None
     assert counted.selection_asked is SelectionKind.TRUNCATED_GEOMETRIC
+    with pytest.raises(InvalidParameterValue, match="needs a delta of at least"):
+        build(sql.format("truncated_geometric").replace("OPTIONS(", "OPTIONS(delta=1e-15, "))
     _, global_plan, _ = build("SELECT WITH ANONYMIZATION OPTIONS(partition_selection="
                               "'truncated_geometric') ANON_SUM(duration, 0, 10) FROM visits")
     assert global_plan.threshold is None and global_plan.selection is SelectionKind.LAPLACE

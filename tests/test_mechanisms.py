@@ -23,6 +23,7 @@ from dp_core.mechanisms import (
     granularity,
     keep_probability,
     laplace,
+    selection_parameters,
     threshold_tau,
     users_kept_with,
 )
@@ -61,35 +62,43 @@ def _pi_by_recursion(n: int, max_groups: int, epsilon: float, delta: float) -> l
 
 
 def test_truncated_geometric_keep_probability_by_hand() -> None:
-    # ε = ln 2, δ = 0.1: π(1) = δ = 0.1; π(2) = min(2·0.1 + 0.1, 1 − ½(1 − 0.1 − 0.1)) = 0.3;
-    # π(3) = min(0.7, 1 − ½·0.6) = 0.7; π(4) = min(1.5, 1 − ½·0.2) = 0.9; π(5) = 1
-    expected = [0.1, 0.3, 0.7, 0.9, 1.0, 1.0]
+    # ε = ln 2, δ = 0.1 less its reserve for rounding: δ' = 0.1·63/64 = 0.0984375.
+    # π(1) = δ'; π(2) = min(2·π(1) + δ', 1 − ½(1 − π(1) − δ')) = min(0.2953125, 0.5984375);
+    # π(3) = min(0.6890625, 0.696875); π(4) = min(1.47…, 1 − ½·0.2125) = 0.89375;
+    # π(5) = 1 − ½(1 − 0.89375 − 0.0984375) = 0.99609375; π(6) = 1
+    expected = [0.0984375, 0.2953125, 0.6890625, 0.89375, 0.99609375, 1.0]
+    assert selection_parameters(1, math.log(2), 0.1) == pytest.approx((math.log(2), 0.0984375))
     got = keep_probability(np.arange(1, 7), 1, math.log(2), 0.1)
     assert got == pytest.approx(expected, abs=1e-12)
     # C_u groups per user: each group's choice at (ε/C_u, δ/C_u)
     assert keep_probability(np.arange(1, 7), 3, 3 * math.log(2), 0.3) == pytest.approx(expected, abs=1e-12)
     assert keep_probability(0, 1, 1.0, 1e-6)[0] == 0.0  # (a group of no users)
-    # a huge ε (a config may allow one) neither overflows nor keeps a one-user group more
-    # often than δ
-    assert keep_probability(np.arange(1, 4), 1, 5000.0, 1e-6) == pytest.approx([1e-6, 1, 1])
-    assert users_kept_with(0.5, 1, math.log(2), 0.1) == 3 and users_kept_with(1.0, 1, math.log(2), 0.1) == 5
+    assert users_kept_with(0.5, 1, math.log(2), 0.1) == 3 and users_kept_with(1.0, 1, math.log(2), 0.1) == 6
+    # ε' is capped where e^ε'·2^-52 would exceed the reserve (δ' = 1e-6: ln(1e-6/64) + 52 ln 2)
+    assert selection_parameters(1, 200.0, 1e-6)[0] == pytest.approx(math.log(1e-6 / 64 * 2.0 ** 52))
+    assert keep_probability(np.arange(1, 4), 1, 5000.0, 1e-6)[0] == pytest.approx(1e-6 * 63 / 64)
+    with pytest.raises(ValueError):  # below 2^-46 per group, float64 cannot honour δ
+        selection_parameters(2, 1.0, 2 * 2.0 ** -46)
 
 
 @pytest.mark.parametrize("max_groups,epsilon,delta", [
     (1, 1.0, 1e-6), (1, 0.1, 1e-6), (5, 1.0, 1e-6), (3, 10.0, 1e-5), (1, 0.01, 1e-9), (2, 3.0, 0.3),
-    (1, 200.0, 1e-6)])
+    (1, 200.0, 1e-6), (1, 30.0, 1e-4)])
 def test_truncated_geometric_is_the_recursion_and_is_dp(max_groups: int, epsilon: float,
                                                       delta: float) -> None:
-    """The closed form equals the recursion step by step; each group's choice is
-    (ε/C_u, δ/C_u)-DP between n − 1 and n users both ways; π is increasing and reaches 1."""
+    """The closed form equals the recursion step by step (at `selection_parameters`); each
+    group's choice is (ε/C_u, δ/C_u)-DP between n − 1 and n users both ways, even where π
+    rounds to 1 (the reserve); π is increasing and reaches 1."""
     n = 5000
     pi = keep_probability(np.arange(1, n + 1), max_groups, epsilon, delta)
-    assert pi == pytest.approx(_pi_by_recursion(n, max_groups, epsilon, delta), abs=1e-12)
+    e_used, d_used = selection_parameters(max_groups, epsilon, delta)
+    assert pi == pytest.approx(_pi_by_recursion(n, 1, e_used, d_used), abs=1e-12)
     e, d = epsilon / max_groups, delta / max_groups
     prev = np.concatenate([[0.0], pi[:-1]])
-    assert np.all(pi <= math.exp(e) * prev + d + 1e-12)
-    assert np.all(1 - prev <= math.exp(e) * (1 - pi) + d + 1e-12)
-    assert np.all(np.diff(pi) >= 0) and pi[0] == pytest.approx(d)
+    step = 2.0 ** -53  # the draw `uniform < π` keeps with probability π rounded up to a step
+    assert np.all(np.ceil(pi / step) * step <= math.exp(e) * prev + d)
+    assert np.all(1 - prev <= math.exp(e) * (1 - np.ceil(pi / step) * step) + d)
+    assert np.all(np.diff(pi) >= 0) and pi[0] == pytest.approx(d_used)
     certain = users_kept_with(1.0, max_groups, epsilon, delta)
     assert keep_probability(certain, max_groups, epsilon, delta)[0] == 1.0
     assert keep_probability(certain - 1, max_groups, epsilon, delta)[0] < 1.0
@@ -99,8 +108,10 @@ def test_truncated_geometric_is_the_recursion_and_is_dp(max_groups: int, epsilon
 def test_truncated_geometric_keeps_at_least_what_laplace_thresholding_keeps(
         epsilon: float, delta: float) -> None:
     """With C_u = 1 both are (ε, δ)-DP choices of each group from its user count, and
-    π is the largest such (the paper's optimality): never below P(n + Lap(1/ε) ≥ τ)."""
-    tau, b = threshold_tau(1, epsilon, delta), 1 / epsilon
+    π is the largest such (the paper's optimality): never below P(n + Lap(1/ε) ≥ τ) at the
+    same (ε, δ) (the δ π is computed with, its reserve for rounding set aside)."""
+    used_delta = selection_parameters(1, epsilon, delta)[1]
+    tau, b = threshold_tau(1, epsilon, used_delta), 1 / epsilon
     n = np.arange(1, int(3 * tau) + 10, dtype=np.float64)
     laplace_keep = np.where(n < tau, 0.5 * np.exp(-(tau - n) / b), 1 - 0.5 * np.exp(-(n - tau) / b))
     assert np.all(keep_probability(n, 1, epsilon, delta) >= laplace_keep - 1e-12)
