@@ -701,8 +701,9 @@ class DPService:
                       for q in plan.all_quantities}
         if plan.tau is not None:
             mechanisms["threshold"] = {"tau": plan.tau}
-        elif plan.selection is SelectionKind.TRUNCATED_GEOMETRIC:
-            mechanisms["threshold"] = {"selection": plan.selection.value}
+        elif plan.threshold is not None and plan.selection is SelectionKind.TRUNCATED_GEOMETRIC:
+            # (no noise on the user count: it only decides, through π(n))
+            mechanisms[plan.threshold.name].update(kind=plan.selection.value, scale=None)
         accountant = self.config.analysts[session.user].accountant
         try:
             await self._check_affordable(session, plan, conn, accountant)

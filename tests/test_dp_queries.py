@@ -710,6 +710,12 @@ def test_truncated_geometric_partition_selection(proxy: Proxy, reset: None) -> N
         rows = conn.execute(f"SELECT WITH ANONYMIZATION {sum_sql}").fetchall()
         assert rows and "Chrome" in {r[0] for r in rows}
         assert spent(conn) == (pytest.approx(1.0), pytest.approx(1e-6))
+        with psycopg.connect(proxy.dsn("admin"), autocommit=True) as admin:
+            cur = admin.execute("SELECT * FROM dp_ledger('alice') WHERE kind = 'charge' ORDER BY id")
+            names = [d.name for d in cur.description]
+            last = dict(zip(names, cur.fetchall()[-1], strict=True))
+        # the ledger names the selection, and no noise on the user count
+        assert "'truncated_geometric'" in str(last["mechanisms"]).replace('"', "'"), last
         # COUNT(*) is the noisy user count: thresholding it stays, and EXPLAIN says why
         plan = "\n".join(r[0] for r in conn.execute(
             "EXPLAIN SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits "
