@@ -53,6 +53,7 @@ _KEY = struct.Struct("!ii")
 _MAX_MESSAGE = 1 << 22
 """Largest control message (a metrics exposition); the socket buffers are set to hold it."""
 _RESTART_DELAY = 1.0
+_MAX_RESTART_DELAY = 30.0
 
 
 def _control_pair() -> tuple[socket.socket, socket.socket]:
@@ -79,6 +80,8 @@ class _Worker:
         self.clients = 0
         self.ready = False
         self.replies: asyncio.Queue[bytes] = asyncio.Queue()
+        self.failures = 0
+        """Exits in a row without becoming ready: the restart waits 1, 2, 4 ... 30 s."""
 
 
 class Supervisor:
@@ -174,9 +177,11 @@ class Supervisor:
         if self._stopping or code == 0 or not self._started:
             # (0: it was stopped by a signal, as the terminal's Ctrl-C stops every process)
             return
-        log.error("worker %d exited (status %s); its sessions are lost; restarting it",
-                  worker.index, code)
-        await asyncio.sleep(_RESTART_DELAY)
+        delay = min(_RESTART_DELAY * 2 ** worker.failures, _MAX_RESTART_DELAY)
+        worker.failures += 1
+        log.error("worker %d exited (status %s); its sessions are lost; restarting it in %g s",
+                  worker.index, code, delay)
+        await asyncio.sleep(delay)
         if not self._stopping:
             self._spawn(worker)
 
@@ -201,6 +206,7 @@ class Supervisor:
         tag, body = data[:1], data[1:]
         if tag == b"R":
             worker.ready = True
+            worker.failures = 0
         elif tag == b"X":
             worker.clients = max(0, worker.clients - 1)
         elif tag == b"C":

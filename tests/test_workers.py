@@ -287,3 +287,24 @@ def test_the_supervisor_does_not_load_the_dp_engine() -> None:
                           "'server.session', 'dp_core.mechanisms') if m in sys.modules))"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="processes and signals")
+def test_a_worker_that_cannot_start_is_retried_with_backoff(backend: Backend,
+                                                           tmp_path: Path) -> None:
+    """A worker that dies and then cannot start again (here: the pushdown role refused) is
+    retried after 1, 2, 4 ... s (at most 30), not every second forever."""
+    role = backend.pushdown.user
+    with _serve(backend, tmp_path, DPPROXY_LISTEN__WORKERS="2") as (proc, _, _), \
+            psycopg.connect(backend.admin_dsn, autocommit=True) as admin:
+        log = tmp_path / "serve.log"
+        admin.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT 0')
+        try:
+            os.kill(_workers(proc.pid)[0], signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and "restarting it in 4 s" not in log.read_text():
+                time.sleep(0.2)
+        finally:
+            admin.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT -1')
+        text = log.read_text()
+        assert ["in 1 s" in text, "in 2 s" in text, "in 4 s" in text] == [True] * 3, text
