@@ -540,6 +540,20 @@ class BackendLink(asyncio.Protocol):
                         Pending.INTERNAL_CLOSE, Pending.INTERNAL_EXECUTE, Pending.INTERNAL_CLOSE,
                         Pending.INTERNAL_CLOSE])
 
+    def pipeline_step(self) -> None:
+        """Run a statement of the proxy's own that does nothing, its replies swallowed, where
+        the proxy answered a client's Execute itself (SET or SHOW dp.*): the backend then sees
+        the client's extended batch as Postgres would have, a pipeline in a transaction,
+        so that a DISCARD ALL or VACUUM after it fails (25001) as it would there. Nothing is
+        sent while the backend skips to the client's Sync."""
+        if self.skipping or self.closed:
+            return
+        n = SHADOW_NAME
+        self._send_own([p.Close(b"S", n), p.Parse(n, "SELECT WHERE false"), p.Bind(n, n, (), (), ()),
+                        p.Close(b"S", n), p.Execute(n, 0), p.Close(b"P", n)],
+                       [Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND,
+                        Pending.INTERNAL_CLOSE, Pending.INTERNAL_EXECUTE, Pending.INTERNAL_CLOSE])
+
     def fail_transaction(self, extended: bool) -> None:
         """After an error of the proxy's own, have the backend fail too, as Postgres fails on
         any error: an open block is aborted (25P02 until ROLLBACK), and an extended batch's

@@ -932,6 +932,7 @@ class Session:
         if st.kind is StatementKind.LOCAL_SET:
             self._set(st, extended=bind is not None)
             reset = st.tree.get("VariableSetStmt", {}).get("kind") == "VAR_RESET"
+            self._pipeline_step(execute)
             self.send(p.CommandComplete("RESET" if reset else "SET"))
             return
         if st.kind is StatementKind.LOCAL_SHOW:
@@ -939,6 +940,7 @@ class Session:
             value = self.settings.show(st.setting)
             if describe:
                 self.send(p.RowDescription((p.FieldDescription(st.setting, type_oid=TEXT_OID),)))
+            self._pipeline_step(execute)
             self.send(p.DataRow((value.encode(),)), p.CommandComplete("SHOW"))
             return
         if st.kind is StatementKind.LOCAL_FUNCTION:
@@ -1006,6 +1008,13 @@ class Session:
         caps = self.server.caps
         self._assign(lambda s: s.with_value(name, value, caps), bool(body.get("is_local")),
                      extended)
+
+    def _pipeline_step(self, execute: p.Execute | None) -> None:
+        """A client's Execute the proxy answers itself without the backend: the backend runs
+        a no-op in its place (`BackendLink.pipeline_step`), as it would have run the statement
+        in the client's pipeline."""
+        if execute is not None and self.link is not None:
+            self.link.pipeline_step()
 
     def _assign(self, change: Callable[[DPSettings], DPSettings], is_local: bool,
                 extended: bool = False) -> None:

@@ -59,6 +59,28 @@ def test_an_error_of_the_proxys_own_rolls_back_its_pipeline(px: Proxy) -> None:
         assert c.execute("SHOW TIME ZONE").fetchone() == ("Asia/Tokyo",)
 
 
+@pytest.mark.parametrize("first", ["SET dp.epsilon = 0.5", "SHOW dp.epsilon",
+                                   "SET application_name = 'x'"])
+def test_discard_all_behind_a_local_statement_in_a_pipeline_fails_as_in_postgres(
+        px: Proxy, backend: Backend, first: str) -> None:
+    """Postgres refuses DISCARD ALL in a pipeline after another statement (25001). The proxy
+    answers SET / SHOW dp.* itself, so the backend runs a no-op in their place and sees the
+    same pipeline; the batch fails, and the SET does not last. The same with a
+    pass-through SET, through the proxy and against Postgres directly."""
+    for dsn in (px.dsn(), backend.admin_dsn):
+        if "dp." in first and dsn == backend.admin_dsn:
+            continue
+        with psycopg.connect(dsn, autocommit=True) as c:
+            with pytest.raises(psycopg.errors.ActiveSqlTransaction), c.pipeline():
+                c.execute(first)
+                c.execute("DISCARD ALL")
+            if dsn == px.dsn():
+                assert c.execute("SHOW dp.epsilon").fetchone() == ("1.0",)
+            assert c.execute("SELECT 1").fetchone() == (1,)  # (the session goes on)
+            c.execute(first)  # alone, then DISCARD ALL alone: both run
+            c.execute("DISCARD ALL")
+
+
 @pytest.mark.parametrize("prepare", [False, True], ids=["simple", "extended"])
 def test_a_dp_query_in_a_failed_transaction_is_refused_before_the_charge(
         px: Proxy, conn: psycopg.Connection, prepare: bool) -> None:
