@@ -73,6 +73,12 @@ class ProxyServer:
         b = self.config.backend
         size = b.pushdown_pool_size if self.worker is None else \
             pool_share(b.pushdown_pool_size, self.worker.index, self.worker.workers)
+        if self.worker is not None and self.worker.index == 0 and size < b.pushdown_split:
+            log.warning("each of the %d workers has %d of the %d pushdown connections "
+                        "(pushdown_pool_size), fewer than pushdown_split (%d), so DP queries "
+                        "split less; raise pushdown_pool_size to %d for full splits",
+                        self.worker.workers, size, b.pushdown_pool_size, b.pushdown_split,
+                        b.pushdown_split * self.worker.workers)
         self.pool = await asyncpg.create_pool(
             self.pushdown.uri(), min_size=1, max_size=size,
             server_settings=await self._pushdown_settings(),

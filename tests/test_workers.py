@@ -274,6 +274,9 @@ def test_by_default_one_worker_per_core_each_with_its_share_of_the_pool(
         for t in threads:
             t.join(30)
         assert len(answers) == 2 and all(a is not None for a in answers)
+        # one pool connection per worker: the log says DP queries cannot split, and the fix
+        assert "fewer than pushdown_split (4), so DP queries split less; raise " \
+            "pushdown_pool_size to 8 for full splits" in (tmp_path / "serve.log").read_text()
         for c in conns:
             c.close()
 
