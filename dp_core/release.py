@@ -193,17 +193,17 @@ def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, 
                                                                       Component.BOUNDS)]
     if not query.keys and not rows:
         rows = [{q.name: 0 for q in per_group}]  # an aggregate over no rows
-    geometric = plan.selection is SelectionKind.TRUNCATED_GEOMETRIC and plan.threshold is not None
+    geometric = plan.threshold if plan.selection is SelectionKind.TRUNCATED_GEOMETRIC else None
+    """The user count that decides through π(n): never noised nor released."""
     noisy: dict[str, NDArray[np.float64]] = {
         q.name: q.spec.add(_column(rows, q.name), rng) if rows else np.zeros(0)
-        for q in per_group if not (geometric and q is plan.threshold)
+        for q in per_group if q is not geometric
     }
     keep = np.ones(len(rows), dtype=bool)
-    if geometric and plan.threshold is not None and rows:
-        # (the true user count decides, through π(n): it is never released)
-        t = plan.threshold
+    if geometric is not None:
         keep = rng.random(len(rows)) < keep_probability(
-            _column(rows, t.name), plan.max_groups_contributed, float(t.epsilon), float(t.delta))
+            _column(rows, geometric.name), plan.max_groups_contributed,
+            float(geometric.epsilon), float(geometric.delta))
     elif plan.threshold is not None and plan.tau is not None:
         keep = noisy[plan.threshold.name] >= plan.tau
     kept = [int(x) for x in np.flatnonzero(keep)]

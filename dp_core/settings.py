@@ -7,10 +7,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dp_core.errors import InvalidParameterValue, UndefinedObject
+from dp_core.kinds import NoiseKind, SelectionKind
 
 SETTING_NAMES = ("epsilon", "delta", "max_groups_contributed", "noise", "partition_selection")
-NOISE_KINDS = ("laplace", "gaussian")
-SELECTION_KINDS = ("laplace", "truncated_geometric")
+NOISE_KINDS = tuple(k.value for k in NoiseKind)
+SELECTION_KINDS = tuple(k.value for k in SelectionKind)
 
 
 @dataclass(frozen=True)

@@ -533,12 +533,7 @@ class BackendLink(asyncio.Protocol):
         if not extended:
             self.run_quietly(f"{declare}; CLOSE {quote_ident(name)}")
             return
-        n = SHADOW_NAME
-        self._send_own([p.Close(b"S", n), p.Parse(n, declare), p.Bind(n, n, (), (), ()),
-                        p.Close(b"S", n), p.Execute(n, 0), p.Close(b"P", n), p.Close(b"P", name)],
-                       [Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND,
-                        Pending.INTERNAL_CLOSE, Pending.INTERNAL_EXECUTE, Pending.INTERNAL_CLOSE,
-                        Pending.INTERNAL_CLOSE])
+        self._run_shadow(declare, [p.Close(b"P", name)])
 
     def pipeline_step(self) -> None:
         """Run a statement of the proxy's own that does nothing, its replies swallowed, where
@@ -546,13 +541,20 @@ class BackendLink(asyncio.Protocol):
         the client's extended batch as Postgres would have, a pipeline in a transaction,
         so that a DISCARD ALL or VACUUM after it fails (25001) as it would there. Nothing is
         sent while the backend skips to the client's Sync."""
-        if self.skipping or self.closed:
-            return
+        if not (self.skipping or self.closed):
+            self._run_shadow("SELECT WHERE false")
+
+    def _run_shadow(self, sql: str, closes: list[p.FrontendMessage] | None = None) -> None:
+        """Run `sql` (no rows) as the shadow statement and portal in the client's batch, its
+        replies swallowed but an error, then `closes` (Close messages, their replies
+        swallowed too)."""
         n = SHADOW_NAME
-        self._send_own([p.Close(b"S", n), p.Parse(n, "SELECT WHERE false"), p.Bind(n, n, (), (), ()),
-                        p.Close(b"S", n), p.Execute(n, 0), p.Close(b"P", n)],
+        after = closes or []
+        self._send_own([p.Close(b"S", n), p.Parse(n, sql), p.Bind(n, n, (), (), ()),
+                        p.Close(b"S", n), p.Execute(n, 0), p.Close(b"P", n), *after],
                        [Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND,
-                        Pending.INTERNAL_CLOSE, Pending.INTERNAL_EXECUTE, Pending.INTERNAL_CLOSE])
+                        Pending.INTERNAL_CLOSE, Pending.INTERNAL_EXECUTE, Pending.INTERNAL_CLOSE,
+                        *[Pending.INTERNAL_CLOSE] * len(after)])
 
     def fail_transaction(self, extended: bool) -> None:
         """After an error of the proxy's own, have the backend fail too, as Postgres fails on

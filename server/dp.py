@@ -95,6 +95,7 @@ from server.ledger import (
     require_admin,
     to_numeric,
 )
+from server.replies import notice_response
 
 if TYPE_CHECKING:
     from server.metrics import Metrics
@@ -887,8 +888,6 @@ class DPService:
 
     def _notice(self, prepared: Prepared, run: _Run, released: Released,
                 budget: Any) -> p.NoticeResponse:
-        from server.replies import notice_response
-
         plan = run.plan
         widths = []
         for col in prepared.query.outputs:
