@@ -108,7 +108,7 @@ _TRACKED = frozenset({b"Z", b"E", b"S", *_COMPLETES})
 _LENGTH = struct.Struct("!i")
 # the same sets keyed by the tag's byte value, for the relay loop
 _TRACKED_INT = frozenset(t[0] for t in _TRACKED)
-_NOT_ENDING_A_QUERY_INT = frozenset(t[0] for t in _NOT_ENDING_A_QUERY)
+_CYCLE_TRACKED_INT = frozenset(t[0] for t in _TRACKED - _NOT_ENDING_A_QUERY)
 _ENDS_INT = {t[0]: kinds[0] for t, kinds in _COMPLETES.items()}
 """The one pending kind each tracked reply ends, by tag byte (every tuple of _COMPLETES has one)."""
 assert all(len(kinds) == 1 for kinds in _COMPLETES.values())
@@ -237,9 +237,11 @@ class BackendLink(asyncio.Protocol):
         n = len(buf)
         pos = keep_from = 0
         unpack, tracked, pending = _LENGTH.unpack_from, _TRACKED_INT, self.pending
-        not_ending, ends, query, sync = _NOT_ENDING_A_QUERY_INT, _ENDS_INT, _QUERY, _SYNC
+        ends, query, sync = _ENDS_INT, _QUERY, _SYNC
         watch = self.watch_tx
         head = pending[0] if pending else None
+        # before the ReadyForQuery that ends a client cycle only errors and parameters matter
+        look = _CYCLE_TRACKED_INT if (head is query or head is sync) and not watch else tracked
         while pos + 5 <= n:
             tag = buf[pos]  # an int: cheaper than a one-byte slice on this hot path
             length = unpack(buf, pos + 1)[0]
@@ -252,10 +254,8 @@ class BackendLink(asyncio.Protocol):
                     self._skip = end - n
                     pos = n
                 break
-            if tag in tracked:
-                if (head is query or head is sync) and tag in not_ending and not watch:
-                    pass  # before a ReadyForQuery that ends a cycle, only errors matter
-                elif head is not None and head is ends.get(tag) and not watch:
+            if tag in look:
+                if head is not None and head is ends.get(tag) and not watch:
                     pending.popleft()
                     head = pending[0] if pending else None
                 elif tag == _Z and (head is query or head is sync) \
@@ -279,6 +279,8 @@ class BackendLink(asyncio.Protocol):
                     if self.closed:
                         return  # (nothing more goes to the client)
                     head = pending[0] if pending else None
+                look = _CYCLE_TRACKED_INT if (head is query or head is sync) and not watch \
+                    else tracked
             pos = end
         if head is None and self._drained is not None:
             self._wake()

@@ -77,6 +77,18 @@ _FAST_KINDS = {
 _P, _Q, _S, _E = ord("P"), ord("Q"), ord("S"), ord("E")
 _SLOW: Any = object()
 """`_FAST_KINDS.get`'s default: a frame the fast path does not forward."""
+
+
+def _pending_kinds(data: bytes, start: int, stop: int) -> list[backend.Pending]:
+    """The replies awaited by the frames of data[start:stop] (whole frames `_FAST_KINDS` knows)."""
+    out = []
+    while start < stop:
+        kind = _FAST_KINDS[data[start]]
+        if kind is not None:
+            out.append(kind)
+        start += 1 + _LENGTH.unpack_from(data, start + 1)[0]
+    return out
+
 _LOG_KINDS = {
     StatementKind.DP_QUERY: "dp_query", StatementKind.DP_EXPLAIN: "dp_explain",
     StatementKind.REFUSED: "refused", StatementKind.PASS_THROUGH: "pass_through",
@@ -264,7 +276,7 @@ class Session:
 
         Stops at the first frame that needs the proxy (or is malformed, or
         incomplete) and returns the bytes from there on, for the general path.
-        Each forwarded frame is noted in the link's pending queue as
+        Each forwarded frame is noted in the link's pending queue and cycles as
         `BackendLink.forward` would, except that the frames before a forwarded
         Sync are noted as the Sync alone: up to its ReadyForQuery the backend's
         replies are all theirs, as they are a simple Query's.
@@ -274,10 +286,11 @@ class Session:
         limit = self.frames.max_size
         plain = self._plain
         local = bool(self.local_statements or self.local_portals)
-        pending = link.pending
+        pending, cycles = link.pending, link.cycles
         kinds, unpack = _FAST_KINDS, _LENGTH.unpack_from
-        unsynced: list[backend.Pending] = []
-        """Kinds of the frames forwarded since the last Sync of this run."""
+        unsynced = -1
+        """Where the frames forwarded since the last Sync of this run begin (-1: none)."""
+        batch = link.batch_started  # (what `BackendLink.note_cycle` keeps, kept here a while)
         now = time.perf_counter()
         while pos + 5 <= n:
             tag = data[pos]  # an int: cheaper than a one-byte slice
@@ -286,36 +299,40 @@ class Session:
             kind = kinds.get(tag, _SLOW)
             if length < 4 or length > limit or end > n or kind is _SLOW:
                 break
-            if tag == _Q:
-                if data[end - 1] != 0 or not plain(data[pos + 5 : end - 1]):
-                    break
-                if local:
-                    self._drop_unnamed(link)
-                if unsynced:
-                    pending.extend(unsynced)
-                    unsynced.clear()
+            if tag == _S:
+                unsynced = -1
                 pending.append(kind)
-                link.note_cycle(tag, now)
-            elif tag == _S:
-                unsynced.clear()
-                pending.append(kind)
-                link.note_cycle(tag, now)
+                cycles.append(batch)
+                batch = None
             elif tag == _P:
                 name_end = data.find(b"\0", pos + 5, end)
                 sql_end = data.find(b"\0", name_end + 1, end) if name_end >= 0 else -1
                 if sql_end < 0 or self.local_statements or \
                         not plain(data[name_end + 1 : sql_end]):
                     break
-                unsynced.append(kind)
+                if unsynced < 0:
+                    unsynced = pos
+            elif tag == _Q:
+                if data[end - 1] != 0 or not plain(data[pos + 5 : end - 1]):
+                    break
+                if local:
+                    self._drop_unnamed(link)
+                if unsynced >= 0:
+                    pending.extend(_pending_kinds(data, unsynced, pos))
+                    unsynced = -1
+                pending.append(kind)
+                cycles.append(now)
             elif local and tag in _NAMED:
                 break  # names may be local: let the general path look
             elif kind is not None:  # Bind, Describe, Execute, Close (a Flush awaits nothing)
-                unsynced.append(kind)
-                if tag == _E:
-                    link.note_cycle(tag, now)
+                if unsynced < 0:
+                    unsynced = pos
+                if tag == _E and batch is None:
+                    batch = now
             pos = end
-        if unsynced:
-            pending.extend(unsynced)
+        link.batch_started = batch
+        if unsynced >= 0:
+            pending.extend(_pending_kinds(data, unsynced, pos))
         if pos:
             link.write(data[:pos] if pos < n else data)
         return data[pos:] if pos else data
