@@ -160,6 +160,18 @@ def test_pipelined_batches_in_one_write_keep_their_order(raw: RawClient) -> None
     assert [m.values for m in batches[4] if isinstance(m, p.DataRow)] == [(b"3",)]
 
 
+def test_query_after_unsynced_extended_frames_in_one_write(raw: RawClient) -> None:
+    # the fast path notes the Parse/Bind/Execute before the Query one by one (no Sync ends
+    # them): their replies come first, then the Query's, and the session goes on as usual
+    raw.send(p.Parse("", "SELECT 1"), p.Bind("", ""), p.Execute(""), p.Query("SELECT 2"))
+    msgs = raw.recv_until_ready()
+    assert tags(msgs) == ["ParseComplete", "BindComplete", "DataRow", "CommandComplete",
+                          "RowDescription", "DataRow", "CommandComplete", "ReadyForQuery"]
+    assert [m.values for m in msgs if isinstance(m, p.DataRow)] == [(b"1",), (b"2",)]
+    raw.send(p.Parse("", "SELECT 3"), p.Bind("", ""), p.Execute(""), p.Sync())
+    assert [m.values for m in raw.recv_until_ready() if isinstance(m, p.DataRow)] == [(b"3",)]
+
+
 def test_extended_flush_returns_replies_before_sync(raw: RawClient) -> None:
     raw.send(p.Parse("q", "SELECT 1"), p.Describe(b"S", "q"), p.Flush())
     assert tags([raw.recv(), raw.recv(), raw.recv()]) == [
@@ -425,3 +437,20 @@ def test_unreachable_backend_is_a_clean_error(loop_thread: LoopThread, demo_conf
                             f"dbname={TEST_DATABASE} sslmode=disable")
     finally:
         loop_thread.run(server.stop())
+
+
+def test_query_after_failing_unsynced_extended_frames_waits_for_sync(raw: RawClient) -> None:
+    # as Postgres: after an extended error the backend skips everything up to a Sync, the
+    # Query included; the proxy knows the error ends its extended frames, not the Query
+    raw.send(p.Parse("", "SELECT 1/x FROM (VALUES (0)) AS t(x)"), p.Bind("", ""),
+             p.Execute(""), p.Query("SELECT 2"))
+    first = [raw.recv()]
+    while not isinstance(first[-1], p.ErrorResponse):
+        first.append(raw.recv())
+    assert tags(first)[0] == "ParseComplete" and errors(first) == ["22012"]
+    raw.send(p.Sync())
+    assert tags(raw.recv_until_ready())[-1:] == ["ReadyForQuery"]
+    raw.send(p.Query("SELECT 3"))
+    assert [m.values for m in raw.recv_until_ready() if isinstance(m, p.DataRow)] == [(b"3",)]
+    raw.send(p.Query("SHOW dp.epsilon"))  # answered once every reply awaited has come
+    assert [m.values for m in raw.recv_until_ready() if isinstance(m, p.DataRow)] == [(b"1.0",)]
