@@ -6,8 +6,8 @@ Starts an embedded Postgres (TCP on loopback) with the demo tables and pgbench's
 tables, then dp-proxy as a separate process (uvloop, as `dp-proxy serve` runs; once
 as configured by default, `[listen] workers = "auto"`: one worker per core, and once
 as one process, `workers = 1`),
-and a bare byte relay (bench/relay.py: the ceiling of any Python proxy on this
-machine), and alternates direct, relayed and proxied pgbench runs in simple and
+and a bare byte relay with as many processes as dp-proxy has workers by default
+(bench/relay.py: the ceiling of any Python proxy on this machine), and alternates direct, relayed and proxied pgbench runs in simple and
 extended query mode. Prints the median TPS of each and the ratios, and appends
 the figures to bench/RESULTS.md with a description of the machine.
 """
@@ -113,7 +113,8 @@ def main() -> int:
         proxy1 = _start_proxy(pg, port2, Path(tmp), workers="1")
         relay_port = free_port()
         relay = subprocess.Popen([sys.executable, str(Path(__file__).with_name("relay.py")),
-                                  str(relay_port), str(pg.socket_dir / f".s.PGSQL.{pg.port}")])
+                                  str(relay_port), str(pg.socket_dir / f".s.PGSQL.{pg.port}"),
+                                  str(usable_cores())], start_new_session=True)
         try:
             for _ in range(args.runs):
                 for mode in ("simple", "extended"):
@@ -125,16 +126,18 @@ def main() -> int:
                         results.setdefault((mode, target), []).append(tps)
                         print(f"{mode:8s} {target:6s} {tps:10.0f} tps", flush=True)
         finally:
-            relay.terminate()
+            os.killpg(relay.pid, signal.SIGTERM)  # (the relay's processes are one group)
             relay.wait(30)
             for proc in (proxy, proxy1):
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(30)
 
+    cores = usable_cores()
     lines = [f"### Pass-through: pgbench -S, {args.clients} clients, 2 threads, "
              f"{args.runs} × {args.seconds} s (median)", "", f"Machine: {machine()}", "",
-             f"dp-proxy as configured by default: `workers = \"auto\"`, {usable_cores()} "
-             f"worker{'s' if usable_cores() > 1 else ''} here", "",
+             f"dp-proxy as configured by default: `workers = \"auto\"`, {cores} "
+             f"worker{'s' if cores > 1 else ''} here; the bare relay runs as many processes",
+             "",
              "| mode | direct TPS | bare relay TPS | through dp-proxy TPS | relay / direct "
              "| dp-proxy / direct | dp-proxy / relay | dp-proxy, one process / direct |",
              "|---|---|---|---|---|---|---|---|"]

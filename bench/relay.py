@@ -1,14 +1,17 @@
 """The ceiling for any Python proxy: a bare byte relay (asyncio Protocol + uvloop), no inspection.
 
-    python bench/relay.py PORT BACKEND_UNIX_SOCKET
+    python bench/relay.py PORT BACKEND_UNIX_SOCKET [PROCESSES]
 
 Used by bench/passthrough.py as a third target in the same run, so that the
 proxy's ratio can be read against what relaying alone costs on this machine.
+With PROCESSES > 1 (as many as dp-proxy has workers) each process listens on the
+port with SO_REUSEPORT and the kernel spreads the connections among them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from typing import cast
 
@@ -56,9 +59,13 @@ class _Client(asyncio.Protocol):
 
 
 async def _main(port: int, backend: str) -> None:
-    server = await asyncio.get_running_loop().create_server(lambda: _Client(backend), "127.0.0.1", port)
+    server = await asyncio.get_running_loop().create_server(
+        lambda: _Client(backend), "127.0.0.1", port, reuse_port=True)
     await server.serve_forever()
 
 
 if __name__ == "__main__":
+    for _ in range(int(sys.argv[3]) - 1 if len(sys.argv) > 3 else 0):
+        if os.fork() == 0:
+            break  # (a child: it listens too, and forks no more)
     uvloop.run(_main(int(sys.argv[1]), sys.argv[2]))
