@@ -5,9 +5,9 @@
 Starts an embedded Postgres (TCP on loopback) with the demo tables and pgbench's
 tables, then dp-proxy as a separate process (uvloop, as `dp-proxy serve` runs; once
 as configured by default, `[listen] workers = "auto"`: one worker per core, and once
-as one process, `workers = 1`),
-and a bare byte relay with as many processes as dp-proxy has workers by default
-(bench/relay.py: the ceiling of any Python proxy on this machine), and alternates direct, relayed and proxied pgbench runs in simple and
+as one process, `workers = 1`), and a bare byte relay with as many processes as
+dp-proxy has workers by default (bench/relay.py: the ceiling of any Python proxy on
+this machine), and alternates direct, relayed and proxied pgbench runs in simple and
 extended query mode. Prints the median TPS of each and the ratios, and appends
 the figures to bench/RESULTS.md with a description of the machine.
 """
