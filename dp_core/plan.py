@@ -112,6 +112,21 @@ class DPQueryPlan:
     def all_quantities(self) -> tuple[NoisyQuantity, ...]:
         return ((self.threshold,) if self.threshold else ()) + self.approx_bounds + self.quantities
 
+    def mechanisms(self) -> dict[str, dict[str, object]]:
+        """What the ledger records of each quantity's mechanism: its kind, scale and share,
+        and how groups are selected (τ; or truncated-geometric selection, whose user count
+        gets no noise: it only decides through π(n), so it has no scale)."""
+        out: dict[str, dict[str, object]] = {
+            q.name: {"kind": q.noise.kind.value if q.noise else self.noise_kind.value,
+                     "scale": q.noise.scale if q.noise else None,
+                     "epsilon": str(q.epsilon), "delta": str(q.delta)}
+            for q in self.all_quantities}
+        if self.tau is not None:
+            out["threshold"] = {"tau": self.tau}
+        elif self.threshold is not None and self.selection is SelectionKind.TRUNCATED_GEOMETRIC:
+            out[self.threshold.name].update(kind=self.selection.value, scale=None)
+        return out
+
 
 def _components(agg: Aggregate, noise: NoiseKind) -> list[tuple[str, float | None]]:
     """The noisy quantities of one aggregate and their sensitivities (None: bounds not yet known)."""

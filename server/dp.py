@@ -696,15 +696,7 @@ class DPService:
         if st.kind is StatementKind.DP_EXPLAIN:
             lines = explain_lines(prepared)
             return result_sql(["QUERY PLAN"], [(PG, "text")], [(ln,) for ln in lines]), []
-        mechanisms = {q.name: {"kind": q.noise.kind.value if q.noise else plan.noise_kind.value,
-                               "scale": q.noise.scale if q.noise else None,
-                               "epsilon": str(q.epsilon), "delta": str(q.delta)}
-                      for q in plan.all_quantities}
-        if plan.tau is not None:
-            mechanisms["threshold"] = {"tau": plan.tau}
-        elif plan.threshold is not None and plan.selection is SelectionKind.TRUNCATED_GEOMETRIC:
-            # (no noise on the user count: it only decides, through π(n))
-            mechanisms[plan.threshold.name].update(kind=plan.selection.value, scale=None)
+        mechanisms = plan.mechanisms()
         accountant = self.config.analysts[session.user].accountant
         try:
             await self._check_affordable(session, plan, conn, accountant)

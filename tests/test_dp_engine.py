@@ -545,6 +545,24 @@ def test_truncated_geometric_selection_plan_and_release() -> None:
     assert global_plan.threshold is None and global_plan.selection is SelectionKind.LAPLACE
 
 
+def test_ledger_mechanism_details() -> None:
+    """What the ledger records per answer, by hand: ε = 1 split in halves between the user
+    count and the SUM (Δ = 10, C_u = 1), δ to the selection; τ = 1 − 2·ln(2·10⁻⁶)."""
+    sql = ("SELECT WITH ANONYMIZATION OPTIONS(partition_selection='{}') browser, "
+           "ANON_SUM(duration, 0, 10) AS s FROM visits GROUP BY browser")
+    total = {"kind": "laplace", "scale": 20.0, "epsilon": "1/2", "delta": "0"}
+    laplace = build(sql.format("laplace"))[1].mechanisms()
+    assert laplace.keys() == {"dp_users", "dp_a0_sum", "threshold"}
+    assert laplace["dp_users"] == {"kind": "laplace", "scale": 2.0, "epsilon": "1/2",
+                                   "delta": "1/1000000"}
+    assert laplace["dp_a0_sum"] == total
+    assert laplace["threshold"]["tau"] == pytest.approx(1 - 2 * math.log(2e-6), rel=1e-12)
+    geometric = build(sql.format("truncated_geometric"))[1].mechanisms()
+    assert geometric == {"dp_users": {"kind": "truncated_geometric", "scale": None,
+                                      "epsilon": "1/2", "delta": "1/1000000"},
+                         "dp_a0_sum": total}  # (no noise on the user count, no τ)
+
+
 def test_global_aggregate_over_no_rows_is_one_row() -> None:
     query, plan, _ = build("SELECT WITH ANONYMIZATION ANON_COUNT(*) AS n, ANON_AVG(duration, 0, 10) AS a "
                            "FROM visits WHERE false")
