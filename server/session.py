@@ -89,6 +89,7 @@ def _pending_kinds(data: bytes, start: int, stop: int) -> list[backend.Pending]:
         start += 1 + _LENGTH.unpack_from(data, start + 1)[0]
     return out
 
+
 _LOG_KINDS = {
     StatementKind.DP_QUERY: "dp_query", StatementKind.DP_EXPLAIN: "dp_explain",
     StatementKind.REFUSED: "refused", StatementKind.PASS_THROUGH: "pass_through",
@@ -290,7 +291,7 @@ class Session:
         kinds, unpack = _FAST_KINDS, _LENGTH.unpack_from
         unsynced = -1
         """Where the frames forwarded since the last Sync of this run begin (-1: none)."""
-        batch = link.batch_started  # (what `BackendLink.note_cycle` keeps, kept here a while)
+        batch = link.batch_started  # (`BackendLink.note_cycle`'s state, in a local for the loop)
         now = time.perf_counter()
         while pos + 5 <= n:
             tag = data[pos]  # an int: cheaper than a one-byte slice
