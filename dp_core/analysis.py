@@ -690,8 +690,10 @@ class _FromAnalysis:
                     raise _refuse("the same alias twice", alias)
                 self.tables.append(TableRef(alias, alias, sub_uid, derived=True))
             return node
-        if isinstance(node, ast.RangeFunction):
+        if isinstance(node, (ast.RangeFunction, ast.RangeTableFunc)):
             raise _refuse("functions in FROM", _sql(node))
+        if isinstance(node, ast.RangeTableSample):
+            raise _refuse("TABLESAMPLE (a DP query reads every row it selects)", _sql(node))
         raise _refuse(f"FROM item {type(node).__name__}", _sql(node))
 
     def _range_var(self, rv: ast.RangeVar) -> ast.RangeVar:

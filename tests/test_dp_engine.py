@@ -125,6 +125,28 @@ REFUSALS = [
     ("SELECT WITH ANONYMIZATION ANON_COUNT(DISTINCT browser) FROM visits", "COUNT(DISTINCT ...) of anything but the uid"),
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE ANON_COUNT(*) > 1", "aggregates inside expressions"),
     ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM countries", "must read a protected table"),
+    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE duration > row_number() OVER ()",
+     "window functions"),
+    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE public.f(duration) > 1",
+     "only built-in functions"),
+    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE abs(DISTINCT duration) > 1",
+     "aggregate syntax on a plain function"),
+    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE round(duration, duration) > 1",
+     "constant number of digits"),
+    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE date_trunc(browser, now()) IS NULL",
+     "constant, valid unit"),
+    ("SELECT WITH ANONYMIZATION a, ANON_COUNT(*) FROM (SELECT uid, browser FROM visits) AS v(u, a) "
+     "GROUP BY a", "column aliases on a subquery that reads protected tables"),
+    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits v JOIN purchases v USING (uid)",
+     "the same alias twice"),
+    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits TABLESAMPLE SYSTEM (10)",
+     "TABLESAMPLE"),
+    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits, ROWS FROM (generate_series(1, 2)) g",
+     "functions in FROM"),
+    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits, "
+     "XMLTABLE('/r' PASSING '<r/>' COLUMNS a int) x", "functions in FROM"),
+    ("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM (SELECT uid FROM visits)",
+     "a subquery in FROM needs an alias"),
 ]
 
 
