@@ -32,6 +32,9 @@ class AggKind(Enum):
     """Rows per user and group, clamped to [0, U] (U = 1 unless given): a bounded sum."""
     COUNT_USERS = "count_users"
     """COUNT(DISTINCT uid): the number of users in the group."""
+    COUNT_DISTINCT = "count_distinct"
+    """COUNT(DISTINCT x) of anything but the uid: the distinct values in the group, each user
+    adding at most k of its own (k = U, 1 unless given)."""
     SUM = "sum"
     AVG = "avg"
     VAR = "var"
@@ -1327,8 +1330,7 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
     if fc.agg_order or fc.agg_within_group:
         raise _refuse("ORDER BY or WITHIN GROUP in a DP aggregate", _sql(fc))
     args = _positional_args(fc, fname)
-    if fc.agg_filter is not None and fc.agg_distinct and not (
-            kind is AggKind.COUNT and len(args) == 1 and _is_uid(args[0], fa)):
+    if fc.agg_filter is not None and fc.agg_distinct and kind is not AggKind.COUNT:
         raise _refuse("FILTER with DISTINCT in a DP aggregate", _sql(fc))
     if kind is AggKind.COUNT:
         if fc.agg_distinct:
@@ -1337,7 +1339,7 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
                     return Aggregate(AggKind.COUNT, _filtered(fc, None, totalize), Bounds(0, 1),
                                      name)
                 return Aggregate(AggKind.COUNT_USERS, None, Bounds(0, 1), name)
-            raise _refuse("COUNT(DISTINCT ...) of anything but the uid column", _sql(fc))
+            return _count_distinct(fc, args, name, totalize)
         if fc.agg_star:
             bound = 1.0
             if args:  # ANON_COUNT(*, U)
@@ -1367,6 +1369,33 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
         raise _refuse(f"{fname.upper()} takes (x) or (x, lower, upper)", _sql(fc))
     bounds = _bounds(args[0], args[1:], fc, fa, policy)
     return Aggregate(kind, _filtered(fc, args[0], totalize), bounds, name)
+
+
+def _count_distinct(fc: ast.FuncCall, args: list[Any], name: str,
+                    totalize: Totalizer) -> Aggregate:
+    """COUNT(DISTINCT x [, k]), or with BigQuery's `contribution_bounds_per_group => (0, k)`:
+    each user adds at most k distinct values of its own to a group (1 unless given)."""
+    if fc.agg_star or not args:
+        raise _refuse("COUNT(DISTINCT x) takes one expression (and an optional per-user "
+                      "number of values)", _sql(fc))
+    if len(args) == 3:
+        if _bound_literal(args[1], fc) != 0:
+            raise _refuse("a count's lower bound other than 0 (each user adds 0 to k values)",
+                          _sql(fc))
+        args = [args[0], args[2]]
+    if len(args) > 2:
+        raise _refuse("COUNT(DISTINCT x) takes one expression (and an optional per-user "
+                      "number of values)", _sql(fc))
+    k = _bound_literal(args[1], fc) if len(args) == 2 else 1.0
+    if k < 1 or k != int(k) or k > MAX_DISTINCT_PER_USER:
+        raise _refuse(f"the number of distinct values a user adds to a group is a whole "
+                      f"number from 1 to {MAX_DISTINCT_PER_USER}", _sql(fc))
+    return Aggregate(AggKind.COUNT_DISTINCT, _filtered(fc, args[0], totalize), Bounds(0, k), name)
+
+
+MAX_DISTINCT_PER_USER = 100
+"""Largest k of COUNT(DISTINCT x, k): the pushdown holds k values per user and group
+(padded to k: memory in Postgres grows with users × k)."""
 
 
 def _filtered(fc: ast.FuncCall, value: Any, totalize: Totalizer) -> Any:

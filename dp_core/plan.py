@@ -22,6 +22,7 @@ class Component:
 
     USERS = "users"  # users in the group (τ-thresholding, COUNT(DISTINCT uid), COUNT(*))
     COUNT = "count"  # sum over users of min(rows, U)
+    DISTINCT = "distinct"  # distinct values among the users' (at most k each)
     SUM = "sum"  # sum over users of the clamped per-user value
     N = "n"  # users with a value (AVG/VAR denominators)
     CENTERED_SUM = "csum"  # sum of (clamped value − midpoint)
@@ -141,6 +142,9 @@ def _components(agg: Aggregate, noise: NoiseKind) -> list[tuple[str, float | Non
     half = (hi - lo) / 2
     if agg.kind is AggKind.COUNT:
         return [(Component.COUNT, hi)]
+    if agg.kind is AggKind.COUNT_DISTINCT:
+        # a user's k values in a group are all it can add to (or take from) its count
+        return [(Component.DISTINCT, hi)]
     if agg.kind is AggKind.SUM:
         return [(Component.SUM, max(abs(lo), abs(hi)))]
     if agg.kind is AggKind.AVG:

@@ -33,7 +33,10 @@ FLOAT8 = "float8"
 
 def output_type(agg: Aggregate) -> str:
     """Counts are bigint, every other DP aggregate double precision."""
-    return INT8 if agg.kind in (AggKind.COUNT, AggKind.COUNT_USERS) else FLOAT8
+    return INT8 if agg.kind in _COUNTS else FLOAT8
+
+
+_COUNTS = (AggKind.COUNT, AggKind.COUNT_USERS, AggKind.COUNT_DISTINCT)
 
 
 @dataclass(frozen=True)
@@ -259,6 +262,8 @@ def _aggregate_values(i: int, agg: Aggregate, plan: DPQueryPlan,
         return [max(0, round(v)) for v in noisy["dp_users"]]
     if agg.kind is AggKind.COUNT:
         return [max(0, round(v)) for v in noisy[f"dp_a{i}_{Component.COUNT}"]]
+    if agg.kind is AggKind.COUNT_DISTINCT:
+        return [max(0, round(v)) for v in noisy[f"dp_a{i}_{Component.DISTINCT}"]]
     if agg.kind is AggKind.SUM:
         return [float(v) for v in noisy[f"dp_a{i}_{Component.SUM}"]]
     return [float(v) for v in _derived(agg, *_components(i, agg, noisy))]

@@ -102,6 +102,13 @@ def _partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
     is its value over them."""
     if agg.kind is AggKind.COUNT:
         return f"count({_PH}a{i}) AS dp_p{i}" if agg.arg is not None else f"count(*) AS dp_p{i}"
+    if agg.kind is AggKind.COUNT_DISTINCT:
+        # the user's distinct values, at most k of them: a fixed choice among its own values
+        # (by a hash of their text, so that users with many values do not all keep the same
+        # smallest ones, which would make the count smaller than it need be)
+        return (f"(SELECT array_agg(dp_v) FROM (SELECT dp_v FROM unnest(array_agg(DISTINCT "
+                f"{_PH}a{i})) AS dp_v WHERE dp_v IS NOT NULL ORDER BY hashtext(dp_v::text) "
+                f"LIMIT {int(agg.known_bounds.upper)}) AS dp_d) AS dp_p{i}")
     if agg.arg is not None and arg_type is not None and arg_type not in NUMERIC_TYPES:
         raise FeatureNotSupported(
             f"{agg.output_name}: the argument of {agg.kind.value} must be a number, not {arg_type}",
@@ -301,6 +308,13 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
             p = f"dp_v{q.aggregate}"
         if q.component == Component.COUNT:
             finals.append(f"sum(LEAST({p}, {_num(hi)})) AS {q.name}")
+        elif q.component == Component.DISTINCT:
+            # each user's values padded with NULLs to k (array_agg of arrays needs one length)
+            # and counted once over all the group's users
+            v = f"coalesce({p}, '{{}}')"
+            padded = f"array_cat({v}, array_fill(({v})[0], ARRAY[{int(hi)} - cardinality({v})]))"
+            finals.append(f"(SELECT count(DISTINCT dp_v) FROM unnest(array_agg({padded})) "
+                          f"AS dp_v) AS {q.name}")
         elif q.component == Component.SUM:
             finals.append(f"sum({_clamp(p, lo, hi)}) AS {q.name}")
         elif q.component == Component.N:
@@ -473,7 +487,7 @@ def argument_probe_sql(query: AnalyzedQuery) -> str | None:
     written (t{i}, for their integer semantics) and, for queries with quantiles,
     of the keys (k{i}): one statement to prepare."""
     exprs = {f"a{i}": a.arg for i, a in enumerate(query.aggregates)
-             if a.arg is not None and a.kind is not AggKind.COUNT}
+             if a.arg is not None and a.kind not in (AggKind.COUNT, AggKind.COUNT_DISTINCT)}
     exprs.update((f"c{i}", c.arg) for i, c in enumerate(query.casts) if c.scope is None)
     exprs.update((f"t{i}", c.arg) for i, c in enumerate(query.arithmetic) if c.scope is None)
     if query.has_quantiles:  # (k{i}): whether trees and rows can be matched by key text

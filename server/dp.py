@@ -461,13 +461,16 @@ class DPService:
     async def _split(self, prepared: Prepared, conn: Any, choose_prefilter: bool = True) -> None:
         """Sets how the pushdown may be split by uid ranges (`prepared.split`, `.ranged`,
         `.split_ranges`): only over a large table whose uid could be sampled, with group keys
-        whose texts rows can be added up by, and (for quantile trees, which merge as streams
-        in key order) a server encoding whose byte order is the code points'."""
+        whose texts rows can be added up by, no COUNT(DISTINCT x), and (for quantile trees,
+        which merge as streams in key order) a server encoding whose byte order is the code
+        points'."""
         b = self.config.backend
         table = _uid_table(prepared.query)
         if b.pushdown_split < 2 or table is None or any(
                 o not in _SPLIT_KEY_OIDS for o in prepared.key_oids):
             return
+        if any(a.kind is AggKind.COUNT_DISTINCT for a in prepared.query.aggregates):
+            return  # (distinct values do not add up over ranges of users: one value, many)
         if ("trees" in prepared.statements and prepared.key_oids
                 and conn.get_settings().server_encoding not in _CODE_POINT_ORDER):
             return

@@ -180,6 +180,50 @@ def test_filtered_aggregates(proxy: Proxy, reset: None) -> None:
         assert abs(users_us - where_us) < 100
 
 
+def test_count_distinct_values(proxy: Proxy, reset: None, backend: Backend) -> None:
+    """COUNT(DISTINCT x) of anything but the uid (Tableau's COUNTD, Metabase's "number of
+    distinct values"): each user adds at most k distinct values of its own to a group, the k
+    whose text hashes lowest. A global query keeps every user, so its answer is that bounded
+    count, computed here independently, plus Laplace noise of scale k/ε (C_u is 1 without
+    GROUP BY). Grouped: bigint, never above the true count by more than the noise."""
+
+    async def truth() -> tuple[int, int, dict[str, int]]:
+        conn = await asyncpg.connect(backend.pushdown.uri())
+        try:
+            countries = await conn.fetchval("SELECT count(DISTINCT country) FROM visits")
+            two_each = await conn.fetchval(
+                "SELECT count(DISTINCT duration) FROM (SELECT duration, row_number() OVER "
+                "(PARTITION BY uid ORDER BY hashtext(duration::text)) AS r FROM (SELECT DISTINCT "
+                "uid, duration FROM visits WHERE duration IS NOT NULL) AS d) AS s WHERE r <= 2")
+            by = dict(await conn.fetch("SELECT browser, count(DISTINCT country) FROM visits "
+                                       "GROUP BY browser"))
+            return countries, two_each, by
+        finally:
+            await conn.close()
+
+    countries, two_each, by_browser = asyncio.run(truth())
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        # every user has one country: k = 1 drops none; scale 1/4, off by more than 14
+        # scales with probability e^-14 (1e-6)
+        (got,), = conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=4) "
+                               "ANON_COUNT(DISTINCT country) AS n FROM visits").fetchall()
+        assert isinstance(got, int) and abs(got - countries) <= 14 / 4 + 0.5, (got, countries)
+        # users have up to 1705 durations; two each (scale 2/4) keep about a third of them
+        (got,), = conn.execute("SELECT WITH DIFFERENTIAL_PRIVACY OPTIONS(epsilon=4, "
+                               "privacy_unit_column=uid) COUNT(DISTINCT duration, "
+                               "contribution_bounds_per_group => (0, 2)) FROM visits").fetchall()
+        assert isinstance(got, int) and abs(got - two_each) <= 14 * 2 / 4 + 0.5, (got, two_each)
+        rows = conn.execute("SELECT browser, COUNT(DISTINCT country) AS c FROM visits "
+                            "GROUP BY browser").fetchall()
+        # the plain form: ε 1 split in halves, C_u 1, k 1: scale 2
+        assert rows and all(isinstance(c, int) and 0 <= c <= by_browser[b] + 28 for b, c in rows)
+        plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN SELECT browser, COUNT(DISTINCT country, 3) AS c FROM visits "
+            "GROUP BY browser").fetchall())
+        assert "c: distinct, sensitivity 3, epsilon 0.5, delta 0, laplace scale 6" in plan, plan
+        assert spent(conn)[0] == pytest.approx(9)
+
+
 def test_bigquery_spelling_is_answered(proxy: Proxy, reset: None) -> None:
     """A query as BigQuery's documentation writes it runs as is: WITH DIFFERENTIAL_PRIVACY,
     privacy_unit_column, named contribution bounds, COUNT(*, ...). A privacy unit other than

@@ -47,6 +47,8 @@ def _group_row(values: list[float], query, plan) -> dict[str, float]:  # type: i
             row[q.name] = sum((c - mid) ** 2 for c in clamped)
         elif q.component == "count":
             row[q.name] = len(values)
+        elif q.component == "distinct":  # each user's one value (k = 1), rounded: 0 to 10
+            row[q.name] = len({round(v) for v in values})
     return row
 
 
@@ -68,6 +70,8 @@ MECHANISMS = {
     "avg": f"SELECT WITH ANONYMIZATION OPTIONS(epsilon={EPSILON}) ANON_AVG(duration, {LOWER}, {UPPER}) FROM visits",
     "var": f"SELECT WITH ANONYMIZATION OPTIONS(epsilon={EPSILON}) ANON_VAR(duration, {LOWER}, {UPPER}) FROM visits",
     "stddev": f"SELECT WITH ANONYMIZATION OPTIONS(epsilon={EPSILON}) ANON_STDDEV(duration, {LOWER}, {UPPER}) FROM visits",
+    "count distinct": f"SELECT WITH ANONYMIZATION OPTIONS(epsilon={EPSILON}) "
+                      "ANON_COUNT(DISTINCT duration) FROM visits",
     # without GROUP BY the noise is calibrated for one group per user whatever C_u says
     "sum, C_u 3": f"SELECT WITH ANONYMIZATION OPTIONS(epsilon={EPSILON}, max_groups_contributed=3) "
                   f"ANON_SUM(duration, {LOWER}, {UPPER}) FROM visits",
