@@ -103,6 +103,12 @@ def _partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
     if agg.kind is AggKind.COUNT:
         return f"count({_PH}a{i}) AS dp_p{i}" if agg.arg is not None else f"count(*) AS dp_p{i}"
     if agg.kind is AggKind.COUNT_DISTINCT:
+        if arg_type is not None and (arg_type.endswith("[]") or arg_type.startswith("_")):
+            # an array (as asyncpg, or pg_type, names it): arrays of arrays must have one
+            # shape, so the pushdown would fail on the data, after the charge
+            raise FeatureNotSupported(
+                f"{agg.output_name}: COUNT(DISTINCT x) of an array (type {arg_type})",
+                hint="count a scalar, e.g. the array's text: x::text")
         # the user's distinct values, at most k of them: a fixed choice among its own values
         # (by a hash of their text, so that users with many values do not all keep the same
         # smallest ones, which would make the count smaller than it need be)
@@ -487,7 +493,7 @@ def argument_probe_sql(query: AnalyzedQuery) -> str | None:
     written (t{i}, for their integer semantics) and, for queries with quantiles,
     of the keys (k{i}): one statement to prepare."""
     exprs = {f"a{i}": a.arg for i, a in enumerate(query.aggregates)
-             if a.arg is not None and a.kind not in (AggKind.COUNT, AggKind.COUNT_DISTINCT)}
+             if a.arg is not None and a.kind is not AggKind.COUNT}
     exprs.update((f"c{i}", c.arg) for i, c in enumerate(query.casts) if c.scope is None)
     exprs.update((f"t{i}", c.arg) for i, c in enumerate(query.arithmetic) if c.scope is None)
     if query.has_quantiles:  # (k{i}): whether trees and rows can be matched by key text

@@ -612,6 +612,11 @@ def test_count_distinct_sensitivity_by_hand() -> None:
     rows = [{"dp_k0": "a", "dp_t0": "a", "dp_users": 10_000, "dp_a0_distinct": -50.0}]
     (released,) = release(query, plan, rows).rows
     assert isinstance(released[1], int) and released[1] >= 0
+    # the argument's type is probed; an array is refused at planning (arrays of arrays must
+    # have one shape, so the pushdown would fail on the data, after the charge)
+    assert "AS a0" in (argument_probe_sql(query) or "")
+    with pytest.raises(FeatureNotSupported, match="of an array"):
+        pushdown(query, plan, {0: "int4[]"}, order_seed=1)
 
 
 def test_global_aggregate_over_no_rows_is_one_row() -> None:

@@ -89,14 +89,16 @@ def _aggregate(rng: random.Random, cols: list[str], plain: bool, uid: str) -> st
     if plain:
         return rng.choice(["COUNT(*)", f"SUM({x})", f"AVG({x})", "count(*)",
                            f"COUNT(DISTINCT {uid})", f"MIN({x})", f"stddev({x})",
-                           f"COUNT({rng.choice(cols)})", f"sum({x}) FILTER (WHERE {x} > 1)"])
+                           f"COUNT({rng.choice(cols)})", f"sum({x}) FILTER (WHERE {x} > 1)",
+                           f"COUNT(DISTINCT {rng.choice(cols)})"])
     return rng.choice([
         "ANON_COUNT(*)", f"ANON_COUNT(*, {rng.choice([1, 3, 0])})", f"ANON_COUNT(DISTINCT {uid})",
         f"ANON_SUM({x}{bounds})", f"ANON_AVG({x}{bounds})", f"ANON_VAR({x}{bounds})",
         f"ANON_STDDEV({x}{bounds})", f"ANON_MEDIAN({x}{bounds})",
         f"ANON_NTILE({x}, {rng.choice([0.1, 0.9, 1.5])}{bounds})", f"ANON_MIN({x}{bounds})",
         f"ANON_MAX({x}{bounds})", f"ANON_COUNT({rng.choice(cols)})",
-        f"ANON_SUM({x}{bounds}) FILTER (WHERE {x} > 1)", f"ANON_SUM(DISTINCT {x}{bounds})"])
+        f"ANON_SUM({x}{bounds}) FILTER (WHERE {x} > 1)", f"ANON_SUM(DISTINCT {x}{bounds})",
+        f"ANON_COUNT(DISTINCT {x}, {rng.choice([1, 2, 0, 101])})"])
 
 
 def _condition(rng: random.Random, cols: list[str], uid: str) -> str:
