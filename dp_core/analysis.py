@@ -1334,12 +1334,14 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
         raise _refuse("FILTER with DISTINCT in a DP aggregate", _sql(fc))
     if kind is AggKind.COUNT:
         if fc.agg_distinct:
-            if len(args) == 1 and _is_uid(args[0], fa):
+            arg, k = _distinct_count_args(fc, args)
+            if _is_uid(arg, fa):  # (k changes nothing for the uid: each user has one)
                 if fc.agg_filter is not None:  # the users with a row that passes: each counts 1
                     return Aggregate(AggKind.COUNT, _filtered(fc, None, totalize), Bounds(0, 1),
                                      name)
                 return Aggregate(AggKind.COUNT_USERS, None, Bounds(0, 1), name)
-            return _count_distinct(fc, args, name, totalize)
+            return Aggregate(AggKind.COUNT_DISTINCT, _filtered(fc, arg, totalize), Bounds(0, k),
+                             name)
         if fc.agg_star:
             bound = 1.0
             if args:  # ANON_COUNT(*, U)
@@ -1371,10 +1373,9 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
     return Aggregate(kind, _filtered(fc, args[0], totalize), bounds, name)
 
 
-def _count_distinct(fc: ast.FuncCall, args: list[Any], name: str,
-                    totalize: Totalizer) -> Aggregate:
+def _distinct_count_args(fc: ast.FuncCall, args: list[Any]) -> tuple[Any, float]:
     """COUNT(DISTINCT x [, k]), or with BigQuery's `contribution_bounds_per_group => (0, k)`:
-    each user adds at most k distinct values of its own to a group (1 unless given)."""
+    x, and k, the distinct values of its own each user may add to a group (1 unless given)."""
     if fc.agg_star or not args:
         raise _refuse("COUNT(DISTINCT x) takes one expression (and an optional per-user "
                       "number of values)", _sql(fc))
@@ -1390,7 +1391,7 @@ def _count_distinct(fc: ast.FuncCall, args: list[Any], name: str,
     if k < 1 or k != int(k) or k > MAX_DISTINCT_PER_USER:
         raise _refuse(f"the number of distinct values a user adds to a group is a whole "
                       f"number from 1 to {MAX_DISTINCT_PER_USER}", _sql(fc))
-    return Aggregate(AggKind.COUNT_DISTINCT, _filtered(fc, args[0], totalize), Bounds(0, k), name)
+    return args[0], k
 
 
 MAX_DISTINCT_PER_USER = 100

@@ -612,6 +612,11 @@ def test_count_distinct_sensitivity_by_hand() -> None:
     rows = [{"dp_k0": "a", "dp_t0": "a", "dp_users": 10_000, "dp_a0_distinct": -50.0}]
     (released,) = release(query, plan, rows).rows
     assert isinstance(released[1], int) and released[1] >= 0
+    # the uid with a k is the user count (each user has one uid), its k checked all the same
+    uid_query, _, _ = build("SELECT WITH ANONYMIZATION ANON_COUNT(DISTINCT uid, 3) FROM visits")
+    assert uid_query.aggregates[0].kind is AggKind.COUNT_USERS
+    with pytest.raises(FeatureNotSupported, match="whole number"):
+        build("SELECT WITH ANONYMIZATION ANON_COUNT(DISTINCT uid, 0) FROM visits")
     # the argument's type is probed; an array is refused at planning (arrays of arrays must
     # have one shape, so the pushdown would fail on the data, after the charge)
     assert "AS a0" in (argument_probe_sql(query) or "")
