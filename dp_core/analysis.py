@@ -1376,7 +1376,7 @@ def _make_aggregate(fc: ast.FuncCall, name: str, fa: _FromAnalysis,
 def _distinct_count_args(fc: ast.FuncCall, args: list[Any]) -> tuple[Any, float]:
     """COUNT(DISTINCT x [, k]), or with BigQuery's `contribution_bounds_per_group => (0, k)`:
     x, and k, the distinct values of its own each user may add to a group (1 unless given)."""
-    if fc.agg_star or not args:
+    if fc.agg_star or len(args) not in (1, 2, 3):
         raise _refuse("COUNT(DISTINCT x) takes one expression (and an optional per-user "
                       "number of values)", _sql(fc))
     if len(args) == 3:
@@ -1384,9 +1384,6 @@ def _distinct_count_args(fc: ast.FuncCall, args: list[Any]) -> tuple[Any, float]
             raise _refuse("a count's lower bound other than 0 (each user adds 0 to k values)",
                           _sql(fc))
         args = [args[0], args[2]]
-    if len(args) > 2:
-        raise _refuse("COUNT(DISTINCT x) takes one expression (and an optional per-user "
-                      "number of values)", _sql(fc))
     k = _bound_literal(args[1], fc) if len(args) == 2 else 1.0
     if k < 1 or k != int(k) or k > MAX_DISTINCT_PER_USER:
         raise _refuse(f"the number of distinct values a user adds to a group is a whole "

@@ -31,12 +31,12 @@ INT8 = "int8"
 FLOAT8 = "float8"
 
 
+_COUNTS = (AggKind.COUNT, AggKind.COUNT_USERS, AggKind.COUNT_DISTINCT)
+
+
 def output_type(agg: Aggregate) -> str:
     """Counts are bigint, every other DP aggregate double precision."""
     return INT8 if agg.kind in _COUNTS else FLOAT8
-
-
-_COUNTS = (AggKind.COUNT, AggKind.COUNT_USERS, AggKind.COUNT_DISTINCT)
 
 
 @dataclass(frozen=True)
@@ -260,15 +260,15 @@ def _aggregate_values(i: int, agg: Aggregate, plan: DPQueryPlan,
                       noisy: Mapping[str, NDArray[np.float64]], n: int) -> list[int | float]:
     if reads_user_count(agg):
         return [max(0, round(v)) for v in noisy["dp_users"]]
-    if agg.kind is AggKind.COUNT:
-        return [max(0, round(v)) for v in noisy[f"dp_a{i}_{Component.COUNT}"]]
-    if agg.kind is AggKind.COUNT_DISTINCT:
-        return [max(0, round(v)) for v in noisy[f"dp_a{i}_{Component.DISTINCT}"]]
+    if agg.kind in _COUNT_COMPONENTS:
+        return [max(0, round(v)) for v in noisy[f"dp_a{i}_{_COUNT_COMPONENTS[agg.kind]}"]]
     if agg.kind is AggKind.SUM:
         return [float(v) for v in noisy[f"dp_a{i}_{Component.SUM}"]]
     return [float(v) for v in _derived(agg, *_components(i, agg, noisy))]
 
 
+_COUNT_COMPONENTS = {AggKind.COUNT: Component.COUNT, AggKind.COUNT_DISTINCT: Component.DISTINCT}
+"""The one noisy quantity of each bounded count, released rounded and never below 0."""
 _DERIVED = (AggKind.AVG, AggKind.VAR, AggKind.STDDEV)
 _SIMULATED = 4000
 

@@ -103,9 +103,9 @@ def _partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
     if agg.kind is AggKind.COUNT:
         return f"count({_PH}a{i}) AS dp_p{i}" if agg.arg is not None else f"count(*) AS dp_p{i}"
     if agg.kind is AggKind.COUNT_DISTINCT:
-        if arg_type is not None and (arg_type.endswith("[]") or arg_type.startswith("_")):
-            # an array (as asyncpg, or pg_type, names it): arrays of arrays must have one
-            # shape, so the pushdown would fail on the data, after the charge
+        if arg_type is not None and arg_type.endswith("[]"):
+            # an array (as the probe names it): arrays of arrays must have one shape, so the
+            # pushdown would fail on the data, after the charge
             raise FeatureNotSupported(
                 f"{agg.output_name}: COUNT(DISTINCT x) of an array (type {arg_type})",
                 hint="count a scalar, e.g. the array's text: x::text")
