@@ -112,21 +112,39 @@ def _ensure_os_user(name: str) -> tuple[int, int]:
     return entry.pw_uid, entry.pw_gid
 
 
-def _bindir_for_uid(bindir: Path) -> Path:
+_CACHE_LAYOUT = "2"
+"""Bumped when what the cache holds changes, so that a copy made by an older layout is not reused."""
+
+
+def _bindir_for_uid(bindir: Path, run_as: tuple[int, int] | None = None) -> Path:
     """A copy of the installation that an unprivileged user can execute.
 
-    Running as root, a virtualenv under a 0700 home is out of the Postgres
-    user's reach; the install tree (bin, lib, share) is then copied once into a
-    world-readable cache keyed by its location.
+    Running as root, a virtualenv under a 0700 home is out of the Postgres user's reach; the
+    install tree (bin, lib, share) is then copied once into a world-readable cache keyed by its
+    location. pgserver's binaries find their shared libraries through
+    `RPATH $ORIGIN/../../../pgserver.libs` (a sibling of the package, as auditwheel lays it
+    out), so the copy keeps that layout: `<cache>/<package>/<install>` beside
+    `<cache>/<package>.libs`. A cached copy is used only after its `initdb --version` runs as
+    `run_as`; a broken one (an older layout, a partial copy) is replaced.
     """
     if _world_traversable(bindir):
         return bindir
     prefix = bindir.parent
-    key = hashlib.sha256(f"{prefix}:{prefix.stat().st_mtime_ns}".encode()).hexdigest()[:12]
+    package = prefix.parent
+    libs = package.parent / f"{package.name}.libs"
+    key = hashlib.sha256(
+        f"{_CACHE_LAYOUT}:{prefix}:{prefix.stat().st_mtime_ns}".encode()
+    ).hexdigest()[:12]
     cache = Path(tempfile.gettempdir()) / f"dp-proxy-pginstall-{key}"
-    if not (cache / "bin" / "postgres").exists():
+    cached_bindir = cache / package.name / prefix.name / bindir.name
+    if cache.exists() and not _runs(cached_bindir, run_as):
+        shutil.rmtree(cache, ignore_errors=True)
+    if not cache.exists():
         staging = Path(tempfile.mkdtemp(prefix="dp-proxy-pginstall-"))
-        shutil.copytree(prefix, staging / "tree", symlinks=True)
+        tree = staging / "tree"
+        shutil.copytree(prefix, tree / package.name / prefix.name, symlinks=True)
+        if libs.is_dir():
+            shutil.copytree(libs, tree / libs.name, symlinks=True)
         for root, dirs, files in os.walk(staging):
             for name in dirs + files:
                 p = Path(root) / name
@@ -134,9 +152,27 @@ def _bindir_for_uid(bindir: Path) -> Path:
                     p.chmod(p.stat().st_mode | stat.S_IROTH | stat.S_IXOTH | stat.S_IRGRP)
         staging.chmod(0o755)
         with contextlib.suppress(OSError):  # another process won the race; its copy is as good
-            (staging / "tree").rename(cache)
+            tree.rename(cache)
         shutil.rmtree(staging, ignore_errors=True)
-    return cache / "bin"
+    if not _runs(cached_bindir, run_as):
+        raise EmbeddedPostgresError(
+            f"the copy of Postgres's binaries in {cache} does not run as the OS user "
+            f"{PG_OS_USER!r}: remove it and try again, or run dp-proxy as an ordinary user"
+        )
+    return cached_bindir
+
+
+def _runs(bindir: Path, run_as: tuple[int, int] | None) -> bool:
+    """True when `initdb --version` from `bindir` runs (as `run_as`): its libraries load."""
+    user, group = run_as if run_as is not None else (None, None)
+    try:
+        out = subprocess.run(
+            [str(bindir / "initdb"), "--version"],
+            capture_output=True, check=False, user=user, group=group, timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0
 
 
 def _free_loopback_port() -> int:
@@ -167,6 +203,9 @@ class EmbeddedPostgres:
     """Trade durability for speed (fsync off): right for throwaway clusters."""
     host_auth: str = "trust"
     """pg_hba method for TCP connections (e.g. "md5", "scram-sha-256"); the socket always trusts."""
+
+    bindir: Path | None = None
+    """Where initdb and postgres are; found by `find_bindir()` when not given."""
 
     port: int = 5432
     socket_dir: Path = field(init=False)
@@ -201,10 +240,10 @@ class EmbeddedPostgres:
         """Create the cluster if needed and start it; returns when it accepts connections."""
         if self.is_running():
             return self
-        bindir = find_bindir()
+        bindir = self.bindir if self.bindir is not None else find_bindir()
         if os.geteuid() == 0:
             self._uid, self._gid = _ensure_os_user(PG_OS_USER)
-            bindir = _bindir_for_uid(bindir)
+            bindir = _bindir_for_uid(bindir, (self._uid, self._gid))
         remove_stale_clusters()
         self._base = Path(tempfile.mkdtemp(prefix=_BASE_PREFIX))
         self._base.chmod(0o700)

@@ -170,3 +170,46 @@ def test_demo_stops_postgres_on_signal(sig: signal.Signals) -> None:
     assert "stopped" in out
     for pid in postmasters:
         assert not _alive(pid), f"postgres {pid} still running after {sig.name}"
+
+
+def _private_copy_of_pgserver(home: Path) -> Path:
+    """pgserver's install tree and its `.libs` sibling, laid out as in site-packages, under a
+    0700 directory (a virtualenv in /root): returns the copy's bin directory."""
+    import shutil
+
+    from server.embedded import find_bindir
+
+    bindir = find_bindir()
+    prefix, package = bindir.parent, bindir.parent.parent
+    site = home / "venv" / "site-packages"
+    shutil.copytree(prefix, site / package.name / prefix.name, symlinks=True)
+    libs = package.parent / f"{package.name}.libs"
+    if libs.is_dir():
+        shutil.copytree(libs, site / libs.name, symlinks=True)
+    home.chmod(0o700)
+    return site / package.name / prefix.name / bindir.name
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the private-home case arises only as root")
+def test_root_in_a_private_home_starts_postgres_and_replaces_a_broken_copy(tmp_path: Path) -> None:
+    """As root from a 0700 home, Postgres runs as the OS user from a world-readable copy that
+    keeps pgserver's RPATH layout; a broken copy left by an older version is replaced."""
+    import shutil
+
+    from server.embedded import _bindir_for_uid, _ensure_os_user, find_bindir
+
+    if not (find_bindir().parent.parent.parent / f"{find_bindir().parent.parent.name}.libs").is_dir():
+        pytest.skip("Postgres binaries are not pgserver's (no .libs directory beside them)")
+    home = tmp_path / "root-home"
+    home.mkdir()
+    bindir = _private_copy_of_pgserver(home)
+    with EmbeddedPostgres(bindir=bindir) as pg:
+        assert asyncio.run(_select_one(pg.dsn())) == 1
+    cached = _bindir_for_uid(bindir, _ensure_os_user("dpproxy-pg"))
+    assert cached != bindir
+    libs = cached.parent.parent.parent / f"{cached.parent.parent.name}.libs"
+    shutil.rmtree(libs)  # what the broken copy of the earlier layout looked like
+    with EmbeddedPostgres(bindir=bindir) as pg:
+        assert asyncio.run(_select_one(pg.dsn())) == 1
+    assert libs.is_dir()
+    shutil.rmtree(cached.parent.parent.parent, ignore_errors=True)
