@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import re
+import sys
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Self
@@ -246,6 +247,20 @@ class DefaultsConfig(_Strict):
     max_epsilon_per_query: PositiveFloat = 10.0
     max_delta_per_query: Probability = 1e-3
     max_groups_contributed_limit: int = Field(default=100, ge=1, le=10_000)
+    min_epsilon: float = Field(default=1e-3, ge=sys.float_info.min, allow_inf_nan=False,
+                               description=(
+        "the least ε a query (its OPTIONS or `SET dp.epsilon`) may ask for: near-free "
+        "queries would make probing, one answer or failure per guess, cost nothing"))
+    max_row_work_passes: float = Field(default=64.0, ge=1.0, le=1e6, description=(
+        "the most work a DP query's expressions may do on one row, in passes over the row's "
+        "values (dp_core.cost): above it the query is refused before anything runs"))
+    max_row_work_bytes: float = Field(default=4096.0, ge=0.0, le=1e9, description=(
+        "with max_row_work_passes: the most work per row beyond those passes, in bytes "
+        "(lpad(x, 1000) produces up to 4000)"))
+    release_quantum_ms: float = Field(default=50.0, ge=0.0, le=60_000.0, description=(
+        "each charged DP outcome (an answer, or the failure of a charged query) is sent at "
+        "the next multiple of this after the query arrived, so that its time says less about "
+        "the data (0: as soon as it is ready)"))
 
     @model_validator(mode="after")
     def _within_caps(self) -> Self:
@@ -253,6 +268,11 @@ class DefaultsConfig(_Strict):
             raise ValueError(
                 f"epsilon {self.epsilon} is above max_epsilon_per_query {self.max_epsilon_per_query}"
             )
+        if self.epsilon < self.min_epsilon:
+            raise ValueError(f"epsilon {self.epsilon} is below min_epsilon {self.min_epsilon}")
+        if self.min_epsilon > self.max_epsilon_per_query:
+            raise ValueError(f"min_epsilon {self.min_epsilon} is above max_epsilon_per_query "
+                             f"{self.max_epsilon_per_query}")
         if self.delta > self.max_delta_per_query:
             raise ValueError(
                 f"delta {self.delta} is above max_delta_per_query {self.max_delta_per_query}"

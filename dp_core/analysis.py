@@ -12,19 +12,28 @@ all inputs are allowed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
 from pglast import ast, parse_sql
-from pglast.enums import A_Expr_Kind, BoolExprType, JoinType, SubLinkType
+from pglast.enums import A_Expr_Kind, BoolExprType, JoinType, MinMaxOp, NullTestType, SubLinkType
 from pglast.parser import ParseError
 from pglast.visitors import Visitor
 
-from dp_core.errors import FeatureNotSupported, InternalError, SyntaxError_
+from dp_core.cost import Cost, Linear, RowWorkBudget, row_cost
+from dp_core.errors import (
+    FeatureNotSupported,
+    InternalError,
+    InvalidParameterValue,
+    StatementTooComplex,
+    SyntaxError_,
+)
 
 
 class AggKind(Enum):
@@ -94,6 +103,9 @@ class CastCheck:
     DP query's own FROM. Its FROM is final once the analysis is done."""
     rule: str | None = None
     """The refusal's rule when it is not a cast (an operand of `||` that is not text)."""
+    sources: frozenset[str] | None = None
+    """The source types accepted, where the check is not of a cast to `target` (a date/time
+    function's unit, which fails on every value of the other types)."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +158,10 @@ def _is_number_valued(node: Any) -> bool:
 def check_casts(casts: Sequence[CastCheck], source_types: Sequence[str]) -> None:
     """Refuse the query unless every deferred cast is total for its source type."""
     for cast, source in zip(casts, source_types, strict=True):
-        if cast.target not in TOTAL_CASTS.get(source, frozenset()):
+        if cast.sources is not None:
+            if source not in cast.sources:
+                raise _refuse(f"{cast.rule}, not {source}", cast.text)
+        elif cast.target not in TOTAL_CASTS.get(source, frozenset()):
             if cast.rule is not None:
                 raise _refuse(f"{cast.rule}, not {source}", cast.text)
             raise _refuse(f"casts of column values from {source} to {cast.target} (they can "
@@ -216,6 +231,9 @@ class AnalyzedQuery:
     """Casts whose totality depends on their source type (see `check_casts`)."""
     arithmetic: tuple[ArithmeticCheck, ...] = ()
     """Arithmetic operators whose type decides their integer semantics (`ArithmeticCheck`)."""
+    relations: tuple[Relation, ...] = ()
+    """The unprotected tables it reads by name (schema as written, or None; name): the
+    server refuses the query unless each is one the analysts may read."""
     outer: ast.SelectStmt | None = None
     """A query over this one's answer (`SELECT ... FROM (DP query) AS t WHERE ...`, as Power BI
     writes): post-processing, run over the released rows; its FROM item's subquery is
@@ -313,6 +331,37 @@ _DATE_UNITS = frozenset({
     "microseconds", "milliseconds", "second", "minute", "hour", "day", "week", "month", "quarter",
     "year", "decade", "century", "millennium", "dow", "doy", "isodow", "isoyear", "epoch",
 })
+_TIME_OF_DAY = frozenset({"microseconds", "milliseconds", "second", "minute", "hour"})
+_SPANS = _TIME_OF_DAY | {"day", "month", "quarter", "year", "decade", "century", "millennium"}
+DATETIME_UNITS: dict[tuple[str, str], frozenset[str]] = {
+    ("date_trunc", "timestamp"): _TIME_OF_DAY | {"day", "week", "month", "quarter", "year"},
+    ("date_trunc", "timestamptz"): _TIME_OF_DAY | {"day", "week", "month", "quarter", "year"},
+    ("date_trunc", "interval"): _SPANS,
+    ("date_part", "timestamp"): _DATE_UNITS,
+    ("date_part", "timestamptz"): _DATE_UNITS,
+    ("date_part", "interval"): _SPANS | {"epoch"},
+    ("date_part", "time"): _TIME_OF_DAY | {"epoch"},
+    ("date_part", "timetz"): _TIME_OF_DAY | {"epoch"},
+    ("extract", "timestamp"): _DATE_UNITS,
+    ("extract", "timestamptz"): _DATE_UNITS,
+    ("extract", "date"): _DATE_UNITS - _TIME_OF_DAY,
+    ("extract", "interval"): _SPANS | {"epoch"},
+    ("extract", "time"): _TIME_OF_DAY | {"epoch"},
+    ("extract", "timetz"): _TIME_OF_DAY | {"epoch"},
+}
+"""The units each date/time function takes without failing on any value of the argument's
+type (from the first to the last representable one, infinities included; checked against
+Postgres by tests/test_attacks.py). Elsewhere it fails on some values only (date_trunc to the
+decade overflows near the end of timestamps' range) or on every one (extract(hour FROM
+date)), and a date reaches date_trunc and date_part only through a cast to timestamp that
+fails past 294276 AD: refused when the query is planned, from the argument's type."""
+MAX_MAGNITUDE = 1e300
+"""Arithmetic in a DP query runs in numeric with every operand and result clamped to
+±MAX_MAGNITUDE (`_clamped`): a product of two is within numeric's range (10^131072), so no
+value of any row can overflow it; number literals in arithmetic must lie within it."""
+MAX_BOUND = 1e100
+"""Largest magnitude of a contribution bound: the sum of a bounded value over every user
+(and its noise) stays far inside float8's range."""
 _TOTAL_OPERATORS = frozenset({"=", "<>", "!=", "<", ">", "<=", ">="})
 _ARITHMETIC = frozenset({"+", "-", "*", "/", "%"})
 _SYSTEM_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast"})
@@ -334,6 +383,12 @@ def _sql(node: Any) -> str:
         text = str(RawStream()(node))
     except Exception:  # pragma: no cover - printing only feeds error messages
         return type(node).__name__
+    finally:
+        # pglast's printer leaves on each node it printed an `ancestors` chain that links the
+        # whole tree: a later deepcopy of the node would walk it (and exhaust the stack)
+        for n in _walk(node):
+            with contextlib.suppress(AttributeError):
+                del n.ancestors
     return text if len(text) <= 120 else text[:117] + "..."
 
 
@@ -388,22 +443,90 @@ def _nullif_zero(node: ast.Node) -> ast.Node:
                       lexpr=_numeric(node), rexpr=zero)
 
 
+def _clamped(node: ast.Node) -> ast.Node:
+    """`node` as numeric within ±MAX_MAGNITUDE (NaN and +Infinity to the top, -Infinity to the
+    bottom: NaN sorts above every number); a number literal is checked instead."""
+    value = const_number(node)
+    if value is not None:
+        if not abs(value) <= MAX_MAGNITUDE:
+            raise _refuse(f"number literals in arithmetic beyond ±{MAX_MAGNITUDE:g}", _sql(node))
+        return _numeric(node)
+
+    def limit(kind: MinMaxOp, value: str, arg: ast.Node) -> ast.Node:
+        return ast.MinMaxExpr(op=kind, args=(arg, _numeric(ast.A_Const(val=ast.Float(
+            fval=value)))))
+
+    low = limit(MinMaxOp.IS_GREATEST, f"-{MAX_MAGNITUDE:g}", _numeric(node))
+    return limit(MinMaxOp.IS_LEAST, f"{MAX_MAGNITUDE:g}", low)
+
+
+# ---------------------------------------------------------------------------- clauses
+
+Relation = tuple[str | None, str]
+"""An unprotected table a DP query reads: (schema as written, or None; name)."""
+
+_CLAUSES = {
+    "distinctClause": "DISTINCT", "intoClause": "INTO", "targetList": "a select list",
+    "fromClause": "FROM", "whereClause": "WHERE", "groupClause": "GROUP BY",
+    "groupDistinct": "GROUP BY DISTINCT", "havingClause": "HAVING", "windowClause": "WINDOW",
+    "valuesLists": "VALUES", "sortClause": "ORDER BY", "limitOffset": "OFFSET",
+    "limitCount": "LIMIT", "limitOption": "FETCH ... WITH TIES",
+    "lockingClause": "FOR UPDATE or FOR SHARE", "withClause": "WITH",
+    "op": "UNION, INTERSECT or EXCEPT", "all": "UNION, INTERSECT or EXCEPT",
+    "larg": "UNION, INTERSECT or EXCEPT", "rarg": "UNION, INTERSECT or EXCEPT",
+}
+_WITH_TIES = 2
+"""pglast's LimitOption.LIMIT_OPTION_WITH_TIES (COUNT, 1, goes with a LIMIT)."""
+
+
+def _only_clauses(sel: ast.SelectStmt, allowed: Iterable[str], scope: str) -> None:
+    """Refuse every clause of `sel` that is present and not in `allowed`: the rules accept a
+    SELECT clause by clause, so a clause no rule handles (or one a later pglast adds) never
+    runs unchecked as the pushdown role."""
+    accepted = frozenset(allowed)
+    for name in sel:
+        value = getattr(sel, name)
+        present = value == _WITH_TIES if name == "limitOption" else bool(value)
+        if present and name not in accepted:
+            raise _refuse(f"{_CLAUSES.get(name, name)} in {scope}", _sql(sel))
+
+
+_OWNED_CLAUSES = ("targetList", "fromClause", "whereClause", "groupClause")
+_PUBLIC_CLAUSES = ("targetList", "fromClause", "whereClause")
+
+
 # ---------------------------------------------------------------------------- totality
+
+
+@dataclass
+class Findings:
+    """What the analysis of one query collects in all its scopes, for checks that need
+    Postgres (types, privileges) or the whole query (the work per row)."""
+
+    casts: list[CastCheck] = field(default_factory=list)
+    """Casts whose totality depends on their argument's type, which Postgres reports when
+    the proxy prepares `argument_probe_sql`."""
+    arithmetic: list[ArithmeticCheck] = field(default_factory=list)
+    """Arithmetic operators of the analyst's text, whose types the proxy asks Postgres."""
+    relations: list[Relation] = field(default_factory=list)
+    """The unprotected tables the query reads by name, which the server checks the analysts
+    may read (`AnalyzedQuery.relations`)."""
+    costs: list[tuple[Cost, str, Any]] = field(default_factory=list)
+    """Each expression a row meets (its bound from `dp_core.cost`, where it is, the node)."""
 
 
 class Totalizer:
     """Checks an expression over user rows and returns a total version of it."""
 
-    def __init__(self, protected_names: frozenset[str], casts: list[CastCheck] | None = None,
+    def __init__(self, protected_names: frozenset[str], findings: Findings | None = None,
                  scope: ast.SelectStmt | None = None,
-                 arithmetic: list[ArithmeticCheck] | None = None,
                  integer_types: Mapping[int, str] | None = None) -> None:
         self.protected_names = protected_names
-        self.casts: list[CastCheck] = [] if casts is None else casts
-        """Casts whose totality depends on their argument's type, which Postgres reports when
-        the proxy prepares `argument_probe_sql`; shared by the query's scopes."""
-        self.arithmetic: list[ArithmeticCheck] = [] if arithmetic is None else arithmetic
-        """Arithmetic operators of the analyst's text, whose types the proxy asks Postgres."""
+        self.findings = Findings() if findings is None else findings
+        """Shared by the query's scopes."""
+        self.casts = self.findings.casts
+        self.arithmetic = self.findings.arithmetic
+        self.relations = self.findings.relations
         self.integer_types: Mapping[int, str] = integer_types or {}
         """The integer type of the arithmetic operators that have one, by location."""
         self._in_arithmetic = 0
@@ -416,18 +539,20 @@ class Totalizer:
 
     def inner(self, scope: ast.SelectStmt) -> Totalizer:
         """The totaliser of an inner query's expressions (its casts are checked in its FROM)."""
-        return Totalizer(self.protected_names, self.casts, scope, self.arithmetic,
-                         self.integer_types)
+        return Totalizer(self.protected_names, self.findings, scope, self.integer_types)
 
     def with_semi_joins(self, check: Callable[[ast.SubLink], ast.SubLink]) -> Totalizer:
         """This totaliser, with IN and EXISTS subqueries accepted where `check` accepts them."""
-        other = Totalizer(self.protected_names, self.casts, self.scope, self.arithmetic,
-                          self.integer_types)
+        other = Totalizer(self.protected_names, self.findings, self.scope, self.integer_types)
         other.semi_joins = check
         return other
 
     def __call__(self, node: Any, context: str) -> Any:
-        """A total copy of `node` (the original is left as the client wrote it)."""
+        """A total copy of `node` (the original is left as the client wrote it); its work per
+        row is noted (`Findings.costs`)."""
+        # (the expression's text is printed only for a refusal: pglast's printer leaves the
+        # nodes it printed too deep for deepcopy)
+        self.findings.costs.append((row_cost(node), context, node))
         return self._total(copy.deepcopy(node), context)
 
     def _total(self, node: Any, ctx: str) -> Any:
@@ -486,15 +611,16 @@ class Totalizer:
                 outermost = not self._in_arithmetic
                 self._in_arithmetic += 1
                 try:
-                    left = None if node.lexpr is None else _numeric(self._total(node.lexpr, ctx))
+                    left = None if node.lexpr is None else self._total(node.lexpr, ctx)
                     right = self._total(node.rexpr, ctx)
                 finally:
                     self._in_arithmetic -= 1
-                node.lexpr = left
-                node.rexpr = _nullif_zero(right) if op in ("/", "%") else _numeric(right)
+                node.lexpr = None if left is None else _clamped(left)
+                node.rexpr = _nullif_zero(_clamped(right)) if op in ("/", "%") \
+                    else _clamped(right)
                 integer = self.integer_types.get(location)
                 if integer is None:
-                    return node
+                    return _clamped(node) if outermost else node
                 # Postgres's integer semantics: a quotient truncated toward zero; the type
                 # (and its range) only where the arithmetic ends, inner values being exact
                 value = ast.FuncCall(funcname=(ast.String(sval="trunc"),), args=(node,)) \
@@ -618,7 +744,17 @@ class Totalizer:
             unit = const_string(args[0]) if args else None
             if unit is None or unit.lower() not in _DATE_UNITS:
                 raise _refuse(f"{name}() needs a constant, valid unit", _sql(fc))
+            if len(args) != 2:
+                raise _refuse(f"{name}() but as {name}('unit', x)", _sql(fc))
             args[1:] = [self._total(a, ctx) for a in args[1:]]
+            unit = unit.lower()
+            types = frozenset(t for (f, t), units in DATETIME_UNITS.items()
+                              if f == name and unit in units)
+            shown = ", ".join(sorted(types)) or "no type"
+            self.casts.append(CastCheck(
+                copy.deepcopy(args[1]), "", _sql(fc), self.scope, sources=types,
+                rule=f"{name}() with the unit {unit} takes {shown} (it fails on some values "
+                     "of other types)"))
         elif name in _NUMERIC_ARG_FUNCTIONS:
             if name in ("round", "trunc") and len(args) == 2 and const_number(args[1]) is None:
                 raise _refuse(f"{name}() needs a constant number of digits", _sql(fc))
@@ -640,6 +776,19 @@ def _no_column_aliases(rv: ast.RangeVar) -> None:
                       _sql(rv))
 
 
+def _public_relation(rv: ast.RangeVar, ctes: Mapping[str, str | None],
+                     totalize: Totalizer) -> None:
+    """An unprotected table (or a WITH query) read by name in a DP query: never a system
+    catalog; recorded for the server, which refuses it unless the analysts may read it."""
+    name = str(rv.relname)
+    schema = str(rv.schemaname) if rv.schemaname else None
+    if schema in _SYSTEM_SCHEMAS or name.startswith("pg_") or rv.catalogname:
+        raise _refuse("system catalogs", name)
+    if schema is None and name in ctes:
+        return
+    totalize.relations.append((schema, name))
+
+
 class _FromAnalysis:
     """Walks FROM: finds protected tables, checks joins between them equate their uids."""
 
@@ -652,6 +801,9 @@ class _FromAnalysis:
         self.tables: list[TableRef] = []
         self.uid_equalities: list[tuple[str, str]] = []
         self.using: list[tuple[set[str], str]] = []
+        self.nullable: set[str] = set()
+        """Aliases of protected FROM items that an outer join can null (their uid is then
+        NULL in rows they have no part in)."""
 
     def item(self, node: Any) -> Any:
         if isinstance(node, ast.RangeVar):
@@ -668,6 +820,10 @@ class _FromAnalysis:
             node.rarg = self.item(node.rarg)
             left = {t.alias for t in self.tables[before:mid]}
             right = {t.alias for t in self.tables[mid:]}
+            if node.jointype in (JoinType.JOIN_LEFT, JoinType.JOIN_FULL):
+                self.nullable |= right
+            if node.jointype in (JoinType.JOIN_RIGHT, JoinType.JOIN_FULL):
+                self.nullable |= left
             if node.usingClause:
                 cols = {str(c.sval) for c in node.usingClause}
                 for alias in left | right:
@@ -720,7 +876,22 @@ class _FromAnalysis:
             if any(t.alias == alias for t in self.tables):
                 raise _refuse("the same alias twice", alias)
             self.tables.append(TableRef(name, alias, pol.uid_column))
+        else:
+            _public_relation(rv, self.ctes, self.totalize)
         return rv
+
+    def owned(self) -> list[TableRef]:
+        """The protected FROM items whose uid no outer join can null, in FROM order."""
+        return [t for t in self.tables if t.alias not in self.nullable]
+
+    def owner(self) -> ast.Node:
+        """Each row's owner (DESIGN §3.4): the uid of the first protected FROM item that no
+        outer join nulls; where every one can be (a FULL JOIN between protected tables, a
+        public table LEFT JOINed to one), the first of their uids that is not NULL. A row
+        whose owner is NULL belongs to no user (the pushdown drops it)."""
+        refs = [ast.ColumnRef(fields=(ast.String(sval=t.alias), ast.String(sval=t.uid_column)))
+                for t in (self.owned() or self.tables)]
+        return refs[0] if len(refs) == 1 or self.owned() else ast.CoalesceExpr(args=tuple(refs))
 
     def _by_alias(self, alias: str) -> TableRef:
         for t in self.tables:
@@ -819,6 +990,25 @@ def _unaliased_tables(stmt: ast.Node) -> frozenset[tuple[str, str]]:
                      and not n.catalogname)
 
 
+MAX_NESTING = 64
+"""How deep a DP query's syntax tree may be: the analysis walks and copies it recursively."""
+
+
+def _nesting(root: Any) -> int:
+    """The depth of the syntax tree under `root`, in nodes (without recursion)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(root, 0)]
+    while stack:
+        cur, depth = stack.pop()
+        if isinstance(cur, ast.Node):
+            depth += 1
+            deepest = max(deepest, depth)
+            stack.extend((getattr(cur, name), depth) for name in cur)
+        elif isinstance(cur, (tuple, list)):
+            stack.extend((item, depth) for item in cur)
+    return deepest
+
+
 def parse_select(stripped_sql: str, params: Mapping[int, ast.Node] | None = None) -> ast.SelectStmt:
     """Parse one SELECT (the DP clause already blanked), bind `$n` parameters as constants and
     write `schema.table.column` references as `table.column`."""
@@ -834,6 +1024,10 @@ def parse_select(stripped_sql: str, params: Mapping[int, ast.Node] | None = None
         stmt = stmt.query  # (a cursor is declared over the released answer, or it is copied)
     if not isinstance(stmt, ast.SelectStmt):
         raise _refuse("only SELECT", type(stmt).__name__)
+    if _nesting(stmt) > MAX_NESTING:
+        raise StatementTooComplex(
+            f"a DP query nests expressions more than {MAX_NESTING} levels deep",
+            hint="write long sums or concatenations with fewer levels, e.g. concat(a, b, c)")
     if params:
         _ParamBinder(params)(stmt)
     tables = _unaliased_tables(stmt)
@@ -844,7 +1038,8 @@ def parse_select(stripped_sql: str, params: Mapping[int, ast.Node] | None = None
 
 def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form: bool,
             privacy_unit: str | None = None,
-            integer_types: Mapping[int, str] | None = None) -> AnalyzedQuery:
+            integer_types: Mapping[int, str] | None = None,
+            row_work: RowWorkBudget | None = None) -> AnalyzedQuery:
     """Check `stmt` against the DP rules and split it into keys, aggregates and the rest.
 
     `privacy_unit`: BigQuery's OPTIONS(privacy_unit_column=...), which must name the uid
@@ -853,13 +1048,12 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     analysis's `ArithmeticCheck`s."""
     answered = _post_processed(stmt)
     if answered is not None:
-        return replace(analyze(answered, policy, plain_form, privacy_unit, integer_types),
-                       outer=stmt)
+        return replace(analyze(answered, policy, plain_form, privacy_unit, integer_types,
+                               row_work), outer=stmt)
     if stmt.op is not None and stmt.op != 0 and stmt.larg is not None:
         raise _refuse("set operations (UNION, INTERSECT, EXCEPT)")
     ctes: dict[str, str | None] = {}
-    casts: list[CastCheck] = []
-    arithmetic: list[ArithmeticCheck] = []
+    findings = Findings()
     cte_nodes: tuple[Any, ...] = ()
     if stmt.withClause is not None:
         if stmt.withClause.recursive:
@@ -873,8 +1067,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
             if not isinstance(cte.ctequery, ast.SelectStmt):
                 raise _refuse("data-modifying WITH", name)
             ctes[name] = _owned_subquery(cte.ctequery, policy,
-                                         Totalizer(frozenset(policy), casts, cte.ctequery,
-                                                   arithmetic, integer_types), ctes)
+                                         Totalizer(frozenset(policy), findings, cte.ctequery,
+                                                   integer_types), ctes)
         cte_nodes = tuple(stmt.withClause.ctes)
     if stmt.distinctClause == (None,) and not stmt.groupClause and not any(
             _dp_aggregates_in(t) for t in stmt.targetList or ()):
@@ -892,7 +1086,11 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         raise _refuse("SELECT INTO or FOR UPDATE")
     if not stmt.fromClause:
         raise _refuse("a DP query must read a protected table")
-    totalize = Totalizer(frozenset(policy), casts, None, arithmetic, integer_types)
+    if stmt.groupDistinct or stmt.limitOption == _WITH_TIES:
+        raise _refuse("GROUP BY DISTINCT or FETCH ... WITH TIES in a DP query")
+    _only_clauses(stmt, (*_OWNED_CLAUSES, "havingClause", "sortClause", "limitCount",
+                         "limitOffset", "withClause"), "a DP query")
+    totalize = Totalizer(frozenset(policy), findings, None, integer_types)
     fa = _FromAnalysis(policy, totalize, ctes)
     from_clause = tuple(fa.item(item) for item in stmt.fromClause)
     if not fa.tables:
@@ -903,12 +1101,15 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         raise _refuse(f"privacy_unit_column {privacy_unit} (the privacy unit is the configured uid "
                       f"column: {units})")
     fa.check_connected(stmt.whereClause)
-    where = None
+    uid = fa.owner()
+    # rows whose owner is NULL (a NULL uid in the data, or the side an outer join adds) belong
+    # to no user: dropped before anything is counted
+    owned: ast.Node = ast.NullTest(arg=copy.deepcopy(uid), nulltesttype=NullTestType.IS_NOT_NULL)
+    where = owned
     if stmt.whereClause is not None:
         semi = totalize.with_semi_joins(lambda link: _semi_join(link, policy, ctes, totalize))
-        where = semi(stmt.whereClause, "WHERE")
-    first = fa.tables[0]
-    uid = ast.ColumnRef(fields=(ast.String(sval=first.alias), ast.String(sval=first.uid_column)))
+        where = ast.BoolExpr(boolop=BoolExprType.AND_EXPR,
+                             args=(semi(stmt.whereClause, "WHERE"), owned))
 
     group_exprs = _group_expressions(stmt)
     keys: list[Key] = []
@@ -962,6 +1163,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         if not any(_same(g, source) or _is_ref_to(g, name) for source, name in selected):
             # a GROUP BY key that is not selected still partitions the result
             keys.append(Key(totalize(g, "GROUP BY key"), f"__key{len(keys)}"))
+    _check_work(findings.costs, row_work or RowWorkBudget())
     if not aggregates and not keys:  # (keys alone: the groups partition selection releases)
         raise _refuse("a DP query needs at least one DP aggregate, e.g. ANON_COUNT(*)")
     for k in keys:
@@ -973,8 +1175,25 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         aggregates=tuple(aggregates), outputs=tuple(outputs), having=stmt.havingClause,
         order_by=tuple(stmt.sortClause or ()), limit=stmt.limitCount, offset=stmt.limitOffset,
         plain_form=plain_form, ctes=cte_nodes, select=tuple(select),
-        casts=tuple(totalize.casts), arithmetic=tuple(totalize.arithmetic),
+        casts=tuple(findings.casts), arithmetic=tuple(findings.arithmetic),
+        relations=tuple(dict.fromkeys(findings.relations)),
     )
+
+
+def _check_work(costs: Sequence[tuple[Cost, str, Any]], budget: RowWorkBudget) -> None:
+    """Refuse a query whose expressions may do more work on one row than `budget` (DESIGN
+    §3.11: the time a query takes must not be a lever on one user's rows), naming the
+    costliest expression."""
+    total = Linear()
+    for cost, _, _ in costs:
+        total = total + cost.work
+    if total.fits(budget.linear):
+        return
+    _, where, node = max(costs, key=lambda c: (c[0].work.per_byte, c[0].work.fixed))
+    raise _refuse(
+        f"expressions whose work on one row may exceed {budget.per_byte:g} passes over its "
+        f"values plus {budget.fixed:g} bytes (here {total.per_byte:g} passes plus "
+        f"{total.fixed:g} bytes; the costliest is {where}: {_sql(node)})")
 
 
 _PER_USER_AGGREGATES = frozenset({"count", "sum", "avg", "min", "max"})
@@ -1000,27 +1219,33 @@ def _semi_join(link: ast.SubLink, policy: Mapping[str, TablePolicy],
     if _reads_protected(sub, policy, ctes):
         raise _refuse("correlated or WHERE subqueries that read protected tables (join the "
                       "table on the uid in FROM instead)", _sql(link))
-    _public_subquery(sub, totalize.inner(sub))
+    _public_subquery(sub, totalize.inner(sub), ctes,
+                     "a subquery in IN or EXISTS over unprotected tables")
     return link
 
 
-def _public_subquery(sub: ast.SelectStmt, totalize: Totalizer) -> None:
-    """A subquery of unprotected tables in a DP query's IN: their rows, filtered, made total
-    (it may read the DP query's row too)."""
-    if (sub.withClause is not None or sub.op not in (None, 0) or sub.groupClause
-            or sub.havingClause or sub.windowClause or sub.limitCount is not None
-            or sub.limitOffset is not None or sub.intoClause is not None or sub.lockingClause):
-        raise _refuse("a subquery in IN over unprotected tables is SELECT ... FROM ... [WHERE]",
-                      _sql(sub))
+def _public_subquery(sub: ast.SelectStmt, totalize: Totalizer,
+                     ctes: Mapping[str, str | None], scope: str) -> None:
+    """A subquery of unprotected tables inside a DP query (in FROM, WITH, IN or EXISTS): a
+    plain SELECT of their rows, filtered, made total (it may read the DP query's row too), or
+    a VALUES list; its tables are recorded for the server's check (`_public_relation`)."""
     if sub.valuesLists:
-        sub.valuesLists = tuple(tuple(totalize(v, "IN list") for v in row)
+        _only_clauses(sub, ("valuesLists",), scope)
+        sub.valuesLists = tuple(tuple(totalize(v, "VALUES list") for v in row)
                                 for row in sub.valuesLists)
         return
+    try:
+        _only_clauses(sub, _PUBLIC_CLAUSES, scope)
+    except FeatureNotSupported:
+        raise _refuse(f"{scope} but as SELECT ... FROM ... [WHERE]", _sql(sub)) from None
     for item in sub.fromClause or ():
         if not isinstance(item, ast.RangeVar):
-            raise _refuse("a subquery in IN reads tables by name only (no joins, functions or "
+            raise _refuse(f"{scope} reads tables by name only (no joins, functions or "
                           "subqueries)", _sql(item))
+        _public_relation(item, ctes, totalize)
     for target in sub.targetList or ():
+        if isinstance(target.val, ast.ColumnRef) and isinstance(target.val.fields[-1], ast.A_Star):
+            continue
         _no_aggregates_inside(target.val)
         target.val = totalize(target.val, "subquery select list")
     if sub.whereClause is not None:
@@ -1073,8 +1298,9 @@ def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Total
     if sel.op and sel.larg is not None:
         if _reads_protected(sel, policy, ctes):
             raise _refuse("set operations (UNION, INTERSECT, EXCEPT) over protected tables", _sql(sel))
-        return None
+        raise _refuse("set operations (UNION, INTERSECT, EXCEPT) in a DP query", _sql(sel))
     if not _reads_protected(sel, policy, ctes):
+        _public_subquery(sel, totalize, ctes, "a subquery over unprotected tables")
         return None
     if sel.withClause is not None:
         raise _refuse("WITH inside a subquery", _sql(sel))
@@ -1088,13 +1314,27 @@ def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Total
         raise _refuse("HAVING in a subquery over protected tables", _sql(sel))
     if sel.valuesLists or not sel.fromClause:
         raise _refuse("this kind of subquery", _sql(sel))
+    if sel.sortClause:
+        raise _refuse("ORDER BY in a subquery over protected tables (without LIMIT it means "
+                      "nothing)", _sql(sel))
+    _only_clauses(sel, _OWNED_CLAUSES, "a subquery over protected tables")
     fa = _FromAnalysis(policy, totalize, ctes)
     sel.fromClause = tuple(fa.item(item) for item in sel.fromClause)
     fa.check_connected(sel.whereClause)
     if sel.whereClause is not None:
         sel.whereClause = totalize(sel.whereClause, "WHERE")
-    uid_refs = {(t.alias, t.uid_column) for t in fa.tables}
-    uid_names = {t.uid_column for t in fa.tables}
+    # a uid that an outer join can null is not a user: only the owned tables' uids bound a
+    # contribution (per-user groups and windows); an unqualified one only where no nullable
+    # table has a uid of that name
+    owned = fa.owned()
+    if not fa.tables:
+        raise _refuse("protected tables read elsewhere than in a subquery's FROM", _sql(sel))
+    if not owned:
+        raise _refuse("outer joins that can null every protected table of a subquery (its "
+                      "rows would have no owner)", _sql(sel))
+    uid_refs = {(t.alias, t.uid_column) for t in owned}
+    uid_names = {t.uid_column for t in owned} - \
+        {t.uid_column for t in fa.tables if t.alias in fa.nullable}
 
     def is_uid(node: Any) -> bool:
         if not isinstance(node, ast.ColumnRef):
@@ -1115,6 +1355,9 @@ def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Total
     for target in sel.targetList or ():
         val = target.val
         if isinstance(val, ast.ColumnRef) and isinstance(val.fields[-1], ast.A_Star):
+            if fa.nullable:
+                raise _refuse("* in a subquery with an outer join of protected tables (name "
+                              "the columns)", _sql(sel))
             targets.append(target)
             if uid_out is None:
                 uid_out = fa.tables[0].uid_column
@@ -1131,8 +1374,8 @@ def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Total
                     raise _refuse("window functions inside expressions", _sql(val))
             target.val = _per_user_expression(val, grouped, totalize)
         targets.append(target)
-    if uid_out is None:  # propagate the uid: unambiguous, it is the first table's
-        first = fa.tables[0]
+    if uid_out is None:  # propagate the uid: unambiguous, the first owned table's
+        first = owned[0]
         uid_out = "dp_uid_auto" if any(t.name == first.uid_column for t in targets) else first.uid_column
         targets.append(ast.ResTarget(name=uid_out, val=ast.ColumnRef(fields=(
             ast.String(sval=first.alias), ast.String(sval=first.uid_column)))))
@@ -1417,6 +1660,8 @@ def _bounds(arg: Any, written: Sequence[Any], fc: ast.FuncCall, fa: _FromAnalysi
         if configured is None:
             return None
         lower, upper = configured
+        check_bound(lower, fc)
+        check_bound(upper, fc)
     if not lower < upper:
         raise FeatureNotSupported(f"lower bound {lower:g} is not below upper bound {upper:g}",
                                   hint=_sql(fc))
@@ -1461,9 +1706,22 @@ def _quantile_literal(node: Any, fc: ast.FuncCall) -> float:
 
 def _bound_literal(node: Any, fc: ast.FuncCall) -> float:
     value = const_number(node)
-    if value is None or not math.isfinite(value):
+    if value is None:
         raise _refuse("contribution bounds must be finite number literals", _sql(fc))
+    check_bound(value, fc)
     return value
+
+
+def check_bound(value: float, where: Any) -> None:
+    """Refuse (22023) a contribution bound that is not finite, is subnormal (its noise and
+    clamping lose all precision) or exceeds ±MAX_BOUND (sums over users could leave float8);
+    `where` is the call it bounds (printed in the hint only then: pglast's printer leaves the
+    nodes it printed too deep for deepcopy)."""
+    if not math.isfinite(value) or (value != 0 and abs(value) < sys.float_info.min) \
+            or abs(value) > MAX_BOUND:
+        raise InvalidParameterValue(
+            f"contribution bounds must be 0 or normal numbers within ±{MAX_BOUND:g}, not "
+            f"{value!r}", hint=_sql(where))
 
 
 def _is_uid(node: Any, fa: _FromAnalysis) -> bool:

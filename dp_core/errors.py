@@ -123,6 +123,10 @@ class AdminShutdown(DPError):
     severity = "FATAL"
 
 
+class StatementTooComplex(DPError):
+    sqlstate = "54001"
+
+
 class InternalError(DPError):
     """A bug in dp-proxy; the message says so and reveals nothing about data."""
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,10 @@ from dp_core.kinds import NoiseKind as NoiseKind
 
 GRID_BITS = 40
 """The grid is 2^-GRID_BITS of the noise scale (rounded up to a power of two)."""
+
+MIN_SCALE = math.ldexp(sys.float_info.min, GRID_BITS)
+"""The least noise scale whose grid is a normal float (about 2.4e-296): below it the grid
+is subnormal and its multiples are no longer exact (the planner refuses such noise)."""
 
 Z_95 = 1.959963984540054
 """The two-sided 95% quantile of the standard normal."""

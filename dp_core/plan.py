@@ -13,7 +13,13 @@ from fractions import Fraction
 from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery, Bounds
 from dp_core.errors import InternalError, InvalidParameterValue
 from dp_core.kinds import SelectionKind
-from dp_core.mechanisms import NoiseKind, NoiseSpec, selection_parameters, threshold_tau
+from dp_core.mechanisms import (
+    MIN_SCALE,
+    NoiseKind,
+    NoiseSpec,
+    selection_parameters,
+    threshold_tau,
+)
 from dp_core.quantiles import DEPTH
 
 
@@ -168,6 +174,30 @@ def groups_per_user(grouped: bool, max_groups: int) -> int:
     return max_groups if grouped else 1
 
 
+def _scale_error(query: AnalyzedQuery, agg_index: int | None, epsilon: Fraction,
+                 how: str) -> InvalidParameterValue:
+    """22023 for noise whose scale overflows, or is too small for its grid (`MIN_SCALE`):
+    bounds too wide or too narrow, or an ε too small or too large for the query."""
+    if agg_index is None:
+        return InvalidParameterValue(
+            f"epsilon {float(epsilon):g} makes this query's noise scale {how}",
+            hint="ask for a larger epsilon" if how == "overflow" else "ask for a smaller epsilon")
+    agg = query.aggregates[agg_index]
+    return InvalidParameterValue(
+        f"{agg.output_name}: its bounds [{agg.known_bounds.lower:g}, "
+        f"{agg.known_bounds.upper:g}] make the noise scale {how}",
+        hint="give narrower bounds (they bound one user's contribution)" if how == "overflow"
+        else "give wider bounds (they bound one user's contribution)")
+
+
+def check_noise_scales(query: AnalyzedQuery, plan: DPQueryPlan) -> None:
+    """22023 for noise of a scale too small for its grid (`MIN_SCALE`): before any charge,
+    after the budget and the per-query caps (so that an ε above the cap is refused as such)."""
+    for q in plan.all_quantities:
+        if q.noise is not None and not q.noise.scale >= MIN_SCALE:
+            raise _scale_error(query, q.aggregate, plan.epsilon, "underflow")
+
+
 def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: int,
               noise: NoiseKind, auto: frozenset[int] = frozenset(),
               selection: SelectionKind = SelectionKind.LAPLACE) -> DPQueryPlan:
@@ -208,6 +238,8 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     for name, component, agg_index, sensitivity in specs:
         if name == "dp_users" and grouped:
             spec = NoiseSpec.calibrate(NoiseKind.LAPLACE, float(share), 0, max_groups, 1.0)
+            if not math.isfinite(spec.scale):
+                raise _scale_error(query, None, eps, "overflow")
             threshold = NoisyQuantity(name, component, None, 1.0, share, delta_threshold, spec)
             if used is SelectionKind.LAPLACE:
                 tau = threshold_tau(max_groups, float(share), float(delta_threshold))
@@ -225,14 +257,11 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
         noise_spec = None if sensitivity is None else NoiseSpec.calibrate(
             kind, float(share), float(delta_each), l0, sensitivity)
         if noise_spec is not None and not math.isfinite(noise_spec.scale):
-            assert agg_index is not None
-            agg = query.aggregates[agg_index]
-            raise InvalidParameterValue(
-                f"{agg.output_name}: its bounds [{agg.known_bounds.lower:g}, "
-                f"{agg.known_bounds.upper:g}] make the noise scale overflow",
-                hint="give narrower bounds (they bound one user's contribution)")
+            raise _scale_error(query, agg_index, eps, "overflow")
         quantities.append(NoisyQuantity(name, component, agg_index, sensitivity, share,
                                         delta_each if gaussian else Fraction(0), noise_spec))
+    if auto and not math.isfinite(l0 / float(bounds_eps / len(auto))):
+        raise _scale_error(query, None, eps, "overflow")
     histograms = tuple(
         NoisyQuantity(f"dp_a{i}_{Component.BOUNDS}", Component.BOUNDS, i, 1.0,
                       bounds_eps / len(auto), Fraction(0),

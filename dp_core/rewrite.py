@@ -157,8 +157,9 @@ from its rows before aggregating them (`prefilter_types`)."""
 
 _TYPED_HASHES: dict[str, tuple[str, str]] = {
     # type: (its own extended hash function, which equal values share; the value a NULL
-    # hashes as). Only types whose hash is cheap: `hash_array_extended` works for any
-    # hashable type but costs more per row than the prefilter saves.
+    # hashes as, with another key: `_typed_hash`). Only types whose hash is cheap:
+    # `hash_array_extended` works for any hashable type but costs more per row than the
+    # prefilter saves.
     "text": ("hashtextextended", "''"),
     "varchar": ("hashtextextended", "''"),
     "bpchar": ("hashbpcharextended", "''"),
@@ -184,8 +185,12 @@ def prefilter_types(uid_type: str, key_types: Sequence[str]) -> Prefilter | None
 
 
 def _typed_hash(expr: str, type_name: str, seed: str) -> str:
+    """`expr`'s hash keyed by `seed`; a NULL hashes as its type's `null` value keyed by `seed`
+    with its lowest bit flipped, so that it is a group apart from '' (or 0), as in the plain
+    pushdown, and ranks independently of it."""
     fn, null = _TYPED_HASHES[type_name]
-    return f"{fn}(COALESCE({expr}, ({null})::{type_name}), {seed})"
+    return (f"{fn}(COALESCE({expr}, ({null})::{type_name}), "
+            f"({seed})::int8 # ({expr} IS NULL)::int4::int8)")
 
 
 def _kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],

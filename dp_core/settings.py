@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,6 +20,9 @@ class Caps:
     max_epsilon: float
     max_delta: float
     max_groups_contributed: int
+    min_epsilon: float = 0.0
+    """No query may ask for less ε (config `defaults.min_epsilon`): near-free queries would
+    make probing (one failure or answer per guess) cost nothing."""
 
 
 @dataclass(frozen=True)
@@ -81,17 +85,35 @@ def validate(key: str, value: object, caps: Caps) -> float | int | str:
     number = _number(key, value)
     if key == "epsilon":
         if not 0 < number <= caps.max_epsilon:
+            at_most = "" if math.isinf(caps.max_epsilon) else f" and at most {caps.max_epsilon}"
+            raise InvalidParameterValue(f"epsilon must be above 0{at_most}, not {value!r}")
+        check_finite_normal(number, "epsilon")
+        if number < caps.min_epsilon:
             raise InvalidParameterValue(
-                f"epsilon must be above 0 and at most {caps.max_epsilon}, not {value!r}"
-            )
+                f"epsilon {number:g} is below this proxy's per-query minimum {caps.min_epsilon:g}",
+                hint=f"use an epsilon of at least {caps.min_epsilon:g}")
         return number
     if key == "delta":
         if not 0 < number <= caps.max_delta:
             raise InvalidParameterValue(
                 f"delta must be above 0 and at most {caps.max_delta}, not {value!r}"
             )
-        return number
+        return check_finite_normal(number, "delta")
     raise UndefinedObject(f'unrecognized DP parameter "{key}"')  # pragma: no cover
+
+
+def check_finite_normal(value: float, what: str) -> float:
+    """`value` if it is finite and 0 or a normal float, else 22023 naming `what`.
+
+    Subnormal numbers (of magnitude below 2.2e-308) have lost precision: scales, shares and
+    grids computed from them round to 0 or overflow, and no noise is calibrated right."""
+    if not math.isfinite(value):
+        raise InvalidParameterValue(f"{what} must be a finite number, not {value!r}")
+    if value != 0 and abs(value) < sys.float_info.min:
+        raise InvalidParameterValue(
+            f"{what} {value!r} is too close to 0 (a subnormal number)",
+            hint=f"use 0 or a number of magnitude at least {sys.float_info.min:g}")
+    return value
 
 
 def _number(key: str, value: object) -> float:

@@ -166,10 +166,13 @@ def _parse_value(raw: str, tokens: list[parser.Token], j: int) -> tuple[OptionVa
         raise SyntaxError_("syntax error in OPTIONS: expected a value, found end of input")
     tok = tokens[j]
     text = _text(raw, tok)
-    if tok.name == "ICONST":
-        return sign * int(text), j + 1
-    if tok.name == "FCONST":
-        value = sign * float(text)
+    if tok.name in ("ICONST", "FCONST"):
+        try:
+            value: float | int = sign * (int(text) if tok.name == "ICONST" else float(text))
+        except ValueError:  # 0x10, 0o17, 0b1: Postgres 16's integer forms, not Python's
+            raise SyntaxError_(f"syntax error in OPTIONS: {text!r} is not a decimal number",
+                               hint="write option values as decimal numbers, such as 0.5 "
+                                    "or 1e-6") from None
         if math.isnan(value):  # pragma: no cover - the scanner never yields NaN literals
             raise SyntaxError_("NaN is not a valid option value")
         return value, j + 1

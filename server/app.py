@@ -45,7 +45,7 @@ class ProxyServer:
         )
         d = config.defaults
         self.caps = Caps(d.max_epsilon_per_query, d.max_delta_per_query,
-                         d.max_groups_contributed_limit)
+                         d.max_groups_contributed_limit, d.min_epsilon)
         self._default_settings = DPSettings(d.epsilon, d.delta, d.max_groups_contributed,
                                             d.noise.value, d.partition_selection.value)
         self.mock_secret = secrets.token_bytes(16)
@@ -86,7 +86,7 @@ class ProxyServer:
         ledger = Ledger(self.pool, b.ledger_schema,
                         {name: a.refresh_days for name, a in self.config.analysts.items()})
         await ledger.migrate(self.config)
-        self.dp = DPService(self.config, self.pool, ledger, self.metrics)
+        self.dp = DPService(self.config, self.pool, ledger, self.metrics, self.restricted.user)
         loop = asyncio.get_running_loop()
         if self.worker is not None:
             self.worker.start()

@@ -2,7 +2,9 @@
 
 Order of events for one DP answer: the pushdown is prepared (planning errors,
 which do not depend on data, are reported as they are and cost nothing); the
-ledger is charged and committed; the pushdown runs as the pushdown role with a
+ledger is charged and committed; only then do statements read the analyst's
+tables: the split's sample of the uid and the prefilter's count of groups per
+user (`DPService._split`), then the pushdown, as the pushdown role with a
 statement timeout; noise and thresholding are applied; the released rows go
 back to the client through the session's own backend connection as a small
 VALUES query, so Postgres encodes them in the format the client asked for. A
@@ -19,7 +21,7 @@ import re
 import struct
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
@@ -42,17 +44,19 @@ from dp_core.analysis import (
     parse_select,
 )
 from dp_core.classify import Statement, StatementKind
+from dp_core.cost import RowWorkBudget
 from dp_core.errors import (
     BindMismatch,
     DPError,
     FeatureNotSupported,
+    InsufficientPrivilege,
     InternalError,
     InvalidBinaryRepresentation,
     InvalidParameterValue,
 )
 from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import NoiseKind, secure_rng, users_kept_with
-from dp_core.plan import Component, DPQueryPlan, make_plan
+from dp_core.plan import Component, DPQueryPlan, check_noise_scales, make_plan
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, choose_bounds
 from dp_core.release import (
     GroupKey,
@@ -281,6 +285,8 @@ class Prepared:
     columns: list[Any] = field(default_factory=list)
     """The result query's columns (asyncpg Attributes), from preparing it with no rows."""
     split: UidSplit | None = None
+    """Set after the charge, when the pushdown runs split (`DPService._split`); for EXPLAIN,
+    the table it may be split over, without a histogram."""
     ranged: RangedPushdown | None = None
     """The pushdown for any uid range, when `split`."""
     split_ranges: int = 1
@@ -323,7 +329,7 @@ def row_description(names: Sequence[str], oids: Sequence[int],
 
 class DPService:
     def __init__(self, config: Config, pool: asyncpg.Pool, ledger: Ledger,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, restricted_role: str) -> None:
         self.config = config
         self.pool = pool
         self.ledger = ledger
@@ -334,11 +340,19 @@ class DPService:
             for name, t in config.tables.items()
         }
         self._type_names: dict[int, TypeRef] = {}
-        self._histograms: dict[str, tuple[float, UidSplit | None]] = {}
+        self._uid_columns: dict[str, tuple[float, UidSplit | None]] = {}
+        """(until when it holds, the table's size and uid type, or None) by table name."""
+        self._histograms: dict[str, tuple[float, tuple[str, ...] | None]] = {}
+        """(until when it holds, the uid's histogram in a sample, or None) by table name."""
         self._pushdowns = PushdownCache()
         self._groups_per_user: dict[Any, tuple[float, float | None]] = {}
         """(until when it holds, groups per user) by query (`Prepared.cache_key`) and slice."""
         self._nondeterministic: bool | None = None
+        self._restricted_role = restricted_role
+        """The role analysts' own SQL runs as: a DP query reads no table it cannot."""
+        d = config.defaults
+        self._row_work = RowWorkBudget(d.max_row_work_passes, d.max_row_work_bytes)
+        self._quantum = d.release_quantum_ms / 1000.0
 
     # ------------------------------------------------------------------ analysis and planning
 
@@ -348,9 +362,10 @@ class DPService:
         values: dict[str, Any] = {"epsilon": s.epsilon, "delta": s.delta,
                                   "max_groups_contributed": s.max_groups_contributed,
                                   "noise": s.noise, "partition_selection": s.partition_selection}
+        # the per-query caps are checked against the plan's cost, after the budget; the
+        # least ε, here, before anything runs (whether set by SET, OPTIONS or the defaults)
+        unlimited = Caps(math.inf, 1.0 - 1e-12, 10_000, session.server.caps.min_epsilon)
         if st.dp_clause is not None:
-            # the per-query caps are checked against the plan's cost, after the budget
-            unlimited = Caps(math.inf, 1.0 - 1e-12, 10_000)
             for name, value in st.dp_clause.options:
                 if name == "max_rows_contributed":
                     raise FeatureNotSupported(
@@ -359,6 +374,7 @@ class DPService:
                         "aggregates' bounds)", hint="use max_groups_contributed")
                 if name != "privacy_unit_column":  # (checked by the analysis)
                     values[name] = validate(name, value, unlimited)
+        values["epsilon"] = validate("epsilon", values["epsilon"], unlimited)
         return (float(values["epsilon"]), float(values["delta"]),
                 int(values["max_groups_contributed"]), NoiseKind(values["noise"]),
                 SelectionKind(values["partition_selection"]))
@@ -390,11 +406,12 @@ class DPService:
             return analyze(parse_select(st.stripped_sql, params), self.policy,
                            plain_form=st.dp_clause is None,
                            privacy_unit=None if unit is None else str(unit),
-                           integer_types=integer_types)
+                           integer_types=integer_types, row_work=self._row_work)
 
         query = analysis()
         epsilon, delta, max_groups, noise, selection = self._settings(session, st)
         try:
+            await self._check_relations(query, conn)
             attrs = await self._probe(query, conn)
             types = {a.name: a.type.name for a in attrs}
             integers = {c.location: types[f"t{i}"] for i, c in enumerate(query.arithmetic)
@@ -442,6 +459,29 @@ class DPService:
         prepared.columns = list(result.get_attributes())
         return prepared
 
+    async def _check_relations(self, query: AnalyzedQuery, conn: Any) -> None:
+        """Refuse (42501) a DP query that reads by name a table the analysts may not read
+        themselves: the ledger's schema, a system schema, or one the restricted role has no
+        SELECT on. The pushdown role reads more (the ledger, protected rows): a DP query
+        reads nothing through it that is not protected (and so bounded) or public. A name
+        that resolves to nothing is left to Postgres (42P01 when the pushdown is prepared)."""
+        closed = {self.config.backend.ledger_schema, "information_schema"}
+        for schema, name in query.relations:
+            qualified = quote_ident(name) if schema is None \
+                else f"{quote_ident(schema)}.{quote_ident(name)}"
+            row = await conn.fetchrow(
+                "SELECT n.nspname, has_table_privilege($2::text, c.oid, 'SELECT') AS readable "
+                "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+                "ON n.oid = c.relnamespace WHERE c.oid = pg_catalog.to_regclass($1)",
+                qualified, self._restricted_role)
+            if row is None:
+                continue
+            namespace = str(row["nspname"])
+            if namespace in closed or namespace.startswith("pg_") or not row["readable"]:
+                raise InsufficientPrivilege(
+                    f"a DP query reads only protected tables and tables the analysts may read, "
+                    f"not {qualified}")
+
     async def _hashed_keys(self, key_oids: list[int], conn: Any) -> list[int]:
         """Which keys (of a query with quantiles, by type) match a group's row with its trees
         by hash rather than text (`Key.hashed`)."""
@@ -458,54 +498,79 @@ class DPService:
                 "SELECT EXISTS (SELECT FROM pg_collation WHERE NOT collisdeterministic)"))
         return self._nondeterministic
 
-    async def _split(self, prepared: Prepared, conn: Any, choose_prefilter: bool = True) -> None:
-        """Sets how the pushdown may be split by uid ranges (`prepared.split`, `.ranged`,
-        `.split_ranges`): only over a large table whose uid could be sampled, with group keys
-        whose texts rows can be added up by, no COUNT(DISTINCT x), and (for quantile trees,
-        which merge as streams in key order) a server encoding whose byte order is the code
-        points'."""
+    async def _split_candidate(self, prepared: Prepared, conn: Any) -> UidSplit | None:
+        """Whether the pushdown may be split by uid ranges, before any charge (and for
+        EXPLAIN): only over a large table (by the catalog's estimate of its rows), with group
+        keys whose texts rows can be added up by, no COUNT(DISTINCT x), and (for quantile
+        trees, which merge as streams in key order) a server encoding whose byte order is the
+        code points'. Reads the catalog only, never a row of a table: the uid's histogram,
+        which the ranges are cut from, is sampled after the charge (`_split`), without
+        `histogram` here."""
         b = self.config.backend
         table = _uid_table(prepared.query)
         if b.pushdown_split < 2 or table is None or any(
                 o not in _SPLIT_KEY_OIDS for o in prepared.key_oids):
-            return
+            return None
         if any(a.kind is AggKind.COUNT_DISTINCT for a in prepared.query.aggregates):
-            return  # (distinct values do not add up over ranges of users: one value, many)
+            return None  # (distinct values do not add up over ranges of users: one value, many)
         if ("trees" in prepared.statements and prepared.key_oids
                 and conn.get_settings().server_encoding not in _CODE_POINT_ORDER):
-            return
+            return None
         try:
             # a nondeterministic collation makes 'a' = 'A' a group
             if any(o in _TEXT_KEY_OIDS for o in prepared.key_oids) and \
                     await self._has_nondeterministic(conn):
-                return
+                return None
             now = time.monotonic()
-            cached = self._histograms.get(table.name)
+            cached = self._uid_columns.get(table.name)
+            if cached is None or cached[0] < now:
+                cached = self._uid_columns[table.name] = (now + _STATS_SECONDS,
+                                                          await self._uid_column(table, conn))
+        except asyncpg.PostgresError as e:
+            log.warning("a DP pushdown will not be split by uid: %s", e)
+            return None
+        split = cached[1]
+        if split is None or split.rows < b.pushdown_split_min_rows:
+            return None
+        return split
+
+    async def _split(self, prepared: Prepared, candidate: UidSplit, conn: Any) -> None:
+        """After the charge: sets how the pushdown is split by uid ranges (`prepared.split`,
+        `.ranged`, `.split_ranges`, `.prefilter`), from a sample of the uid column (remembered
+        for _STATS_SECONDS) and the prefilter's count of groups per user. Where that cannot
+        be done (the sample fails, a few users hold most rows, Postgres does not take a
+        range's bounds for the query's uid) the pushdown runs unsplit, with the same answer."""
+        b = self.config.backend
+        try:
+            now = time.monotonic()
+            cached = self._histograms.get(candidate.table)
             if cached is None or cached[0] < now:
                 try:
-                    found = await self._uid_histogram(table, conn)
+                    found = await self._uid_histogram(candidate, conn)
                 except asyncpg.PostgresError as e:  # a view, say: cannot be sampled
-                    log.warning("DP pushdowns over %s will not be split by uid: %s", table.name, e)
+                    log.warning("DP pushdowns over %s will not be split by uid: %s",
+                                candidate.table, e)
                     found = None
-                cached = self._histograms[table.name] = (now + _STATS_SECONDS, found)
-            split = cached[1]
-            if split is None or split.rows < b.pushdown_split_min_rows:
+                cached = self._histograms[candidate.table] = (now + _STATS_SECONDS, found)
+            if cached[1] is None:
                 return
+            split = replace(candidate, histogram=cached[1])
             ranges = uid_ranges(split.histogram, b.pushdown_split)
             if len(ranges) < 2:
                 return
-            prefilter = await self._prefilter(prepared, split, conn) if choose_prefilter \
-                else None
-            # the ranges' bounds are the column's own values as text: checked here, before
-            # any charge, that Postgres takes them for the query's uid (and that it plans
-            # each statement)
+            prefilter = await self._prefilter(prepared, split, conn)
+            # the ranges' bounds are the column's own values as text: checked here that
+            # Postgres takes them for the query's uid (and that it plans each statement), in
+            # a transaction: asyncpg prepares without a Sync, which leaves an implicit one
+            # open (with a snapshot) that the run's BEGIN ISOLATION LEVEL could not start in
             while True:
                 ranged = self._pushdowns.ranged(
                     prepared.cache_key, prepared.query, prepared.plan, prepared.arg_types,
                     prepared.pushdown.order_seed, prefilter, split.uid_not_null)
                 try:
-                    for sql in ranged.of(ranges[len(ranges) // 2]).statements().values():
-                        await conn.prepare(sql)
+                    async with conn.transaction():
+                        for sql in ranged.of(ranges[len(ranges) // 2]).statements().values():
+                            await conn.prepare(sql)
                     break
                 except asyncpg.PostgresError as e:
                     if prefilter is None:
@@ -565,28 +630,37 @@ class DPService:
             return None
         return types
 
-    async def _uid_histogram(self, table: TableRef, conn: Any) -> UidSplit | None:
+    async def _uid_column(self, table: TableRef, conn: Any) -> UidSplit | None:
+        """The table's size and its uid column's type, from the catalog (no histogram yet);
+        None for a table too small to split, or never analysed."""
         schema = self.policy[table.name].schema
         rows = await conn.fetchval(
             "SELECT c.reltuples::float8 FROM pg_class c JOIN pg_namespace n ON n.oid = "
             "c.relnamespace WHERE n.nspname = $1 AND c.relname = $2", schema, table.name)
         if rows is None or rows < max(1, self.config.backend.pushdown_split_min_rows):
             return None  # (-1: never analysed or vacuumed)
-        percent = min(100.0, max(0.01, 100.0 * _SAMPLE_ROWS / rows))
         name = f"{quote_ident(schema)}.{quote_ident(table.name)}"
-        bounds = await conn.fetchval(
-            f"SELECT (percentile_disc($1::float8[]) WITHIN GROUP (ORDER BY {quote_ident(table.uid_column)}"
-            f"))::text[] FROM {name} TABLESAMPLE SYSTEM ($2)", _PERCENTILES, percent)
-        if not bounds or any(b is None for b in bounds):
-            return None
         column = await conn.fetchrow(
             "SELECT t.typname, a.attnotnull FROM pg_attribute a JOIN pg_type t ON t.oid = "
             "a.atttypid WHERE a.attrelid = $1::regclass AND a.attname = $2", name,
             table.uid_column)
         if column is None:
             return None
-        return UidSplit(table.name, table.uid_column, int(rows), tuple(bounds),
-                        str(column["typname"]), bool(column["attnotnull"]))
+        return UidSplit(table.name, table.uid_column, int(rows), (), str(column["typname"]),
+                        bool(column["attnotnull"]))
+
+    async def _uid_histogram(self, split: UidSplit, conn: Any) -> tuple[str, ...] | None:
+        """Percentiles of the uid column in a sample of the table (`UidSplit.histogram`): read
+        only after a charge."""
+        schema = self.policy[split.table].schema
+        percent = min(100.0, max(0.01, 100.0 * _SAMPLE_ROWS / max(split.rows, 1)))
+        name = f"{quote_ident(schema)}.{quote_ident(split.table)}"
+        bounds = await conn.fetchval(
+            f"SELECT (percentile_disc($1::float8[]) WITHIN GROUP (ORDER BY {quote_ident(split.uid_column)}"
+            f"))::text[] FROM {name} TABLESAMPLE SYSTEM ($2)", _PERCENTILES, percent)
+        if not bounds or any(b is None for b in bounds):
+            return None
+        return tuple(bounds)
 
     async def _type_name(self, oid: int) -> TypeRef:
         if oid not in self._type_names:
@@ -670,7 +744,8 @@ class DPService:
         started = time.perf_counter()
         async with self._acquire() as conn:
             try:
-                answer = await self._answer(session, st, bind, param_types, conn)
+                answer = await self._answer(session, st, bind, param_types, conn,
+                                            time.monotonic())
                 if st.kind is StatementKind.DP_QUERY:
                     self.metrics.dp_seconds.observe(time.perf_counter() - started)
                 return answer
@@ -683,8 +758,18 @@ class DPService:
                         log.warning("session %s: could not audit a refused query", session.process_id)
                 raise
 
+    async def _release_on_quantum(self, arrived: float) -> None:
+        """Hold a charged outcome until the next multiple of the release quantum after the
+        query arrived (DESIGN §3.11): its time then tells only how many quanta the work took."""
+        if self._quantum <= 0:
+            return
+        elapsed = time.monotonic() - arrived
+        quanta = max(1, math.ceil(elapsed / self._quantum))
+        await asyncio.sleep(max(0.0, quanta * self._quantum - elapsed))
+
     async def _answer(self, session: Session, st: Statement, bind: p.Bind | None,
-                      param_types: Sequence[int], conn: Any) -> tuple[str, list[p.NoticeResponse]]:
+                      param_types: Sequence[int], conn: Any,
+                      arrived: float) -> tuple[str, list[p.NoticeResponse]]:
         prepared = await self.prepare(session, st, bind, param_types, conn)
         if bind is not None and len(bind.result_formats) > 1:
             # Postgres checks this at Bind; the proxy, before the charge
@@ -693,16 +778,20 @@ class DPService:
             if len(bind.result_formats) != columns:
                 raise BindMismatch(f"bind message has {len(bind.result_formats)} result formats "
                                    f"but query has {columns} columns")
-        # (EXPLAIN shows nothing that depends on the data: it does not choose a prefilter)
-        await self._split(prepared, conn, choose_prefilter=st.kind is StatementKind.DP_QUERY)
+        # whether the pushdown may be split: from the catalog, reading no row (the split's
+        # sample and the prefilter's choice read the analyst's tables, after the charge)
+        candidate = await self._split_candidate(prepared, conn)
         plan = prepared.plan
         if st.kind is StatementKind.DP_EXPLAIN:
+            if candidate is not None:
+                prepared.split = candidate
+                prepared.split_ranges = self.config.backend.pushdown_split
             lines = explain_lines(prepared)
             return result_sql(["QUERY PLAN"], [(PG, "text")], [(ln,) for ln in lines]), []
         mechanisms = plan.mechanisms()
         accountant = self.config.analysts[session.user].accountant
         try:
-            await self._check_affordable(session, plan, conn, accountant)
+            await self._check_affordable(session, prepared.query, plan, conn, accountant)
             await self.ledger.charge(session.user, AnswerCost.of(plan), st.sql, mechanisms, conn,
                                      accountant)
             self.metrics.epsilon_spent.labels(session.user).inc(float(plan.cost.epsilon))
@@ -710,15 +799,19 @@ class DPService:
             log.error("session %s: ledger unavailable: %s", session.process_id, e)
             raise LedgerUnavailable() from None
         try:
+            if candidate is not None:
+                await self._split(prepared, candidate, conn)
             run = await self._run(prepared, conn)
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as e:
             log.warning("session %s: charged DP query failed: %s", session.process_id,
                         type(e).__name__)
+            await self._release_on_quantum(arrived)
             raise QueryFailed() from None
         released = release(run.query, run.plan, run.rows, quantiles=run.quantiles,
                            selection=run.selection)
         sql = self._result_sql(prepared, released.rows)
         budget = await self.ledger.budget(session.user, conn)
+        await self._release_on_quantum(arrived)
         return sql, [self._notice(prepared, run, released, budget)]
 
     async def _run(self, prepared: Prepared, conn: Any) -> _Run:
@@ -848,9 +941,10 @@ class DPService:
                 return [], [conn]
         return ranges, conns
 
-    async def _check_affordable(self, session: Session, plan: DPQueryPlan, conn: Any,
-                                accountant: Accountant) -> None:
-        """A query costing more than is left gets 53400; then the per-query caps (22023).
+    async def _check_affordable(self, session: Session, query: AnalyzedQuery,
+                                plan: DPQueryPlan, conn: Any, accountant: Accountant) -> None:
+        """A query costing more than is left gets 53400; then the per-query caps and noise
+        too small for its grid (22023).
 
         (With the RDP accountant an answer may cost less than its nominal ε: the charge decides.)
         """
@@ -870,6 +964,7 @@ class DPService:
             raise InvalidParameterValue(
                 f"max_groups_contributed {plan.max_groups_contributed} is above this proxy's "
                 f"limit {caps.max_groups_contributed}")
+        check_noise_scales(query, plan)
 
     @staticmethod
     def _result_sql(prepared: Prepared, rows: Sequence[Sequence[Any]]) -> str:

@@ -143,8 +143,62 @@ CASES = [
     Case("NaN and infinities", DP + "ANON_AVG(CASE WHEN uid = 42 THEN 'NaN'::float8 "
          "WHEN uid = 43 THEN 'Infinity'::float8 ELSE duration END, 0, 10) FROM visits", None),
     Case("float values whose squares overflow float8", DP + "ANON_VAR(CASE WHEN uid = 42 "
-         "THEN 1e150::float8 ELSE 1.5::float8 END, 0, 1e150), ANON_AVG(CASE WHEN uid = 42 "
-         "THEN -1e300::float8 ELSE 2.5::float8 END, -1e300, 1e300) FROM visits", None),
+         "THEN 1e150::float8 ELSE 1.5::float8 END, 0, 1e100), ANON_AVG(CASE WHEN uid = 42 "
+         "THEN -1e300::float8 ELSE 2.5::float8 END, -1e100, 1e100) FROM visits", None),
+    Case("bounds whose sum over users leaves float8", DP + "ANON_SUM(duration, 0, 1e300) "
+         "FROM visits", "22023"),
+    Case("subnormal bounds", DP + "ANON_SUM(duration, 5e-324, 1e-323) FROM visits", "22023"),
+    # --- issue 26: clauses, tables and owners no rule handles; errors no value can cause
+    Case("ORDER BY in a FROM subquery failing for one user's row", DP + "ANON_COUNT(*) FROM "
+         "(SELECT uid FROM visits ORDER BY 1/(CASE WHEN uid=1 AND duration=663 THEN 0 ELSE 1 END)) t",
+         "0A000"),
+    Case("ORDER BY in a WITH query", "WITH t AS (SELECT uid, duration FROM visits ORDER BY "
+         "duration / (uid - 1)) " + DP + "ANON_COUNT(*) FROM t", "0A000"),
+    Case("DISTINCT ON in an IN subquery", DP_COUNT + " WHERE country IN (SELECT DISTINCT ON "
+         "(region) code FROM countries ORDER BY region, 1 / (length(code) - 2))", "0A000"),
+    Case("a protected table read only in a subquery's ORDER BY", DP + "ANON_COUNT(*) FROM visits v "
+         "JOIN (SELECT code FROM countries ORDER BY (SELECT max(duration) FROM visits)) c "
+         "ON c.code = v.country", "0A000"),
+    Case("a protected table read only in a FROM subquery's select list", DP + "ANON_COUNT(*) "
+         "FROM visits v JOIN (SELECT code, (SELECT max(duration) FROM visits) AS m FROM countries) c "
+         "ON c.code = v.country", "0A000"),
+    Case("a volatile function in a public FROM subquery", DP + "ANON_COUNT(*) FROM visits v "
+         "JOIN (SELECT code, pg_sleep(0.01) AS s FROM countries) c ON c.code = v.country", "0A000"),
+    Case("a division in a public FROM subquery, evaluated for joined rows only", DP +
+         "ANON_COUNT(*) FROM visits v JOIN (SELECT code, 1 / (length(code) - 2) AS x FROM "
+         "countries) c ON c.code = v.country WHERE c.x IS NULL OR v.uid = 1", None),
+    Case("the ledger's analysts joined", DP + "a.analyst, ANON_COUNT(*) FROM visits v JOIN "
+         "dpproxy.analysts a ON true GROUP BY a.analyst", "42501"),
+    Case("the ledger in an IN subquery", DP_COUNT + " WHERE browser IN (SELECT analyst FROM "
+         "dpproxy.ledger)", "42501"),
+    Case("the ledger in a WITH query", "WITH l AS (SELECT analyst FROM dpproxy.ledger) " + DP +
+         "ANON_COUNT(*) FROM visits WHERE browser IN (SELECT analyst FROM l)", "42501"),
+    Case("the ledger in a public FROM subquery", DP + "ANON_COUNT(*) FROM visits v JOIN (SELECT "
+         "analyst FROM dpproxy.ledger) l ON l.analyst = v.browser", "42501"),
+    Case("the ledger reached through search_path", ("SET search_path = dpproxy, public",
+         DP + "ANON_COUNT(*) FROM visits v JOIN analysts a ON true"), "42P01"),
+    Case("statistics views", DP + "ANON_COUNT(*) FROM visits WHERE browser IN (SELECT relname "
+         "FROM pg_stat_user_tables)", "0A000"),
+    Case("information_schema", DP + "ANON_COUNT(*) FROM visits v JOIN information_schema.tables t "
+         "ON t.table_name = v.browser", "0A000"),
+    Case("a per-user window over the NULL uid of an outer join", DP + "ANON_AVG(s, 0, 1000) FROM "
+         "(SELECT v.uid, sum(CASE WHEN v.uid = 1 THEN v.duration ELSE 0 END) OVER "
+         "(PARTITION BY p.uid) AS s FROM visits v LEFT JOIN purchases p ON v.uid = p.uid "
+         "WHERE p.uid IS NULL) t", "0A000"),
+    Case("per-user rows grouped by the NULL uid of an outer join", DP + "ANON_SUM(s, 0, 1e6) "
+         "FROM (SELECT p.uid, sum(v.duration) AS s FROM visits v LEFT JOIN purchases p "
+         "ON v.uid = p.uid GROUP BY p.uid) t", "0A000"),
+    Case("a public table LEFT JOINed to a protected one (rows of no user)", DP + "c.region, "
+         "ANON_COUNT(*) FROM countries c LEFT JOIN visits v ON v.country = c.code "
+         "GROUP BY c.region", None),
+    Case("numeric overflow for one user's value", DP_COUNT + " WHERE CASE WHEN uid = 42 AND "
+         "duration > 700 THEN 1e100000 ELSE 0 END * 1e100000 > 0", "0A000"),
+    Case("numeric overflow by repeated products of a user's value", DP_COUNT + " WHERE (CASE "
+         "WHEN uid = 42 THEN 1e300 ELSE 0 END * 1e300 * 1e300 * 1e300 * 1e300) / 1e-300 > 0", None),
+    Case("numeric overflow in a key, a JOIN and a FILTER", DP + "(CASE WHEN v.uid = 42 THEN "
+         "duration * 1e300 * 1e300 * 1e300 ELSE 0 END) > 1 AS k, ANON_COUNT(*) FILTER (WHERE "
+         "duration * 1e300 * 1e300 > 0) FROM visits v JOIN purchases p ON v.uid = p.uid AND "
+         "p.amount * 1e300 * 1e300 * 1e300 > 0 GROUP BY 1", None),
     Case("bounds so wide the noise scale overflows", DP + "ANON_VAR(duration, 0, 1e200) "
          "FROM visits", "22023"),
     Case("text to number cast of a column", DP + "ANON_COUNT(*) FROM visits "
@@ -273,6 +327,81 @@ def test_reltuples_is_a_documented_residual(proxy_module: Proxy) -> None:
     assert "reltuples" in readme
 
 
+# --- malformed and extreme DP options: a clean error before any charge, the session lives on
+
+MALFORMED = [
+    ("epsilon=0x10", "42601"),  # Postgres 16's hexadecimal integers: not an option value
+    ("epsilon=0o17", "42601"),
+    ("max_groups_contributed=0b11", "42601"),
+    ("epsilon=", "42601"),
+    ("epsilon=1e", "42601"),
+    ("epsilon='abc'", "22023"),
+    ("epsilon=NULL", "42601"),
+    ("epsilon=-1", "22023"),
+    ("epsilon=1e999", "22023"),  # infinite
+    ("epsilon=nan", "22023"),
+    ("epsilon='Infinity'", "22023"),
+    ("epsilon=5e-324", "22023"),  # subnormal
+    ("delta=5e-324", "22023"),
+    ("epsilon=1e-9", "22023"),  # below min_epsilon
+    ("epsilon=" + "9" * 5000, "22023"),  # infinite as a float
+    ("max_groups_contributed=1e400", "22023"),
+    ("epsilon=0.1, epsilon=0.2", "42601"),
+    ("epsilon=0.1, bogus=1", "42601"),
+    ("epsilon=(0.1)", "42601"),
+    ("epsilon=f(0.1)", "42601"),
+    ("epsilon=0.1, delta=(1e-9, 2)", "42601"),
+    ("(epsilon=0.1)", "42601"),
+    ("epsilon=0.1,", "42601"),
+]
+MALFORMED_BOUNDS = [
+    "ANON_SUM(duration, 5e-324, 1e-323)",
+    "ANON_SUM(duration, 0, 5e-324)",
+    "ANON_AVG(duration, -1e-320, 1e-320)",
+    "ANON_COUNT(*, 5e-324)",
+    "ANON_SUM(duration, 0, 1e-300)",  # normal, but its noise's grid would be subnormal
+]
+
+
+def _refused_uncharged(proxy: Proxy, sql: str, sqlstate: str) -> None:
+    """`sql` gets `sqlstate` (as a simple and as a prepared statement), charges nothing, and
+    the connection still answers."""
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        before = conn.execute("SELECT epsilon_spent, delta_spent FROM dp_budget()").fetchone()
+        for prepare in (False, True):
+            with pytest.raises(psycopg.Error) as info:
+                conn.execute(sql, prepare=prepare)
+            assert info.value.sqlstate == sqlstate, info.value
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        after = conn.execute("SELECT epsilon_spent, delta_spent FROM dp_budget()").fetchone()
+        assert after == before
+
+
+@pytest.mark.parametrize(("options", "sqlstate"), MALFORMED, ids=[m[0][:40] for m in MALFORMED])
+def test_malformed_options_are_refused_before_any_charge(proxy_module: Proxy, options: str,
+                                                         sqlstate: str) -> None:
+    _refused_uncharged(proxy_module,
+                       f"SELECT WITH ANONYMIZATION OPTIONS({options}) ANON_COUNT(*) FROM visits",
+                       sqlstate)
+
+
+@pytest.mark.parametrize("aggregate", MALFORMED_BOUNDS)
+def test_subnormal_bounds_are_refused_before_any_charge(proxy_module: Proxy,
+                                                        aggregate: str) -> None:
+    _refused_uncharged(proxy_module, f"{DP}{aggregate} FROM visits", "22023")
+
+
+@pytest.mark.parametrize("value", ["1e-9", "5e-324", "'NaN'", "'Infinity'"])
+def test_set_epsilon_below_the_minimum_is_refused(proxy_module: Proxy, value: str) -> None:
+    with psycopg.connect(proxy_module.dsn(), autocommit=True) as conn:
+        with pytest.raises(psycopg.Error) as info:
+            conn.execute(f"SET dp.epsilon = {value}")
+        assert info.value.sqlstate == "22023"
+        if value == "1e-9":
+            assert "minimum 0.001" in str(info.value)
+        assert conn.execute("SHOW dp.epsilon").fetchone() == ("1.0",)
+
+
 # --- protocol tricks, on the raw protocol
 
 
@@ -352,3 +481,41 @@ def test_protocol_attack(proxy_module: Proxy, name: str) -> None:
     finally:
         c.close()
     _healthy(proxy_module, None)
+
+
+_EDGES = {
+    "timestamp": ["2020-01-01 10:00", "infinity", "-infinity", "4713-01-01 BC", "294276-12-31 23:59:59"],
+    "timestamptz": ["2020-01-01 10:00+00", "infinity", "-infinity", "4713-01-02 BC",
+                    "294276-12-30 23:59:59+00"],
+    "date": ["2020-01-01", "infinity", "-infinity", "5874897-12-31", "4713-01-01 BC"],
+    "interval": ["1 day", "-178000000 years", "178000000 years", "1 month 3 days 10:00:01.5"],
+    "time": ["10:00", "24:00", "00:00"],
+    "timetz": ["10:00+02", "24:00-15:59", "00:00+15:59"],
+}
+
+
+def test_datetime_units_never_fail_on_any_value(backend: Backend) -> None:
+    """Every (function, type, unit) that `DATETIME_UNITS` accepts evaluates on the first, last
+    and infinite values of the type without an error (so that whether a DP query fails cannot
+    depend on a user's dates); and the table is not narrower than it must be for extract()."""
+    from dp_core.analysis import DATETIME_UNITS
+
+    async def run() -> list[str]:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        failures = []
+        try:
+            for (function, type_), units in sorted(DATETIME_UNITS.items()):
+                for unit in sorted(units):
+                    expr = f"extract({unit} FROM x)" if function == "extract" \
+                        else f"{function}('{unit}', x)"
+                    for value in _EDGES[type_]:
+                        try:  # (OFFSET 0: evaluated on the row, not folded as a constant)
+                            await conn.fetchval(f"SELECT ({expr})::text FROM (SELECT "
+                                                f"'{value}'::{type_} AS x OFFSET 0) s")
+                        except asyncpg.PostgresError as e:
+                            failures.append(f"{expr} of {type_} '{value}': {e}")
+        finally:
+            await conn.close()
+        return failures
+
+    assert asyncio.run(run()) == []

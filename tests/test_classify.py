@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from dp_core.classify import Classifier, Effect, ProtectionPolicy, StatementKind
 from dp_core.errors import InvalidParameterValue, SyntaxError_, UndefinedObject
-from dp_core.settings import Caps, DPSettings
+from dp_core.settings import Caps, DPSettings, check_finite_normal, validate
 from dp_core.syntax import strip_dp_clauses
 
 K = StatementKind
@@ -212,6 +213,39 @@ def test_settings_outside_policy_are_refused(name: str, value: object) -> None:
     with pytest.raises(InvalidParameterValue) as exc:
         BASE.with_value(name, value, CAPS)
     assert exc.value.sqlstate == "22023"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [("epsilon", 5e-324, "subnormal"), ("epsilon", "1e-310", "subnormal"),
+     ("delta", 5e-324, "subnormal"), ("delta", "-1e-320", "above 0"),
+     ("epsilon", float("inf"), "finite"), ("epsilon", "-Infinity", "finite"),
+     ("delta", float("nan"), "finite"), ("epsilon", 1e-9, "minimum 0.001"),
+     ("epsilon", "0.000999", "minimum 0.001")],
+)
+def test_subnormal_non_finite_and_too_small_values_are_refused(name: str, value: object,
+                                                               message: str) -> None:
+    caps = Caps(max_epsilon=10, max_delta=1e-3, max_groups_contributed=100, min_epsilon=1e-3)
+    with pytest.raises(InvalidParameterValue) as exc:
+        validate(name, value, caps)
+    assert exc.value.sqlstate == "22023" and message in exc.value.message
+    assert validate("epsilon", 1e-3, caps) == 1e-3 and validate("delta", 1e-300, caps) == 1e-300
+
+
+def test_check_finite_normal() -> None:
+    for ok in (0.0, -0.0, 2.2250738585072014e-308, -1e300, 1.0):
+        assert check_finite_normal(ok, "a bound") == ok
+    for bad in (5e-324, -1e-310, math.inf, -math.inf, math.nan):
+        with pytest.raises(InvalidParameterValue, match=r"^a bound "):
+            check_finite_normal(bad, "a bound")
+
+
+def test_options_that_are_not_decimal_numbers_are_syntax_errors() -> None:
+    for value in ("0x10", "0o17", "0b11", "-0x1"):
+        with pytest.raises(SyntaxError_, match="is not a decimal number"):
+            strip_dp_clauses(f"SELECT WITH ANONYMIZATION OPTIONS(epsilon={value}) 1")
+    _, (clause,) = strip_dp_clauses("SELECT WITH ANONYMIZATION OPTIONS(epsilon=1_0, delta=1e999) 1")
+    assert clause.options == (("epsilon", 10), ("delta", math.inf))  # (validated later)
 
 
 def test_unknown_setting() -> None:

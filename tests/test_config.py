@@ -102,6 +102,12 @@ def test_defaults_must_respect_their_caps() -> None:
     with pytest.raises(ConfigError) as exc:
         config_from_mapping(raw, environ={})
     assert exc.value.problems == ["defaults: epsilon 5.0 is above max_epsilon_per_query 1.0"]
+    raw["defaults"] = {"epsilon": 1e-4}  # below the default min_epsilon, 1e-3
+    with pytest.raises(ConfigError) as exc:
+        config_from_mapping(raw, environ={})
+    assert exc.value.problems == ["defaults: epsilon 0.0001 is below min_epsilon 0.001"]
+    raw["defaults"] = {"epsilon": 1e-4, "min_epsilon": 1e-5}
+    assert config_from_mapping(raw, environ={}).defaults.min_epsilon == 1e-5
 
 
 def test_environment_overrides() -> None:

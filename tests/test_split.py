@@ -23,6 +23,7 @@ from dp_core.rewrite import (
     ranged_pushdown,
     uid_ranges,
 )
+from server.backend_setup import DEFAULT_ROLES
 
 from .conftest import Backend, LoopThread, running_proxy
 from .test_dp_engine import GOLDEN, GOLDEN_CASES, build
@@ -306,6 +307,83 @@ def test_large_queries_run_split_through_the_proxy(loop_thread: LoopThread, demo
             assert _split_counter(metrics.exposition().decode()) == before
 
 
+def _reads_of(admin_dsn: str, table: str) -> tuple[int, ...]:
+    """What Postgres's statistics count of the reads of `table` (scans, rows, buffers of the
+    table and its indexes) once no proxy role is connected: a backend flushes its counts
+    when it exits (when idle, it may wait 10 s)."""
+    import time
+
+    with psycopg.connect(admin_dsn, autocommit=True) as c:
+        for _ in range(100):
+            (connected,) = c.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE usename IN (%s, %s)",
+                (DEFAULT_ROLES.pushdown, DEFAULT_ROLES.restricted)).fetchone() or (0,)
+            if connected == 0:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the proxy's backends did not exit")
+        time.sleep(0.5)  # (a backend leaves pg_stat_activity just before it flushes)
+        c.execute("SELECT pg_stat_clear_snapshot()")
+        row = c.execute(
+            "SELECT coalesce(s.seq_scan, 0), coalesce(s.seq_tup_read, 0), coalesce(s.idx_scan, 0), "
+            "coalesce(s.idx_tup_fetch, 0), coalesce(io.heap_blks_read, 0) + "
+            "coalesce(io.heap_blks_hit, 0), coalesce(io.idx_blks_read, 0) + "
+            "coalesce(io.idx_blks_hit, 0) FROM pg_stat_user_tables s JOIN pg_statio_user_tables "
+            "io USING (relid) WHERE s.relname = %s", (table,)).fetchone()
+    assert row is not None
+    return tuple(int(v) for v in row)
+
+
+def test_nothing_reads_the_table_before_the_charge(loop_thread: LoopThread, demo_config: Config,
+                                                   backend: Backend) -> None:
+    """With the budget spent (53400, nothing charged) and EXPLAIN (never charged), no statement
+    reads the protected table: not the split's uid sample, not the prefilter's count of groups
+    per user over the analyst's FROM/WHERE. Read counts from Postgres's statistics, before and
+    after, each step on a proxy of its own (stopped, so that its backends flush their counts);
+    a charged query then reads it (the counts do see reads)."""
+    b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0})
+    config = demo_config.model_copy(update={"backend": b})
+    q = ("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.2) duration AS d, ANON_COUNT(*) "
+         "FROM visits WHERE browser <> 'Lynx' GROUP BY 1")
+
+    def reset_bob(px: Any) -> None:
+        with psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
+            admin.execute("SELECT dp_reset_budget('bob')")
+
+    with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
+        su.execute("VACUUM ANALYZE visits")  # (nothing left for autovacuum to read)
+    try:
+        with running_proxy(loop_thread, config, backend) as px:
+            reset_bob(px)
+            with psycopg.connect(px.dsn("bob"), autocommit=True) as conn:
+                # bob's whole budget (1), spent on another table
+                conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=1) ANON_COUNT(*) "
+                             "FROM purchases").fetchall()
+        before = _reads_of(backend.admin_dsn, "visits")
+        with (running_proxy(loop_thread, config, backend) as px,
+              psycopg.connect(px.dsn("bob"), autocommit=True) as conn):
+            plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + q).fetchall())
+            assert "Split: up to 3 pushdowns at once over ranges of visits.uid" in plan
+        assert _reads_of(backend.admin_dsn, "visits") == before, "EXPLAIN read the table"
+        with (running_proxy(loop_thread, config, backend) as px,
+              psycopg.connect(px.dsn("bob"), autocommit=True) as conn,
+              pytest.raises(psycopg.errors.ConfigurationLimitExceeded)):  # 53400
+            conn.execute(q)
+        assert _reads_of(backend.admin_dsn, "visits") == before, \
+            "a query refused for its budget read the table"
+        with running_proxy(loop_thread, config, backend) as px:
+            reset_bob(px)
+            with psycopg.connect(px.dsn("bob"), autocommit=True) as conn:
+                split = _split_counter(px.server.metrics.exposition().decode())
+                assert conn.execute(q).fetchall()
+                assert _split_counter(px.server.metrics.exposition().decode()) == split + 1
+        assert _reads_of(backend.admin_dsn, "visits") != before
+    finally:
+        with running_proxy(loop_thread, config, backend) as px:
+            reset_bob(px)
+
+
 @pytest.mark.parametrize("split", [1, 4])
 def test_small_tables_or_split_1_are_not_split(loop_thread: LoopThread, demo_config: Config,
                                                 backend: Backend, split: int) -> None:
@@ -431,6 +509,41 @@ def test_prefilter_keeps_a_group_whole_whatever_its_keys_texts(backend: Backend)
                 (row,) = await conn.fetch(main)
                 assert row["dp_users"] == truth["users"]
                 assert row["dp_a0_count"] == truth["n"] and row["dp_a1_sum"] == truth["s"], dict(row)
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(("key", "key_type"), [
+    ("CASE duration % 3 WHEN 0 THEN NULL WHEN 1 THEN '' ELSE browser END", "text"),
+    ("CASE duration % 3 WHEN 0 THEN NULL WHEN 1 THEN 0 ELSE duration END", "int4"),
+])
+def test_prefilter_keeps_a_null_key_apart_from_empty_and_zero(backend: Backend, key: str,
+                                                              key_type: str) -> None:
+    """A NULL key is a group of its own, as in the plain pushdown: not merged with '' (or 0),
+    the value its type's hash reads a NULL as. With every group kept both paths give the
+    same rows; with one kept, each user is in one group (the user counts add up to the
+    users) and the NULL group is there."""
+    sql = (f"SELECT WITH ANONYMIZATION {key} AS k, ANON_COUNT(*, 1000000), "
+           "ANON_SUM(duration, 0, 1000000000) FROM visits GROUP BY 1")
+
+    async def go() -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            users = await conn.fetchval("SELECT count(DISTINCT uid) FROM visits")
+            for max_groups in (1000, 1):
+                query, plan, _ = build(sql, max_groups=max_groups)
+                plain = pushdown(query, plan, order_seed=7).main
+                pre = pushdown(query, plan, order_seed=7, prefilter=("int8", key_type)).main
+                assert plain is not None and pre is not None and "dp_rows AS" in pre
+                got = {r["dp_k0"]: dict(r) for r in await conn.fetch(pre)}
+                assert None in got and ("" if key_type == "text" else 0) in got, got.keys()
+                if max_groups > 1:
+                    expected = {r["dp_k0"]: dict(r) for r in await conn.fetch(plain)}
+                    assert got == expected
+                else:
+                    assert sum(r["dp_users"] for r in got.values()) == users
         finally:
             await conn.close()
 
