@@ -614,7 +614,8 @@ class DPService:
         if cached is None or cached[0] < now:
             try:
                 row = await conn.fetchrow(groups_sql(query, middle, split.uid_not_null),
-                                          timeout=_GROUPS_TIMEOUT)
+                                          timeout=min(_GROUPS_TIMEOUT,
+                                                      self.config.backend.statement_timeout))
             except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as e:
                 log.warning("could not count the groups per user of a DP pushdown: %s", e)
                 row = None
@@ -795,6 +796,7 @@ class DPService:
             await self.ledger.charge(session.user, AnswerCost.of(plan), st.sql, mechanisms, conn,
                                      accountant)
             self.metrics.epsilon_spent.labels(session.user).inc(float(plan.cost.epsilon))
+            session.dp_charged()
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
             log.error("session %s: ledger unavailable: %s", session.process_id, e)
             raise LedgerUnavailable() from None

@@ -184,7 +184,7 @@ class ClientProtocol(asyncio.Protocol):
 
 class Session:
     # slots: attribute reads stay fast however many there are (see BackendLink)
-    __slots__ = ("_clock", "_dp_task", "_idle_handle", "_input", "_last_input", "_plain",
+    __slots__ = ("_clock", "_dp_charged", "_dp_task", "_idle_handle", "_input", "_last_input", "_plain",
                  "_portals_epoch", "_ran_query", "_startup_task", "_task", "_tls_ok",
                  "backlog", "block_settings", "busy", "config", "exhausted_portals", "frames",
                  "link", "local_portals", "local_statements", "process_id", "proto", "reading_paused",
@@ -218,6 +218,9 @@ class Session:
         """Set when bytes arrive during startup, which reads its frames itself."""
         self._task: asyncio.Task[None] | None = None
         self._dp_task: asyncio.Task[Any] | None = None
+        self._dp_charged = False
+        """The running DP query is charged: a cancel no longer changes its outcome (when a
+        cancel wins would be a clock on the work that remains, DESIGN §3.11)."""
         self._idle_handle: asyncio.TimerHandle | None = None
         self._clock = asyncio.get_running_loop().time
         self._last_input = self._clock()
@@ -981,6 +984,7 @@ class Session:
                         lambda: link.try_declare(declare, cursor.name, bind is not None)):
                     raise _AlreadyReported()
             # its own task, so that a CancelRequest can stop it (and its pushdown) alone
+            self._dp_charged = False
             self._dp_task = asyncio.get_running_loop().create_task(
                 self.server.dp.answer(self, st, bind, param_types))
             try:
@@ -1292,9 +1296,14 @@ class Session:
 
     # ------------------------------------------------------------------ cancel
 
+    def dp_charged(self) -> None:
+        """The DP query this session runs has been charged: from now on it runs to its
+        release (or its generic failure), whatever CancelRequest comes."""
+        self._dp_charged = True
+
     def cancel(self) -> None:
         """A CancelRequest named this session: cancel what runs now (pass-through or DP)."""
-        if self._dp_task is not None and not self._dp_task.done():
+        if self._dp_task is not None and not self._dp_task.done() and not self._dp_charged:
             self._dp_task.cancel()
         if self.link is not None and self.link.key is not None and self.link.pending:
             asyncio.get_running_loop().create_task(self.server.cancel_backend(self.link.key))

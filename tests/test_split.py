@@ -399,9 +399,10 @@ def test_small_tables_or_split_1_are_not_split(loop_thread: LoopThread, demo_con
 
 def test_cancel_a_running_split_query(loop_thread: LoopThread, demo_config: Config,
                                       backend: Backend) -> None:
-    """A cancel reaches every range's pushdown; the connections go back to the pool usable."""
+    """A charged query split over ranges ends at its statement timeout whatever cancel comes
+    (the timeout reaches every range's pushdown); the connections go back to the pool usable."""
     b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0,
-                                               "pushdown_pool_size": 4})
+                                               "pushdown_pool_size": 4, "statement_timeout": 1.0})
     config = demo_config.model_copy(update={"backend": b})
     with running_proxy(loop_thread, config, backend) as px:
         with psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
