@@ -34,7 +34,7 @@ SHAPES = {
                    "JOIN purchases p USING (uid) WHERE v.uid = {u} GROUP BY v.browser",
     "median": "SELECT WITH ANONYMIZATION ANON_MEDIAN(duration, 0, 3600) FROM visits WHERE uid = {u}",
     "largest allowed expression": "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE "
-                                  "uid = {u} AND length(lpad(browser, 1000, 'C')) > 0",
+                                  "uid = {u} AND length(lpad(browser, 100, 'C')) > 0",
 }
 
 

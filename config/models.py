@@ -251,12 +251,12 @@ class DefaultsConfig(_Strict):
                                description=(
         "the least ε a query (its OPTIONS or `SET dp.epsilon`) may ask for: near-free "
         "queries would make probing, one answer or failure per guess, cost nothing"))
-    max_row_work_passes: float = Field(default=64.0, ge=1.0, le=1e6, description=(
+    max_row_work_passes: float = Field(default=32.0, ge=1.0, le=1e6, description=(
         "the most work a DP query's expressions may do on one row, in passes over the row's "
         "values (dp_core.cost): above it the query is refused before anything runs"))
-    max_row_work_bytes: float = Field(default=4096.0, ge=0.0, le=1e9, description=(
+    max_row_work_bytes: float = Field(default=1024.0, ge=0.0, le=1e9, description=(
         "with max_row_work_passes: the most work per row beyond those passes, in bytes "
-        "(lpad(x, 1000) produces up to 4000)"))
+        "(lpad(x, 100) produces up to 400)"))
     release_quantum_ms: float = Field(default=50.0, ge=0.0, le=60_000.0, description=(
         "each charged DP outcome (an answer, or the failure of a charged query) is sent at "
         "the next multiple of this after the query arrived, so that its time says less about "

@@ -55,8 +55,8 @@ class RowWorkBudget:
     """The most work a DP query's expressions may do on one row: `per_byte` passes over the
     row's values plus `fixed` bytes (a small multiple of reading the row)."""
 
-    per_byte: float = 64.0
-    fixed: float = 4096.0
+    per_byte: float = 32.0
+    fixed: float = 1024.0
 
     @property
     def linear(self) -> Linear:
