@@ -145,6 +145,12 @@ TOTAL_CASTS: dict[str, frozenset[str]] = {
 fails out of range; text → anything fails on malformed input."""
 
 _CHECKED_CAST_TARGETS = frozenset(t for targets in TOTAL_CASTS.values() for t in targets)
+_LITERAL_CAST_TARGETS = _CHECKED_CAST_TARGETS | {
+    "varchar", "bpchar", "char", "name", "time", "timetz", "interval", "uuid", "bool",
+}
+"""Built-in types a string literal may be cast to in a DP query: their input functions run
+when the statement is planned (never on a row)."""
+NUMBER_TYPES = frozenset({"int2", "int4", "int8", "numeric", "float4", "float8"})
 
 def _is_number_valued(node: Any) -> bool:
     """Arithmetic or a numeric function's call: a number (never a boolean or text), so a cast
@@ -231,6 +237,8 @@ class AnalyzedQuery:
     """Casts whose totality depends on their source type (see `check_casts`)."""
     arithmetic: tuple[ArithmeticCheck, ...] = ()
     """Arithmetic operators whose type decides their integer semantics (`ArithmeticCheck`)."""
+    sublinks: tuple[ast.SelectStmt, ...] = ()
+    """Its IN and EXISTS subqueries (total), which must plan alone (`Findings.sublinks`)."""
     relations: tuple[Relation, ...] = ()
     """The unprotected tables it reads by name (schema as written, or None; name): the
     server refuses the query unless each is one the analysts may read."""
@@ -336,7 +344,6 @@ _SPANS = _TIME_OF_DAY | {"day", "month", "quarter", "year", "decade", "century",
 DATETIME_UNITS: dict[tuple[str, str], frozenset[str]] = {
     ("date_trunc", "timestamp"): _TIME_OF_DAY | {"day", "week", "month", "quarter", "year"},
     ("date_trunc", "timestamptz"): _TIME_OF_DAY | {"day", "week", "month", "quarter", "year"},
-    ("date_trunc", "interval"): _SPANS,
     ("date_part", "timestamp"): _DATE_UNITS,
     ("date_part", "timestamptz"): _DATE_UNITS,
     ("date_part", "interval"): _SPANS | {"epoch"},
@@ -350,15 +357,37 @@ DATETIME_UNITS: dict[tuple[str, str], frozenset[str]] = {
     ("extract", "timetz"): _TIME_OF_DAY | {"epoch"},
 }
 """The units each date/time function takes without failing on any value of the argument's
-type (from the first to the last representable one, infinities included; checked against
-Postgres by tests/test_attacks.py). Elsewhere it fails on some values only (date_trunc to the
-decade overflows near the end of timestamps' range) or on every one (extract(hour FROM
-date)), and a date reaches date_trunc and date_part only through a cast to timestamp that
-fails past 294276 AD: refused when the query is planned, from the argument's type."""
+type (from the first to the last representable one, infinities included, in any time zone;
+checked against Postgres by tests/test_attacks.py), date_trunc as `datetime_call` writes it.
+Elsewhere it fails on some values only (date_trunc to the decade overflows near the end of
+timestamps' range) or on every one (extract(hour FROM date)), and a date reaches date_trunc
+and date_part only through a cast to timestamp that fails past 294276 AD: refused when the
+query is planned, from the argument's type."""
+_TRUNCATED_RANGE = ("4713-01-01 BC", "294276-01-01")
+"""date_trunc's argument is truncated only inside this range (or infinite), NULL outside: at
+the first representable months (4714-11-24 BC) truncating to the month or year fails, and
+in a time zone west or east of UTC so does truncating a timestamptz near either end."""
+
+
+def datetime_call(fc: ast.FuncCall, value: ast.Node) -> ast.Node:
+    """The total form of a date/time function call whose unit is checked: date_trunc's value
+    kept inside `_TRUNCATED_RANGE` (or infinite), else NULL; extract and date_part as they are."""
+    if _funcname(fc) != "date_trunc":
+        return fc
+    low, high = (ast.A_Const(val=ast.String(sval=v)) for v in _TRUNCATED_RANGE)
+    inside = ast.A_Expr(kind=A_Expr_Kind.AEXPR_BETWEEN, name=(ast.String(sval="BETWEEN"),),
+                        lexpr=copy.deepcopy(value), rexpr=(low, high))
+    infinite = ast.BoolExpr(boolop=BoolExprType.NOT_EXPR, args=(ast.FuncCall(
+        funcname=(ast.String(sval="isfinite"),), args=(copy.deepcopy(value),)),))
+    test = ast.BoolExpr(boolop=BoolExprType.OR_EXPR, args=(inside, infinite))
+    return ast.CaseExpr(args=(ast.CaseWhen(expr=test, result=fc),))
 MAX_MAGNITUDE = 1e300
 """Arithmetic in a DP query runs in numeric with every operand and result clamped to
 ±MAX_MAGNITUDE (`_clamped`): a product of two is within numeric's range (10^131072), so no
 value of any row can overflow it; number literals in arithmetic must lie within it."""
+MAX_DIGITS = 100
+"""The most digits round(x, d) and trunc(x, d) may keep (numeric keeps up to 16383: a value
+that long per row would be a lever on the time a query takes)."""
 MAX_BOUND = 1e100
 """Largest magnitude of a contribution bound: the sum of a bounded value over every user
 (and its noise) stays far inside float8's range."""
@@ -511,8 +540,16 @@ class Findings:
     relations: list[Relation] = field(default_factory=list)
     """The unprotected tables the query reads by name, which the server checks the analysts
     may read (`AnalyzedQuery.relations`)."""
+    row_names: set[str] = field(default_factory=set)
+    """The names of FROM items in every scope: a bare column reference of one of them is a
+    whole row (whose comparisons fail on some values), refused."""
+    sublinks: list[ast.SelectStmt] = field(default_factory=list)
+    """Subqueries in IN and EXISTS, which the server prepares alone: they must not read the
+    DP query's row (a correlated subquery runs once per row, over a whole public table)."""
     costs: list[tuple[Cost, str, Any]] = field(default_factory=list)
     """Each expression a row meets (its bound from `dp_core.cost`, where it is, the node)."""
+    budget: RowWorkBudget = field(default_factory=RowWorkBudget)
+    """The most work per row the query's expressions may do together."""
 
 
 class Totalizer:
@@ -553,12 +590,22 @@ class Totalizer:
         # (the expression's text is printed only for a refusal: pglast's printer leaves the
         # nodes it printed too deep for deepcopy)
         self.findings.costs.append((row_cost(node), context, node))
-        return self._total(copy.deepcopy(node), context)
+        # far over the budget, refused before the total form is written (which copies some
+        # arguments: nested, their copies multiply); else after its own rules had their say
+        budget = self.findings.budget
+        _check_work(self.findings.costs, RowWorkBudget(budget.per_byte * 1000,
+                                                       budget.fixed * 1000), budget)
+        total = self._total(copy.deepcopy(node), context)
+        _check_work(self.findings.costs, budget)
+        return total
 
     def _total(self, node: Any, ctx: str) -> Any:
         if node is None or isinstance(node, (ast.A_Const, ast.ColumnRef, ast.ParamRef)):
             if isinstance(node, ast.ColumnRef) and isinstance(node.fields[-1], ast.A_Star):
                 raise _refuse("* outside COUNT(*)", ctx)
+            if isinstance(node, ast.ColumnRef) and len(node.fields) == 1 \
+                    and str(node.fields[0].sval) in self.findings.row_names:
+                raise _refuse("whole-row references (name the columns)", _sql(node))
             return node
         if isinstance(node, ast.BoolExpr):
             node.args = tuple(self._total(a, ctx) for a in node.args)
@@ -598,6 +645,8 @@ class Totalizer:
     def _a_expr(self, node: ast.A_Expr, ctx: str) -> Any:
         kind = node.kind
         op = str(node.name[-1].sval) if node.name else ""
+        if node.name and len(node.name) > 1 and str(node.name[0].sval) != "pg_catalog":
+            raise _refuse("only built-in operators", _sql(node))
         if kind == A_Expr_Kind.AEXPR_OP:
             if op in _TOTAL_OPERATORS:
                 node.lexpr, node.rexpr = self._total(node.lexpr, ctx), self._total(node.rexpr, ctx)
@@ -651,13 +700,21 @@ class Totalizer:
 
     def _cast(self, node: ast.TypeCast, ctx: str) -> Any:
         target = str(node.typeName.names[-1].sval).lower()
+        names = node.typeName.names
+        builtin = (len(names) == 1 or str(names[0].sval) == "pg_catalog") \
+            and not node.typeName.arrayBounds and not node.typeName.setof
         if isinstance(node.arg, ast.A_Const):
-            return node  # folded when the pushdown is planned: fails, if at all, before any row
-        if target in ("text", "varchar"):
+            # a literal converted when the pushdown is planned (a string by the type's input,
+            # a number by an immutable cast): fails, if at all, before any row. Not a domain,
+            # whose check runs on each row, nor a type whose conversion is not immutable
+            literal_targets = _LITERAL_CAST_TARGETS if isinstance(node.arg.val, ast.String) \
+                else _CHECKED_CAST_TARGETS | {"text", "varchar"}
+            if not builtin or target not in literal_targets:
+                raise _refuse(f"casts of literals to {target}", _sql(node))
+            return node
+        if builtin and target in ("text", "varchar"):
             node.arg = self._total(node.arg, ctx)
             return node
-        names = node.typeName.names
-        builtin = len(names) == 1 or str(names[0].sval) == "pg_catalog"
         if builtin and target in _INTEGER_LIMITS and _is_number_valued(node.arg) \
                 and not node.typeName.typmods and not node.typeName.arrayBounds:
             return self._guarded_integer_cast(node, target, ctx)
@@ -669,6 +726,16 @@ class Totalizer:
             return node
         raise _refuse(f"casts of column values to {target} (they can fail on some values)",
                       _sql(node))
+
+    def number(self, value: ast.Node, rule: str, text: str) -> ast.Node:
+        """`value` (totalised) as numeric, checked when the query is planned to be a number:
+        a cast of text to numeric would parse each row's value, and fail on some."""
+        checked = isinstance(value, ast.TypeCast) and \
+            str(value.typeName.names[-1].sval).lower() in NUMBER_TYPES  # (checked as a cast)
+        if const_number(value) is None and not checked:
+            self.casts.append(CastCheck(copy.deepcopy(value), "numeric", text, self.scope,
+                                        rule=rule, sources=NUMBER_TYPES))
+        return _numeric(value)
 
     def _concatenation(self, node: ast.A_Expr, ctx: str) -> ast.A_Expr:
         """`a || b` of text cannot fail (as concat() cannot), but `||` of arrays can: each
@@ -755,10 +822,14 @@ class Totalizer:
                 copy.deepcopy(args[1]), "", _sql(fc), self.scope, sources=types,
                 rule=f"{name}() with the unit {unit} takes {shown} (it fails on some values "
                      "of other types)"))
+            fc.args = tuple(args)
+            return datetime_call(fc, args[1])
         elif name in _NUMERIC_ARG_FUNCTIONS:
-            if name in ("round", "trunc") and len(args) == 2 and const_number(args[1]) is None:
-                raise _refuse(f"{name}() needs a constant number of digits", _sql(fc))
-            args[0] = _numeric(self._total(args[0], ctx))
+            if name in ("round", "trunc") and len(args) == 2 and not _integer_literal(
+                    args[1], -MAX_DIGITS, MAX_DIGITS):
+                raise _refuse(f"{name}() needs a constant number of digits from {-MAX_DIGITS} "
+                              f"to {MAX_DIGITS}", _sql(fc))
+            args[0] = self.number(self._total(args[0], ctx), f"{name}() of a number", _sql(fc))
         else:
             args = [self._total(a, ctx) for a in args]
         fc.args = tuple(args)
@@ -801,6 +872,8 @@ class _FromAnalysis:
         self.tables: list[TableRef] = []
         self.uid_equalities: list[tuple[str, str]] = []
         self.using: list[tuple[set[str], str]] = []
+        self.names: set[str] = set()
+        """The names of the scope's FROM items (aliases, or table names)."""
         self.nullable: set[str] = set()
         """Aliases of protected FROM items that an outer join can null (their uid is then
         NULL in rows they have no part in)."""
@@ -811,6 +884,8 @@ class _FromAnalysis:
         if isinstance(node, ast.JoinExpr):
             if node.isNatural:
                 raise _refuse("NATURAL JOIN (name the join columns)", _sql(node))
+            if node.alias is not None:  # (it hides the names inside: a.uid could be another a's)
+                raise _refuse("an alias on a join (name its tables instead)", _sql(node))
             if node.jointype not in (JoinType.JOIN_INNER, JoinType.JOIN_LEFT, JoinType.JOIN_RIGHT,
                                      JoinType.JOIN_FULL):
                 raise _refuse("this kind of join", _sql(node))
@@ -842,6 +917,7 @@ class _FromAnalysis:
             sub_uid = _owned_subquery(node.subquery, self.policy,
                                       self.totalize.inner(node.subquery), self.ctes)
             alias = str(node.alias.aliasname)
+            self._named(alias)
             if sub_uid is not None:
                 if node.alias.colnames:
                     raise _refuse("column aliases on a subquery that reads protected tables", alias)
@@ -855,9 +931,18 @@ class _FromAnalysis:
             raise _refuse("TABLESAMPLE (a DP query reads every row it selects)", _sql(node))
         raise _refuse(f"FROM item {type(node).__name__}", _sql(node))
 
+    def _named(self, alias: str) -> None:
+        """Every FROM item of a scope has its own name (Postgres checks it too, but not
+        across a join's alias): the analysis reads `alias.uid` as that item's."""
+        if alias in self.names:
+            raise _refuse("the same alias twice", alias)
+        self.names.add(alias)
+        self.totalize.findings.row_names.add(alias)
+
     def _range_var(self, rv: ast.RangeVar) -> ast.RangeVar:
         name = str(rv.relname)
         schema = str(rv.schemaname) if rv.schemaname else None
+        self._named(str(rv.alias.aliasname) if rv.alias else name)
         if (schema in _SYSTEM_SCHEMAS) or name.startswith("pg_"):
             raise _refuse("system catalogs", name)
         if schema is None and name in self.ctes:
@@ -876,6 +961,8 @@ class _FromAnalysis:
             if any(t.alias == alias for t in self.tables):
                 raise _refuse("the same alias twice", alias)
             self.tables.append(TableRef(name, alias, pol.uid_column))
+            rv.schemaname = pol.schema  # (the pushdown names the configured table, whatever
+            # the pushdown role's search_path finds first)
         else:
             _public_relation(rv, self.ctes, self.totalize)
         return rv
@@ -1053,7 +1140,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     if stmt.op is not None and stmt.op != 0 and stmt.larg is not None:
         raise _refuse("set operations (UNION, INTERSECT, EXCEPT)")
     ctes: dict[str, str | None] = {}
-    findings = Findings()
+    findings = Findings(budget=row_work or RowWorkBudget())
     cte_nodes: tuple[Any, ...] = ()
     if stmt.withClause is not None:
         if stmt.withClause.recursive:
@@ -1163,7 +1250,6 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         if not any(_same(g, source) or _is_ref_to(g, name) for source, name in selected):
             # a GROUP BY key that is not selected still partitions the result
             keys.append(Key(totalize(g, "GROUP BY key"), f"__key{len(keys)}"))
-    _check_work(findings.costs, row_work or RowWorkBudget())
     if not aggregates and not keys:  # (keys alone: the groups partition selection releases)
         raise _refuse("a DP query needs at least one DP aggregate, e.g. ANON_COUNT(*)")
     for k in keys:
@@ -1177,19 +1263,23 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         plain_form=plain_form, ctes=cte_nodes, select=tuple(select),
         casts=tuple(findings.casts), arithmetic=tuple(findings.arithmetic),
         relations=tuple(dict.fromkeys(findings.relations)),
+        sublinks=tuple(findings.sublinks),
     )
 
 
-def _check_work(costs: Sequence[tuple[Cost, str, Any]], budget: RowWorkBudget) -> None:
+def _check_work(costs: Sequence[tuple[Cost, str, Any]], budget: RowWorkBudget,
+                named: RowWorkBudget | None = None) -> None:
     """Refuse a query whose expressions may do more work on one row than `budget` (DESIGN
     §3.11: the time a query takes must not be a lever on one user's rows), naming the
     costliest expression."""
     total = Linear()
     for cost, _, _ in costs:
         total = total + cost.work
-    if total.fits(budget.linear):
-        return
+    unbounded = not (math.isfinite(total.fixed) and math.isfinite(total.per_byte))
+    if total.fits(budget.linear) or (named is not None and unbounded):
+        return  # (an unbounded cost is a non-literal argument: the rules refuse it by name)
     _, where, node = max(costs, key=lambda c: (c[0].work.per_byte, c[0].work.fixed))
+    budget = named or budget  # (the budget the message names)
     raise _refuse(
         f"expressions whose work on one row may exceed {budget.per_byte:g} passes over its "
         f"values plus {budget.fixed:g} bytes (here {total.per_byte:g} passes plus "
@@ -1221,6 +1311,7 @@ def _semi_join(link: ast.SubLink, policy: Mapping[str, TablePolicy],
                       "table on the uid in FROM instead)", _sql(link))
     _public_subquery(sub, totalize.inner(sub), ctes,
                      "a subquery in IN or EXISTS over unprotected tables")
+    totalize.findings.sublinks.append(sub)
     return link
 
 
@@ -1238,11 +1329,16 @@ def _public_subquery(sub: ast.SelectStmt, totalize: Totalizer,
         _only_clauses(sub, _PUBLIC_CLAUSES, scope)
     except FeatureNotSupported:
         raise _refuse(f"{scope} but as SELECT ... FROM ... [WHERE]", _sql(sub)) from None
+    if len(sub.fromClause or ()) > 1:
+        raise _refuse(f"{scope} reads one table (no joins: work per row of the DP query)",
+                      _sql(sub))
     for item in sub.fromClause or ():
         if not isinstance(item, ast.RangeVar):
             raise _refuse(f"{scope} reads tables by name only (no joins, functions or "
                           "subqueries)", _sql(item))
         _public_relation(item, ctes, totalize)
+        totalize.findings.row_names.add(str(item.alias.aliasname) if item.alias
+                                        else str(item.relname))
     for target in sub.targetList or ():
         if isinstance(target.val, ast.ColumnRef) and isinstance(target.val.fields[-1], ast.A_Star):
             continue
@@ -1383,6 +1479,13 @@ def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Total
     return uid_out
 
 
+def _builtin(fc: ast.FuncCall) -> bool:
+    return len(fc.funcname) == 1 or str(fc.funcname[0].sval) == "pg_catalog"
+
+
+_DEFAULT_FRAME = 1058
+"""pglast's WindowDef.frameOptions without a frame clause (RANGE UNBOUNDED PRECEDING to
+CURRENT ROW, the frame Postgres computes incrementally)."""
 _WINDOW_FUNCTIONS = frozenset({"row_number", "rank", "dense_rank", "count", "sum", "avg", "min", "max"})
 
 
@@ -1392,19 +1495,25 @@ def _per_user_window(fc: Any, is_uid: Any, totalize: Totalizer) -> Any:
     if over.refname or not any(is_uid(p) for p in (over.partitionClause or ())):
         raise _refuse("window functions must be partitioned by the uid", _sql(fc))
     name = _funcname(fc)
-    if name not in _WINDOW_FUNCTIONS:
+    if name not in _WINDOW_FUNCTIONS or not _builtin(fc):
         raise _refuse(f"window function {name}() (allowed: {', '.join(sorted(_WINDOW_FUNCTIONS))})",
                       _sql(fc))
     if fc.agg_filter is not None or fc.agg_distinct:
         raise _refuse("FILTER or DISTINCT in a window function", _sql(fc))
+    if over.frameOptions != _DEFAULT_FRAME:
+        # (a frame whose start moves recomputes max() over it on every row: quadratic work
+        # in one user's rows)
+        raise _refuse("window frames (ROWS or RANGE BETWEEN ...)", _sql(fc))
     args = tuple(totalize(a, "window function argument") for a in (fc.args or ()))
     if name in ("sum", "avg"):
-        args = tuple(_numeric(a) for a in args)
+        args = tuple(totalize.number(a, f"{name}() of a number", _sql(fc)) for a in args)
     fc.args = args or None
     over.partitionClause = tuple(p if is_uid(p) else totalize(p, "PARTITION BY")
                                  for p in over.partitionClause)
     if over.orderClause:
         for sort in over.orderClause:
+            if sort.useOp:
+                raise _refuse("ORDER BY ... USING in a window", _sql(fc))
             sort.node = totalize(sort.node, "window ORDER BY")
     if over.startOffset is not None or over.endOffset is not None:
         raise _refuse("window frames with offsets", _sql(fc))
@@ -1416,12 +1525,14 @@ def _per_user_expression(val: Any, grouped: bool, totalize: Totalizer) -> Any:
     if isinstance(val, ast.FuncCall) and _funcname(val) in _PER_USER_AGGREGATES:
         if not grouped:
             raise _refuse("aggregates in a subquery need GROUP BY uid", _sql(val))
-        if val.over is not None or val.agg_filter is not None or val.agg_order:
-            raise _refuse("FILTER, ORDER BY or OVER in a per-user aggregate", _sql(val))
+        if val.over is not None or val.agg_filter is not None or val.agg_order \
+                or not _builtin(val):
+            raise _refuse("FILTER, ORDER BY or OVER in a per-user aggregate, or one that is not "
+                          "built in", _sql(val))
         name = _funcname(val)
         args = tuple(totalize(a, "aggregate argument") for a in (val.args or ()))
-        if name in ("sum", "avg"):
-            args = tuple(_numeric(a) for a in args)  # exact: no overflow for any user's rows
+        if name in ("sum", "avg"):  # exact: no overflow for any user's rows
+            args = tuple(totalize.number(a, f"{name}() of a number", _sql(val)) for a in args)
         val.args = args or None
         return val
     for node in _walk(val):
@@ -1452,6 +1563,8 @@ def _group_expressions(stmt: ast.SelectStmt) -> list[Any]:
             raise _refuse("GROUPING SETS, ROLLUP and CUBE")
         n = const_number(g)
         if n is not None:
+            if not math.isfinite(n):
+                raise SyntaxError_(f"GROUP BY position {n} is not in select list")
             idx = int(n) - 1
             if not 0 <= idx < len(stmt.targetList) or n != int(n):
                 raise SyntaxError_(f"GROUP BY position {n} is not in select list")

@@ -98,7 +98,13 @@ def row_cost(node: Any) -> Cost:
         return Cost(result.size, test.work + test.size + result.work)
     if isinstance(node, ast.TypeCast):
         inner = row_cost(node.arg)  # (a number's text is about as long as its digits)
-        return Cost(inner.size + _WORD, inner.work + inner.size)
+        type_names = node.typeName.names if node.typeName is not None else None
+        target = str(type_names[-1].sval).lower() if type_names else ""
+        # a cast to an integer type is made total by testing the value, then casting it: the
+        # argument is written (and computed) twice
+        copies = 2.0 if target in ("int2", "int4", "int8", "smallint", "integer", "bigint") \
+            else 1.0
+        return Cost(inner.size + _WORD, inner.work.times(copies) + inner.size.times(copies))
     if isinstance(node, ast.SubLink):
         # IN / EXISTS over public tables: Postgres runs them as a (hashed) semi-join, a probe
         # per row of the test expression
@@ -194,11 +200,31 @@ _SIZES: dict[str, _Rule] = {
 }
 
 
+_SEARCHES = frozenset({"strpos", "position", "replace", "split_part", "btrim", "ltrim", "rtrim"})
+"""Functions that look for their literal arguments in the value: the work is the value's
+size times the length of what is looked for."""
+
+
 def _function(fc: ast.FuncCall) -> Cost:
     names = fc.funcname or ()
     name = str(names[-1].sval).lower() if names else ""
     raw = list(fc.args or ())
     args = [row_cost(a) for a in raw]
+    if name in _SEARCHES and len(args) > 1:
+        looked_for = max((a.size.fixed for a in args[1:]), default=1.0)
+        if any(a.size.per_byte for a in args[1:]):  # (a column: quadratic in its length)
+            return Cost(Linear(math.inf, math.inf), Linear(math.inf, math.inf))
+        searched = Cost(args[0].size, args[0].work + args[0].size.times(max(looked_for, 1.0)))
+        size = _SIZES[name](args, raw) if name in _SIZES else args[0].size + _WORD
+        return _reading([searched, *args[1:]], size)
+    if name == "width_bucket" and args:
+        # made total by testing its value for NaN, then calling it: the value twice
+        twice = Cost(args[0].size.times(2.0), args[0].work.times(2.0))
+        return _reading([twice, *args[1:]], _WORD)
+    if name in ("round", "trunc") and len(raw) == 2:
+        digits = _number(raw[1])
+        extra = Linear(0.0, abs(digits)) if digits is not None else Linear(math.inf, math.inf)
+        return _reading(args, args[0].size + extra + _WORD)
     if name in _SIZES:
         return _reading(args, _SIZES[name](args, raw))
     if name in _SMALL_RESULT:

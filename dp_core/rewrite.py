@@ -27,7 +27,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from pglast import ast, parse_sql
-from pglast.enums import A_Expr_Kind, BoolExprType, JoinType, NullTestType, VariableSetKind
+from pglast.enums import (
+    A_Expr_Kind,
+    BoolExprType,
+    JoinType,
+    LimitOption,
+    NullTestType,
+    SetOperation,
+    VariableSetKind,
+)
 from pglast.stream import RawStream
 from pglast.visitors import Visitor
 
@@ -507,6 +515,23 @@ def argument_probe_sql(query: AnalyzedQuery) -> str | None:
     inner.update((f"t{i}", (c.arg, c.scope)) for i, c in enumerate(query.arithmetic)
                  if c.scope is not None)
     return _probe_sql(query, exprs, inner)
+
+
+def standalone_subqueries(query: AnalyzedQuery) -> list[str]:
+    """Each IN or EXISTS subquery of `query` as a statement of its own (with the query's WITH
+    list): it plans only if it reads nothing of the DP query's row, i.e. is not correlated."""
+    out = []
+    for sub in query.sublinks:
+        outer = ast.SelectStmt(
+            targetList=(ast.ResTarget(val=ast.A_Const(val=ast.Integer(ival=1))),),
+            fromClause=(ast.RangeSubselect(lateral=False, subquery=copy.deepcopy(sub),
+                                           alias=ast.Alias(aliasname="dp_s")),),
+            limitOption=LimitOption.LIMIT_OPTION_DEFAULT, op=SetOperation.SETOP_NONE)
+        if query.ctes:
+            outer.withClause = ast.WithClause(ctes=tuple(copy.deepcopy(query.ctes)),
+                                              recursive=False)
+        out.append(str(RawStream()(outer)))
+    return out
 
 
 UidRange = tuple[str | None, str | None]

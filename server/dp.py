@@ -34,6 +34,7 @@ from config import Accountant, Config
 from dp_core.accounting import AnswerCost
 from dp_core.analysis import (
     INTEGER_TYPES,
+    NUMBER_TYPES,
     AggKind,
     AnalyzedQuery,
     Bounds,
@@ -85,6 +86,7 @@ from dp_core.rewrite import (
     pushdown,
     ranged_pushdown,
     result_sql,
+    standalone_subqueries,
     uid_ranges,
 )
 from dp_core.settings import Caps, validate
@@ -414,6 +416,13 @@ class DPService:
             await self._check_relations(query, conn)
             attrs = await self._probe(query, conn)
             types = {a.name: a.type.name for a in attrs}
+            for i in range(len(query.arithmetic)):
+                if types[f"t{i}"] not in NUMBER_TYPES:
+                    # (the total form computes in numeric: a cast of jsonb, say, that fails on
+                    # some values)
+                    raise FeatureNotSupported(
+                        f"not allowed in a DP query (arithmetic on {types[f't{i}']}: only on "
+                        "numbers)")
             integers = {c.location: types[f"t{i}"] for i, c in enumerate(query.arithmetic)
                         if types[f"t{i}"] in INTEGER_TYPES}
             if integers:
@@ -470,17 +479,27 @@ class DPService:
             qualified = quote_ident(name) if schema is None \
                 else f"{quote_ident(schema)}.{quote_ident(name)}"
             row = await conn.fetchrow(
-                "SELECT n.nspname, has_table_privilege($2::text, c.oid, 'SELECT') AS readable "
-                "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+                "SELECT n.nspname, has_table_privilege($2::text, c.oid, 'SELECT') AS readable, "
+                "c.relrowsecurity FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
                 "ON n.oid = c.relnamespace WHERE c.oid = pg_catalog.to_regclass($1)",
                 qualified, self._restricted_role)
             if row is None:
                 continue
             namespace = str(row["nspname"])
-            if namespace in closed or namespace.startswith("pg_") or not row["readable"]:
+            # (a table under row-level security shows the pushdown role other rows than the
+            # analysts: unless protected, it is not public)
+            if namespace in closed or namespace.startswith("pg_") or not row["readable"] \
+                    or row["relrowsecurity"]:
                 raise InsufficientPrivilege(
                     f"a DP query reads only protected tables and tables the analysts may read, "
                     f"not {qualified}")
+        for sql in standalone_subqueries(query):
+            try:
+                await conn.prepare(sql)
+            except (asyncpg.UndefinedColumnError, asyncpg.UndefinedTableError):
+                raise FeatureNotSupported(
+                    "not allowed in a DP query (IN and EXISTS subqueries that read the DP "
+                    "query's row: they would run once per row; write a join instead)") from None
 
     async def _hashed_keys(self, key_oids: list[int], conn: Any) -> list[int]:
         """Which keys (of a query with quantiles, by type) match a group's row with its trees

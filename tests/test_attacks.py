@@ -129,8 +129,18 @@ CASES = [
          DP_COUNT + " WHERE uid IN (SELECT uid FROM purchases WHERE amount > 100)", "0A000"),
     Case("correlated EXISTS on the uid", DP_COUNT + " v WHERE EXISTS (SELECT 1 FROM purchases p "
          "WHERE p.uid = v.uid)", "0A000"),
-    Case("division by the outer row in a public IN subquery", DP_COUNT + " WHERE country IN "
-         "(SELECT code FROM countries WHERE 1 / (duration - 42) > 0)", None),
+    Case("division by the outer row in a public IN subquery (correlated: refused)", DP_COUNT +
+         " WHERE country IN (SELECT code FROM countries WHERE 1 / (duration - 42) > 0)", "0A000"),
+    Case("a correlated EXISTS over a public table (work per row)", DP_COUNT + " v WHERE EXISTS "
+         "(SELECT 1 FROM countries c WHERE c.code = v.country AND v.duration > 1)", "0A000"),
+    Case("an uncorrelated IN over a public table", DP_COUNT + " WHERE country IN "
+         "(SELECT code FROM countries WHERE 1 / (length(code) - 2) IS NULL)", None),
+    Case("text parsed as a number for one user", DP_COUNT + " WHERE CASE WHEN uid = 42 THEN "
+         "abs(browser) END > 0", "0A000"),
+    Case("text summed as numbers per user", DP + "ANON_SUM(m, 0, 10) FROM (SELECT uid, "
+         "sum(browser) AS m FROM visits GROUP BY uid) s", "0A000"),
+    Case("text averaged in a per-user window", DP + "ANON_SUM(m, 0, 10) FROM (SELECT uid, "
+         "avg(country) OVER (PARTITION BY uid) AS m FROM visits) s", "0A000"),
     Case("IN over other users' rows (top spenders)", DP_COUNT + " WHERE uid IN (SELECT uid FROM "
          "purchases ORDER BY amount DESC LIMIT 10)", "0A000"),
     Case("IN over a shifted uid (the neighbour's rows)", DP_COUNT + " WHERE uid IN "
@@ -484,9 +494,11 @@ def test_protocol_attack(proxy_module: Proxy, name: str) -> None:
 
 
 _EDGES = {
-    "timestamp": ["2020-01-01 10:00", "infinity", "-infinity", "4713-01-01 BC", "294276-12-31 23:59:59"],
+    "timestamp": ["2020-01-01 10:00", "infinity", "-infinity", "4713-01-01 BC",
+                  "294276-12-31 23:59:59", "4714-11-24 00:00:00 BC", "4714-11-30 23:59:59 BC"],
     "timestamptz": ["2020-01-01 10:00+00", "infinity", "-infinity", "4713-01-02 BC",
-                    "294276-12-30 23:59:59+00"],
+                    "294276-12-30 23:59:59+00", "4714-11-24 00:00:00+00 BC",
+                    "294276-12-31 23:59:59+00"],
     "date": ["2020-01-01", "infinity", "-infinity", "5874897-12-31", "4713-01-01 BC"],
     "interval": ["1 day", "-178000000 years", "178000000 years", "1 month 3 days 10:00:01.5"],
     "time": ["10:00", "24:00", "00:00"],
@@ -495,25 +507,35 @@ _EDGES = {
 
 
 def test_datetime_units_never_fail_on_any_value(backend: Backend) -> None:
-    """Every (function, type, unit) that `DATETIME_UNITS` accepts evaluates on the first, last
-    and infinite values of the type without an error (so that whether a DP query fails cannot
-    depend on a user's dates); and the table is not narrower than it must be for extract()."""
-    from dp_core.analysis import DATETIME_UNITS
+    """Every (function, type, unit) that `DATETIME_UNITS` accepts, written as the analysis
+    writes it (`datetime_call`), evaluates on the first, last and infinite values of the type
+    without an error, in UTC and in time zones far east and west (so that whether a DP query
+    fails cannot depend on a user's dates)."""
+    from pglast import parse_sql
+    from pglast.stream import RawStream
+
+    from dp_core.analysis import DATETIME_UNITS, datetime_call
+
+    def written(function: str, unit: str) -> str:
+        call = f"extract({unit} FROM x)" if function == "extract" else f"{function}('{unit}', x)"
+        fc = parse_sql(f"SELECT {call}")[0].stmt.targetList[0].val
+        return str(RawStream()(datetime_call(fc, fc.args[1])))
 
     async def run() -> list[str]:
         conn = await asyncpg.connect(backend.admin_dsn)
         failures = []
         try:
-            for (function, type_), units in sorted(DATETIME_UNITS.items()):
-                for unit in sorted(units):
-                    expr = f"extract({unit} FROM x)" if function == "extract" \
-                        else f"{function}('{unit}', x)"
-                    for value in _EDGES[type_]:
-                        try:  # (OFFSET 0: evaluated on the row, not folded as a constant)
-                            await conn.fetchval(f"SELECT ({expr})::text FROM (SELECT "
-                                                f"'{value}'::{type_} AS x OFFSET 0) s")
-                        except asyncpg.PostgresError as e:
-                            failures.append(f"{expr} of {type_} '{value}': {e}")
+            for zone in ("UTC", "Pacific/Kiritimati", "Pacific/Pago_Pago", "America/New_York"):
+                await conn.execute(f"SET TimeZone = '{zone}'")
+                for (function, type_), units in sorted(DATETIME_UNITS.items()):
+                    for unit in sorted(units):
+                        expr = written(function, unit)
+                        for value in _EDGES[type_]:
+                            try:  # (OFFSET 0: evaluated on the row, not folded as a constant)
+                                await conn.fetchval(f"SELECT ({expr})::text FROM (SELECT "
+                                                    f"'{value}'::{type_} AS x OFFSET 0) s")
+                            except asyncpg.PostgresError as e:
+                                failures.append(f"{zone}: {expr} of {type_} '{value}': {e}")
         finally:
             await conn.close()
         return failures
