@@ -67,6 +67,10 @@ class TableRef:
     uid_column: str
     derived: bool = False
     """A subquery or WITH query over protected tables (no configured column bounds)."""
+    bases: frozenset[str] = frozenset()
+    """The protected tables whose rows it carries."""
+    per_user: bool = False
+    """At most one row per user (a subquery grouped by the uid alone)."""
 
 
 @dataclass(frozen=True)
@@ -540,6 +544,9 @@ class Findings:
     relations: list[Relation] = field(default_factory=list)
     """The unprotected tables the query reads by name, which the server checks the analysts
     may read (`AnalyzedQuery.relations`)."""
+    shapes: dict[Any, tuple[frozenset[str], bool]] = field(default_factory=dict)
+    """Each inner query over protected tables (by id of its node, and each WITH query also by
+    name): the protected tables whose rows it carries, and whether it has one row per user."""
     row_names: set[str] = field(default_factory=set)
     """The names of FROM items in every scope: a bare column reference of one of them is a
     whole row (whose comparisons fail on some values), refused."""
@@ -923,7 +930,9 @@ class _FromAnalysis:
                     raise _refuse("column aliases on a subquery that reads protected tables", alias)
                 if any(t.alias == alias for t in self.tables):
                     raise _refuse("the same alias twice", alias)
-                self.tables.append(TableRef(alias, alias, sub_uid, derived=True))
+                bases, per_user = self.totalize.findings.shapes[id(node.subquery)]
+                self.tables.append(TableRef(alias, alias, sub_uid, derived=True, bases=bases,
+                                            per_user=per_user))
             return node
         if isinstance(node, (ast.RangeFunction, ast.RangeTableFunc)):
             raise _refuse("functions in FROM", _sql(node))
@@ -952,7 +961,9 @@ class _FromAnalysis:
                 alias = str(rv.alias.aliasname) if rv.alias else name
                 if any(t.alias == alias for t in self.tables):
                     raise _refuse("the same alias twice", alias)
-                self.tables.append(TableRef(name, alias, cte_uid, derived=True))
+                bases, per_user = self.totalize.findings.shapes[name]
+                self.tables.append(TableRef(name, alias, cte_uid, derived=True, bases=bases,
+                                            per_user=per_user))
             return rv
         pol = self.policy.get(name)
         if pol is not None and schema in (None, pol.schema):
@@ -960,7 +971,8 @@ class _FromAnalysis:
             alias = str(rv.alias.aliasname) if rv.alias else name
             if any(t.alias == alias for t in self.tables):
                 raise _refuse("the same alias twice", alias)
-            self.tables.append(TableRef(name, alias, pol.uid_column))
+            self.tables.append(TableRef(name, alias, pol.uid_column,
+                                        bases=frozenset({f"{pol.schema}.{name}"})))
             rv.schemaname = pol.schema  # (the pushdown names the configured table, whatever
             # the pushdown role's search_path finds first)
         else:
@@ -1003,6 +1015,23 @@ class _FromAnalysis:
             if t.alias == alias and t.uid_column == col:
                 return alias
         return None
+
+    def check_multiplying(self) -> None:
+        """Joined row by row, protected tables multiply each user's rows: two tables give the
+        product of the user's rows in each (the work a query does then grows with one user's
+        rows squared), a table with itself the square. Allowed: two different tables, and any
+        number of inner queries with one row per user (grouped by the uid alone)."""
+        rows = [t for t in self.tables if not t.per_user]
+        seen: set[str] = set()
+        for t in rows:
+            if seen & t.bases:
+                raise _refuse("a protected table joined row by row with itself (aggregate one "
+                              "side per user first: (SELECT uid, ... GROUP BY uid))", t.alias)
+            seen |= t.bases
+        if len(rows) > 2:
+            raise _refuse("joins of more than two protected tables row by row (aggregate the "
+                          "others per user first: (SELECT uid, ... GROUP BY uid))",
+                          ", ".join(t.alias for t in rows))
 
     def check_connected(self, where: Any) -> None:
         """All protected tables must be joined on uid equality into one privacy unit."""
@@ -1156,6 +1185,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
             ctes[name] = _owned_subquery(cte.ctequery, policy,
                                          Totalizer(frozenset(policy), findings, cte.ctequery,
                                                    integer_types), ctes)
+            if ctes[name] is not None:
+                findings.shapes[name] = findings.shapes[id(cte.ctequery)]
         cte_nodes = tuple(stmt.withClause.ctes)
     if stmt.distinctClause == (None,) and not stmt.groupClause and not any(
             _dp_aggregates_in(t) for t in stmt.targetList or ()):
@@ -1188,6 +1219,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         raise _refuse(f"privacy_unit_column {privacy_unit} (the privacy unit is the configured uid "
                       f"column: {units})")
     fa.check_connected(stmt.whereClause)
+    fa.check_multiplying()
     uid = fa.owner()
     # rows whose owner is NULL (a NULL uid in the data, or the side an outer join adds) belong
     # to no user: dropped before anything is counted
@@ -1417,6 +1449,7 @@ def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Total
     fa = _FromAnalysis(policy, totalize, ctes)
     sel.fromClause = tuple(fa.item(item) for item in sel.fromClause)
     fa.check_connected(sel.whereClause)
+    fa.check_multiplying()
     if sel.whereClause is not None:
         sel.whereClause = totalize(sel.whereClause, "WHERE")
     # a uid that an outer join can null is not a user: only the owned tables' uids bound a
@@ -1476,6 +1509,9 @@ def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Total
         targets.append(ast.ResTarget(name=uid_out, val=ast.ColumnRef(fields=(
             ast.String(sval=first.alias), ast.String(sval=first.uid_column)))))
     sel.targetList = tuple(targets)
+    bases = frozenset().union(*(t.bases for t in fa.tables))
+    per_user = grouped and len(_group_expressions(sel)) == 1
+    totalize.findings.shapes[id(sel)] = (bases, per_user)
     return uid_out
 
 

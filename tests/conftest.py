@@ -55,6 +55,19 @@ class Backend:
     embedded: EmbeddedPostgres | None
 
 
+SLOW_DP_QUERY = ("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.2) v.browser, ANON_COUNT(*) "
+                 "FROM visits v JOIN test_slow.lookup c ON c.code = v.country GROUP BY v.browser")
+"""A DP query whose pushdown runs for seconds after its charge: it joins a public view whose
+every row sleeps 50 ms (152 countries), which an operator may define; the analyst's own SQL
+cannot make a pushdown slow (the work per row is bounded, protected tables multiply no rows)."""
+_SLOW_LOOKUP_SQL = [
+    "CREATE SCHEMA test_slow",
+    "CREATE VIEW test_slow.lookup AS SELECT code, pg_sleep(0.05)::text AS slept FROM countries",
+    "GRANT USAGE ON SCHEMA test_slow TO PUBLIC",
+    "GRANT SELECT ON test_slow.lookup TO PUBLIC",
+]
+
+
 async def _prepare(admin_server_dsn: str, database: str, config: Config, role_password: str) -> None:
     conn = await asyncpg.connect(admin_server_dsn)
     try:
@@ -67,6 +80,8 @@ async def _prepare(admin_server_dsn: str, database: str, config: Config, role_pa
     try:
         async with conn.transaction():
             for stmt in demo_schema_sql() + demo_data_sql():
+                await conn.execute(stmt)
+            for stmt in _SLOW_LOOKUP_SQL:
                 await conn.execute(stmt)
         await apply_backend_setup(conn, config, database)
         for role in (DEFAULT_ROLES.pushdown, DEFAULT_ROLES.restricted):

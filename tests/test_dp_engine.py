@@ -238,6 +238,13 @@ CLAUSE_REFUSALS = [
      "0, 9, 9) > 1", "work on one row"),
     (_ANY + "visits WHERE btrim(browser, browser) = 'x'", "work on one row"),
     (_ANY + "visits WHERE strpos(browser, '" + "a" * 900 + "') > 0", "work on one row"),
+    # protected tables joined row by row multiply a user's rows (issue 35: per-user work)
+    (_ANY + "visits a JOIN visits b USING (uid)", "joined row by row with itself"),
+    (_ANY + "visits v JOIN purchases p USING (uid) JOIN (SELECT uid, duration FROM visits) w "
+     "USING (uid)", "joined row by row with itself"),
+    ("WITH w AS (SELECT uid, browser FROM visits) " + _ANY + "visits v JOIN w USING (uid)",
+     "joined row by row with itself"),
+    (_ANY + "(SELECT a.uid FROM visits a JOIN visits b ON a.uid = b.uid) s", "with itself"),
     (_ANY + "visits WHERE date_trunc('dow', duration) IS NULL OR date_part('hour', duration, 'UTC') > 1",
      "date_part('unit', x)"),
 ]
@@ -249,6 +256,17 @@ def test_clauses_no_rule_handles_are_refused(sql: str, message: str) -> None:
         build(sql)
     assert exc.value.sqlstate == "0A000"
     assert message in exc.value.message + (exc.value.hint or ""), exc.value.message
+
+
+def test_per_user_rows_joined_freely_and_more_than_two_tables_refused() -> None:
+    """A subquery grouped by the uid alone has one row per user: it joins anything (even its
+    own table); three protected tables row by row are refused."""
+    build(_ANY + "visits v JOIN (SELECT uid, count(*) AS n FROM visits GROUP BY uid) s USING (uid) "
+          "JOIN purchases p USING (uid)")
+    policy = {**POLICY, "events": TablePolicy("public", "uid", {})}
+    with pytest.raises(FeatureNotSupported, match="more than two protected tables"):
+        analyze(parse_select("SELECT count(*) FROM visits v JOIN purchases p USING (uid) "
+                             "JOIN events e USING (uid)"), policy, plain_form=True)
 
 
 def test_every_select_clause_pglast_knows_is_named() -> None:

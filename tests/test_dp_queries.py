@@ -17,7 +17,7 @@ import pytest
 from config import Config
 from dp_core.rewrite import pushdown_sql
 
-from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, running_proxy
+from .conftest import SLOW_DP_QUERY, TEST_DATABASE, Backend, LoopThread, Proxy, running_proxy
 from .test_dp_engine import GOLDEN_CASES, build
 
 Q = "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) browser, ANON_COUNT(*) AS n FROM visits GROUP BY browser"
@@ -542,8 +542,8 @@ def test_failed_pushdown_stays_charged_with_a_generic_error(
             admin.execute("SELECT dp_reset_budget('alice')")
         with psycopg.connect(px.dsn(), autocommit=True) as conn:
             with pytest.raises(psycopg.errors.InternalError_) as exc:
-                conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.5) a.browser, ANON_COUNT(*) "
-                             "FROM visits a JOIN visits b USING (uid) GROUP BY a.browser").fetchall()
+                conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.5) v.browser, ANON_COUNT(*) "
+                             "FROM visits v JOIN purchases p USING (uid) GROUP BY v.browser").fetchall()
             assert "failed after its privacy cost was charged" in str(exc.value)
             assert "visits" not in str(exc.value) and "dp_per_user" not in str(exc.value)
             assert spent(conn)[0] == pytest.approx(0.5)
@@ -669,12 +669,6 @@ def test_subqueries_and_ctes_end_to_end(proxy: Proxy, reset: None) -> None:
         with pytest.raises(psycopg.errors.FeatureNotSupported, match="must group by the uid"):
             conn.execute("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM (SELECT browser, count(*) "
                          "FROM visits GROUP BY browser) s")
-
-
-SLOW_DP_QUERY = ("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.2) a.browser, ANON_COUNT(*) "
-                 "FROM visits a JOIN visits b USING (uid) JOIN visits c USING (uid) "
-                 "GROUP BY a.browser")
-"""A DP query that takes many seconds on the demo data."""
 
 
 def cancel_a_slow_dp_query(conn: psycopg.Connection) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from server.bootstrap import demo_config_text
 
-from .conftest import TEST_DATABASE, Backend
+from .conftest import SLOW_DP_QUERY, TEST_DATABASE, Backend
 
 ROOT = Path(__file__).parent.parent
 Q = "SELECT WITH ANONYMIZATION OPTIONS(epsilon={e}) browser, ANON_COUNT(*) FROM visits GROUP BY browser"
@@ -152,9 +152,7 @@ def _crash_during_pushdown(proxy: ProxyProcess, backend: Backend, tmp_path: Path
     def slow_query() -> None:
         try:
             with psycopg.connect(proxy.dsn("bob"), autocommit=True) as c:
-                c.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.3) a.browser, ANON_COUNT(*) "
-                          "FROM visits a JOIN visits b USING (uid) JOIN visits c USING (uid) "
-                          "GROUP BY a.browser").fetchall()
+                c.execute(SLOW_DP_QUERY.replace("epsilon=0.2", "epsilon=0.3")).fetchall()
                 outcome.append("answered")
         except psycopg.Error:
             outcome.append("lost")
