@@ -223,12 +223,14 @@ def _kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
     # query: independent across users as random() is, but parallel-safe and cheap to sort.
     # (A hash of the group alone would make every user prefer the same groups.) The same key
     # in every statement of one answer makes them all see the same kept rows.
-    # The hash chains: the user's hash keys the first key's, which keys the next one's (a
-    # NULL key hashes as '', a tie at worst); cheaper than hashing one concatenated text.
-    # (a NULL uid is one user too: its rows must rank in one order in every statement)
+    # The hash chains: the user's hash keys the first key's, which keys the next one's;
+    # cheaper than hashing one concatenated text. A NULL key hashes as '' with its key's
+    # lowest bit flipped: no tie with '' (a tie would let the statements of one answer keep
+    # different groups), as in the prefiltered form (`_typed_hash`).
     rank = f"hashtextextended(coalesce(dp_uid::text, ''), {int(order_seed)})"
     for i in range(len(keys)):
-        rank = f"hashtextextended(coalesce(dp_k{i}::text, ''), {rank})"
+        rank = (f"hashtextextended(coalesce(dp_k{i}::text, ''), "
+                f"({rank}) # (dp_k{i} IS NULL)::int4::int8)")
     bounded = ("SELECT *, row_number() OVER (PARTITION BY dp_uid ORDER BY "
                f"{rank}) AS dp_rn FROM dp_per_user")
     return (f"dp_per_user AS ({per_user}), dp_bounded AS ({bounded})", "dp_bounded",
