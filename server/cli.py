@@ -81,7 +81,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         "init-backend": _cmd_init_backend,
         "budget": _cmd_budget,
     }[args.command]
-    return handler(args)
+    try:
+        return handler(args)
+    except Exception as e:  # (expected failures become one line; a bug is raised again)
+        message = _expected_failure(e)
+        if message is None:
+            raise
+        print(f"dp-proxy {args.command}: {message}", file=sys.stderr)
+        return 1
+
+
+_WHAT_TO_DO = {
+    "28P01": "check the password in the connection string",
+    "28000": "check the user name and pg_hba.conf",
+    "3D000": "create the database, or fix its name in the connection string",
+    "42P01": "create the table, or fix its name in the configuration",
+    "42703": "fix the column name in the configuration",
+    "42704": "create the role, or run init-backend first",
+    "42501": "connect as a role that may do this (a superuser for init-backend)",
+    "3F000": "create the schema, or fix its name in the configuration",
+}
+
+
+def _expected_failure(e: BaseException) -> str | None:
+    """One line saying what failed and what to do, for the failures an operator meets (the
+    database refused, was not there, or lacked something); None for anything else (a bug)."""
+    import asyncpg
+
+    from server.embedded import EmbeddedPostgresError
+
+    if isinstance(e, asyncpg.PostgresError):
+        state = str(getattr(e, "sqlstate", "") or "")
+        hint = _WHAT_TO_DO.get(state, "see the Postgres log for more")
+        return f"the database said: {str(e).splitlines()[0]} (SQLSTATE {state}): {hint}"
+    if isinstance(e, asyncpg.exceptions.ClientConfigurationError | asyncpg.InterfaceError):
+        return f"cannot use the connection string: {e}"
+    if isinstance(e, ConnectionRefusedError | TimeoutError | socket.gaierror):
+        return f"cannot reach the database ({e}): is Postgres running, and the host and port right?"
+    if isinstance(e, OSError) and e.errno is not None:
+        return f"{e.strerror or e} ({getattr(e, 'filename', None) or 'connection'})"
+    if isinstance(e, EmbeddedPostgresError):
+        return str(e)
+    return None
 
 
 def _load(path: Path) -> Config | None:

@@ -187,3 +187,26 @@ def test_healthcheck_command(loop_thread: LoopThread, demo_config: Config, backe
         assert check(DPPROXY_METRICS__PORT=metrics_port) == 1
     assert check(DPPROXY_METRICS__PORT=metrics_port) == 1
     assert check(DPPROXY_LISTEN__PORT=listen_port) == 1
+
+
+def test_ordinary_mistakes_get_one_line_not_a_traceback(backend: Backend, tmp_path: Path) -> None:
+    """Issue 29: a wrong password, a database or port that is not there, a DSN without the
+    password the server wants: one line saying what failed and what to do, exit status 1."""
+    wrong = parse_dsn(backend.admin_dsn)
+    from dataclasses import replace
+
+    cfg = _config_for(backend, tmp_path, "ops_push:pw1", "ops_restr:pw2")
+    cases = [
+        ("init-backend", "--config", str(cfg), "--admin-dsn",
+         replace(wrong, database="no_such_database").uri()),
+        ("init-backend", "--config", str(cfg), "--admin-dsn",
+         "postgresql://postgres@127.0.0.1:1/postgres"),
+        ("budget", "show", "alice", "--config",
+         str(_config_for(backend, tmp_path, "no_such_role:nope", "ops_restr:pw2"))),
+    ]
+    for args in cases:
+        out = _cli(*args)
+        assert out.returncode == 1, (args, out.stdout, out.stderr)
+        assert "Traceback" not in out.stderr, out.stderr
+        lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith(f"dp-proxy {args[0]}: "), out.stderr
