@@ -321,6 +321,38 @@ class TableConfig(_Strict):
         return v
 
 
+class PublicConfig(_Strict):
+    """The unprotected tables analysts may read (`init-backend` grants them, and nothing else
+    but the protected tables): DP queries may join them, and pass-through reads them."""
+
+    tables: list[str] = Field(default_factory=list, description=(
+        "tables as \"schema.table\" (or \"table\", in public)"))
+    schemas: list[str] = Field(default_factory=list, description=(
+        "schemas whose every table (now and when init-backend runs again) analysts may read"))
+
+    @field_validator("tables")
+    @classmethod
+    def _table_names(cls, v: list[str]) -> list[str]:
+        bad = [t for t in v if not all(_IDENTIFIER.match(part) for part in t.split(".", 1))]
+        if bad:
+            raise ValueError(f"public tables are \"schema.table\" or \"table\" of plain "
+                             f"identifiers: {', '.join(bad)}")
+        return v
+
+    @field_validator("schemas")
+    @classmethod
+    def _schema_names(cls, v: list[str]) -> list[str]:
+        bad = [name for name in v if not _IDENTIFIER.match(name)]
+        if bad:
+            raise ValueError(f"schema names must be plain identifiers: {', '.join(bad)}")
+        return v
+
+    def qualified(self) -> list[tuple[str, str]]:
+        """(schema, table) of each public table."""
+        return [tuple(t.split(".", 1)) if "." in t else ("public", t)  # type: ignore[misc]
+                for t in self.tables]
+
+
 class Config(_Strict):
     """The whole proxy configuration (one TOML file plus DPPROXY_* overrides)."""
 
@@ -333,6 +365,7 @@ class Config(_Strict):
     analysts: dict[str, AnalystConfig]
     defaults: DefaultsConfig = Field(default_factory=DefaultsConfig)
     tables: dict[str, TableConfig] = Field(default_factory=dict)
+    public: PublicConfig = Field(default_factory=PublicConfig)
 
     @field_validator("analysts")
     @classmethod

@@ -35,10 +35,10 @@ def setup_statements(
 ) -> list[str]:
     """Idempotent SQL, run by a superuser, that creates both roles and walls off protected tables.
 
-    The restricted role may SELECT every table in the schemas involved, so that
-    BI tools list protected tables as readable; row-level security with no
-    policy for it hides every protected row, and Postgres hides `pg_stats`
-    rows of tables under row-level security from it. The pushdown role gets a
+    Both roles may SELECT the protected tables (so that BI tools list them as readable) and
+    the public tables and schemas the configuration names, nothing else; row-level security
+    with no policy for the restricted role hides every protected row, and Postgres hides
+    `pg_stats` rows of tables under row-level security from it. The pushdown role gets a
     policy that shows it every row.
     """
     p, r = quote_ident(roles.pushdown), quote_ident(roles.restricted)
@@ -48,11 +48,17 @@ def setup_statements(
             f"ALTER ROLE {role} NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS NOREPLICATION"
         )
         stmts.append(f"GRANT CONNECT ON DATABASE {quote_ident(database)} TO {role}")
-    schemas = sorted({"public", *(t.schema_ for t in config.tables.values())})
+    public_tables = config.public.qualified()
+    schemas = sorted({"public", *(t.schema_ for t in config.tables.values()),
+                      *config.public.schemas, *(schema for schema, _ in public_tables)})
     for schema in schemas:
-        s = quote_ident(schema)
-        stmts.append(f"GRANT USAGE ON SCHEMA {s} TO {p}, {r}")
-        stmts.append(f"GRANT SELECT ON ALL TABLES IN SCHEMA {s} TO {p}, {r}")
+        stmts.append(f"GRANT USAGE ON SCHEMA {quote_ident(schema)} TO {p}, {r}")
+    # only what the configuration names: the protected tables (below, under row-level
+    # security) and the public tables and schemas; other tables stay closed
+    for schema in sorted(set(config.public.schemas)):
+        stmts.append(f"GRANT SELECT ON ALL TABLES IN SCHEMA {quote_ident(schema)} TO {p}, {r}")
+    for schema, name in public_tables:
+        stmts.append(f"GRANT SELECT ON {quote_ident(schema)}.{quote_ident(name)} TO {p}, {r}")
     ledger = quote_ident(config.backend.ledger_schema)
     stmts.append(f"CREATE SCHEMA IF NOT EXISTS {ledger} AUTHORIZATION {p}")
     stmts.append(f"REVOKE ALL ON SCHEMA {ledger} FROM PUBLIC")
@@ -64,6 +70,15 @@ def setup_statements(
         stmts.append(f"DROP POLICY IF EXISTS {POLICY_NAME} ON {t}")
         stmts.append(f"CREATE POLICY {POLICY_NAME} ON {t} FOR SELECT TO {p} USING (true)")
     return stmts
+
+
+def closed_tables_sql(schemas: Iterable[str], role: str) -> str:
+    """A query listing the tables of `schemas` that `role` may not read (left closed)."""
+    names = ", ".join(quote_literal(s) for s in sorted(set(schemas)))
+    return ("SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n "
+            f"ON n.oid = c.relnamespace WHERE n.nspname IN ({names}) AND c.relkind IN "
+            f"('r', 'p', 'v', 'm', 'f') AND NOT has_table_privilege({quote_literal(role)}, "
+            "c.oid, 'SELECT') ORDER BY 1")
 
 
 def check_statements(config: Config, roles: BackendRoles = DEFAULT_ROLES) -> list[str]:

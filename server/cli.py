@@ -230,7 +230,7 @@ async def _init_backend(config: Config, admin_dsn: str, database: str, roles: ob
                         passwords: dict[str, str], demo_data: bool) -> int:
     import asyncpg
 
-    from server.backend_setup import BackendRoles, quote_ident, quote_literal
+    from server.backend_setup import BackendRoles, closed_tables_sql, quote_ident, quote_literal
     from server.bootstrap import BackendSetupError, apply_backend_setup, load_demo_data
     from server.scram import make_verifier
 
@@ -244,6 +244,10 @@ async def _init_backend(config: Config, admin_dsn: str, database: str, roles: ob
             # a verifier made here: the password itself never reaches the server or its logs
             verifier = quote_literal(str(make_verifier(password)))
             await conn.execute(f"ALTER ROLE {quote_ident(user)} PASSWORD {verifier}")
+        schemas = {"public", *(t.schema_ for t in config.tables.values()),
+                   *(s for s, _ in config.public.qualified())}
+        closed = [str(r[0]) for r in await conn.fetch(closed_tables_sql(schemas,
+                                                                        roles.restricted))]
     except BackendSetupError as e:
         print(f"the setup ran but the wall does not hold: {e}", file=sys.stderr)
         return 1
@@ -251,6 +255,12 @@ async def _init_backend(config: Config, admin_dsn: str, database: str, roles: ob
         await conn.close()
     unset = sorted({roles.pushdown, roles.restricted} - set(passwords))
     print(f"roles {roles.pushdown} and {roles.restricted} are ready in database {database}.")
+    public = [f"{s}.{t}" for s, t in config.public.qualified()] + \
+        [f"{s}.*" for s in config.public.schemas]
+    print(f"analysts may read: the protected tables ({', '.join(sorted(config.tables)) or 'none'})"
+          f" and the public {', '.join(public) or 'nothing'}.")
+    for table in closed:
+        print(f"warning: {table} is left closed to analysts (list it under [public] to open it)")
     if unset:
         print(f"Set the password of {', '.join(unset)} (\\password in psql) if the backend asks for one.")
     return 0

@@ -51,13 +51,20 @@ def test_init_backend_print(backend: Backend, tmp_path: Path) -> None:
         in sql
     assert 'CREATE SCHEMA IF NOT EXISTS "dpproxy" AUTHORIZATION "ops_push";' in sql
     assert "ops_restr" in sql and "PASSWORD" not in sql
+    # only what the configuration names (issue 29): the protected tables and [public]
+    assert "ALL TABLES IN SCHEMA" not in sql
+    assert 'GRANT SELECT ON "public"."countries" TO "ops_push", "ops_restr";' in sql
 
 
 def test_init_backend_runs_and_sets_verifier_passwords(backend: Backend, tmp_path: Path) -> None:
     cfg = _config_for(backend, tmp_path, "ops_push:pw1", "ops_restr:pw2")
+    asyncio.run(_exec(backend, "CREATE TABLE IF NOT EXISTS public.riders (email text, "
+                               "home_address text)"))
     out = _cli("init-backend", "--config", str(cfg), "--admin-dsn", backend.admin_dsn)
     assert out.returncode == 0, out.stderr
     assert "ops_push and ops_restr are ready" in out.stdout
+    assert "the public public.countries" in out.stdout
+    assert "warning: public.riders is left closed" in out.stdout, out.stdout
 
     async def check() -> None:
         conn = await asyncpg.connect(backend.admin_dsn)
@@ -76,6 +83,9 @@ def test_init_backend_runs_and_sets_verifier_passwords(backend: Backend, tmp_pat
         try:
             assert await restricted.fetchval("SELECT count(*) FROM visits") == 0
             assert await restricted.fetchval("SELECT count(*) FROM countries") > 100
+            # a table of the same schema that the configuration does not name stays closed
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await restricted.fetchval("SELECT email FROM riders")
         finally:
             await restricted.close()
 
@@ -93,6 +103,15 @@ def test_init_backend_runs_and_sets_verifier_passwords(backend: Backend, tmp_pat
         asyncio.run(check())
     finally:
         asyncio.run(restore())
+        asyncio.run(_exec(backend, "DROP TABLE IF EXISTS public.riders"))
+
+
+async def _exec(backend: Backend, sql: str) -> None:
+    conn = await asyncpg.connect(backend.admin_dsn)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
 
 
 def test_init_backend_refuses_embedded_config() -> None:
