@@ -39,6 +39,48 @@ async def find_wall_problems(
     return problems
 
 
+_NUMBER_TYPES = frozenset({"int2", "int4", "int8", "numeric", "float4", "float8"})
+
+
+async def config_problems(conn: asyncpg.Connection, config: Config) -> list[str]:
+    """Each way the configuration does not match the database (empty: none), all at once:
+    a protected table, its uid column or a bounded column that is not there, a bounded
+    column that is not a number, a public table or schema that is not there."""
+    from server.backend_setup import quote_ident
+
+    problems: list[str] = []
+    for name, table in sorted(config.tables.items()):
+        qualified = f"{quote_ident(table.schema_)}.{quote_ident(name)}"
+        where = f"tables.{name}"
+        if await conn.fetchval("SELECT to_regclass($1)", qualified) is None:
+            problems.append(f"{where}: there is no table {table.schema_}.{name}")
+            continue
+        columns = {str(r[0]): str(r[1]) for r in await conn.fetch(
+            "SELECT a.attname, t.typname FROM pg_attribute a JOIN pg_type t ON t.oid = "
+            "a.atttypid WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT "
+            "a.attisdropped", qualified)}
+        known = ", ".join(sorted(columns))
+        if table.uid_column not in columns:
+            problems.append(f"{where}.uid_column: {table.schema_}.{name} has no column "
+                            f"{table.uid_column!r} (its columns: {known})")
+        for column in sorted(table.columns):
+            if column not in columns:
+                problems.append(f"{where}.columns.{column}: {table.schema_}.{name} has no such "
+                                f"column (its columns: {known})")
+            elif columns[column] not in _NUMBER_TYPES:
+                problems.append(f"{where}.columns.{column}: bounds on a column of type "
+                                f"{columns[column]}, not a number")
+    for schema, name in config.public.qualified():
+        if await conn.fetchval("SELECT to_regclass($1)",
+                               f"{quote_ident(schema)}.{quote_ident(name)}") is None:
+            problems.append(f"public.tables: there is no table {schema}.{name}")
+    for schema in config.public.schemas:
+        if not await conn.fetchval("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)",
+                                   schema):
+            problems.append(f"public.schemas: there is no schema {schema}")
+    return problems
+
+
 def demo_config_text(pushdown: DSN, restricted: DSN, port: int | None = None) -> str:
     """config/demo.toml pointed at an existing backend (for benchmarks and tests)."""
     from config import DEMO_CONFIG

@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-config", help="validate a config file and list every problem")
     check.add_argument("path", type=Path)
+    check.add_argument("--connect", action="store_true", help="also check it against the "
+                       "database: tables, uid and bounded columns, public tables, the roles")
 
     hc = sub.add_parser("healthcheck", help="exit 0 when the proxy of a config is healthy "
                         "(GET /healthz when [metrics] port is set, else a TCP connect)")
@@ -186,8 +188,47 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args.path)
     if config is None:
         return EXIT_CONFIG
-    print(f"{args.path}: ok ({len(config.analysts)} analysts, {len(config.tables)} protected tables)")
+    if args.connect:
+        if config.backend.embedded:
+            print(f"{args.path}: the embedded backend is made by dp-proxy itself: nothing to "
+                  "check it against", file=sys.stderr)
+        else:
+            problems = asyncio.run(_database_problems(config))
+            if problems:
+                print(f"{args.path}: does not match the database:", file=sys.stderr)
+                for problem in problems:
+                    print(f"  {problem}", file=sys.stderr)
+                return EXIT_CONFIG
+    print(f"{args.path}: ok ({len(config.analysts)} analysts, {len(config.tables)} protected tables"
+          f"{', checked against the database' if args.connect and not config.backend.embedded else ''})")
     return 0
+
+
+async def _database_problems(config: Config) -> list[str]:
+    """`config_problems` and the wall's, read through the pushdown DSN; and the restricted
+    DSN must log in."""
+    import asyncpg
+
+    from server.backend_setup import BackendRoles
+    from server.bootstrap import config_problems, find_wall_problems
+    from server.dsn import parse_dsn
+
+    assert config.backend.pushdown_dsn and config.backend.restricted_dsn
+    pushdown, restricted = (parse_dsn(d) for d in (config.backend.pushdown_dsn,
+                                                   config.backend.restricted_dsn))
+    conn = await asyncpg.connect(pushdown.uri())
+    try:
+        problems = await config_problems(conn, config)
+        if not problems:  # (the wall's checks name the tables: only once they are there)
+            problems = await find_wall_problems(
+                conn, config, BackendRoles(pushdown=pushdown.user, restricted=restricted.user))
+    finally:
+        await conn.close()
+    try:
+        await (await asyncpg.connect(restricted.uri())).close()
+    except (asyncpg.PostgresError, OSError) as e:
+        problems.append(f"backend.restricted_dsn: cannot log in: {e}")
+    return problems
 
 
 def _cmd_hash_password(args: argparse.Namespace) -> int:
@@ -317,6 +358,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = _load(args.config)
     if config is None:
         return EXIT_CONFIG
+    if not config.backend.embedded:
+        # the checks of check-config --connect, at start-up: a misspelt uid column is the
+        # operator's to fix, not the analysts' to discover (a backend not up yet is not a
+        # problem of the config: the proxy starts and reports it unhealthy until it is)
+        try:
+            problems = asyncio.run(_database_problems(config))
+        except (OSError, TimeoutError) as e:
+            logging.getLogger("dp_proxy").warning("could not check the config against the "
+                                                  "database at start-up: %s", e)
+            problems = []
+        if problems:
+            print(f"{args.config}: does not match the database:", file=sys.stderr)
+            for problem in problems:
+                print(f"  {problem}", file=sys.stderr)
+            return EXIT_CONFIG
     return _run(config, data_dir=None, demo=config.backend.embedded, config_path=args.config)
 
 

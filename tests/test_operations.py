@@ -229,3 +229,42 @@ def test_ordinary_mistakes_get_one_line_not_a_traceback(backend: Backend, tmp_pa
         assert "Traceback" not in out.stderr, out.stderr
         lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith(f"dp-proxy {args[0]}: "), out.stderr
+
+
+def test_check_config_connect_lists_every_mismatch_and_serve_refuses_to_start(
+        backend: Backend, tmp_path: Path) -> None:
+    """Issue 29: a misspelt uid column, a bound on a column that is not there or not a number,
+    a public table that is not there: all listed at once by `check-config --connect` and by
+    `serve` at start-up (exit 2), before any analyst meets them."""
+    from dataclasses import replace
+
+    good = tmp_path / "good.toml"
+    good.write_text(demo_config_text(backend.pushdown, backend.restricted))
+    out = _cli("check-config", str(good), "--connect")
+    assert out.returncode == 0, out.stderr
+    assert "checked against the database" in out.stdout
+    text = good.read_text()
+    bad_text = (text.replace('[tables.visits]\nuid_column = "uid"',
+                             '[tables.visits]\nuid_column = "user_id"\n'
+                             'columns.browser = { lower = 0, upper = 1 }\n'
+                             'columns.seconds = { lower = 0, upper = 1 }')
+                .replace('tables = ["countries"]', 'tables = ["countries", "ops.nope"]'))
+    assert bad_text != text
+    bad = tmp_path / "bad.toml"
+    bad.write_text(bad_text)
+    out = _cli("check-config", str(bad), "--connect")
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr
+    for problem in ("tables.visits.uid_column: public.visits has no column 'user_id'",
+                    "tables.visits.columns.browser: bounds on a column of type text",
+                    "tables.visits.columns.seconds: public.visits has no such column",
+                    "public.tables: there is no table ops.nope"):
+        assert problem in out.stderr, out.stderr
+    assert "(its columns: browser, country, duration, uid)" in out.stderr
+    served = _cli("serve", "--config", str(bad))
+    assert served.returncode == 2 and "user_id" in served.stderr, served.stderr
+    wrong = replace(backend.restricted, user="no_such_role")  # (the test cluster trusts sockets)
+    login = tmp_path / "login.toml"
+    login.write_text(demo_config_text(backend.pushdown, wrong))
+    out = _cli("check-config", str(login), "--connect")
+    assert out.returncode == 2 and "backend.restricted_dsn: cannot log in" in out.stderr, out.stderr
