@@ -555,6 +555,8 @@ class Findings:
     DP query's row (a correlated subquery runs once per row, over a whole public table)."""
     costs: list[tuple[Cost, str, Any]] = field(default_factory=list)
     """Each expression a row meets (its bound from `dp_core.cost`, where it is, the node)."""
+    work: Linear = field(default_factory=Linear)
+    """The sum of their work."""
     budget: RowWorkBudget = field(default_factory=RowWorkBudget)
     """The most work per row the query's expressions may do together."""
 
@@ -596,14 +598,16 @@ class Totalizer:
         row is noted (`Findings.costs`)."""
         # (the expression's text is printed only for a refusal: pglast's printer leaves the
         # nodes it printed too deep for deepcopy)
-        self.findings.costs.append((row_cost(node), context, node))
+        cost = row_cost(node)
+        found = self.findings
+        found.costs.append((cost, context, node))
+        found.work = found.work + cost.work
         # far over the budget, refused before the total form is written (which copies some
         # arguments: nested, their copies multiply); else after its own rules had their say
-        budget = self.findings.budget
-        _check_work(self.findings.costs, RowWorkBudget(budget.per_byte * 1000,
-                                                       budget.fixed * 1000), budget)
+        budget = found.budget
+        _check_work(found, RowWorkBudget(budget.per_byte * 1000, budget.fixed * 1000), budget)
         total = self._total(copy.deepcopy(node), context)
-        _check_work(self.findings.costs, budget)
+        _check_work(found, budget)
         return total
 
     def _total(self, node: Any, ctx: str) -> Any:
@@ -928,8 +932,6 @@ class _FromAnalysis:
             if sub_uid is not None:
                 if node.alias.colnames:
                     raise _refuse("column aliases on a subquery that reads protected tables", alias)
-                if any(t.alias == alias for t in self.tables):
-                    raise _refuse("the same alias twice", alias)
                 bases, per_user = self.totalize.findings.shapes[id(node.subquery)]
                 self.tables.append(TableRef(alias, alias, sub_uid, derived=True, bases=bases,
                                             per_user=per_user))
@@ -951,16 +953,14 @@ class _FromAnalysis:
     def _range_var(self, rv: ast.RangeVar) -> ast.RangeVar:
         name = str(rv.relname)
         schema = str(rv.schemaname) if rv.schemaname else None
-        self._named(str(rv.alias.aliasname) if rv.alias else name)
+        alias = str(rv.alias.aliasname) if rv.alias else name
+        self._named(alias)
         if (schema in _SYSTEM_SCHEMAS) or name.startswith("pg_"):
             raise _refuse("system catalogs", name)
         if schema is None and name in self.ctes:
             cte_uid = self.ctes[name]
             if cte_uid is not None:
                 _no_column_aliases(rv)
-                alias = str(rv.alias.aliasname) if rv.alias else name
-                if any(t.alias == alias for t in self.tables):
-                    raise _refuse("the same alias twice", alias)
                 bases, per_user = self.totalize.findings.shapes[name]
                 self.tables.append(TableRef(name, alias, cte_uid, derived=True, bases=bases,
                                             per_user=per_user))
@@ -968,9 +968,6 @@ class _FromAnalysis:
         pol = self.policy.get(name)
         if pol is not None and schema in (None, pol.schema):
             _no_column_aliases(rv)
-            alias = str(rv.alias.aliasname) if rv.alias else name
-            if any(t.alias == alias for t in self.tables):
-                raise _refuse("the same alias twice", alias)
             self.tables.append(TableRef(name, alias, pol.uid_column,
                                         bases=frozenset({f"{pol.schema}.{name}"})))
             rv.schemaname = pol.schema  # (the pushdown names the configured table, whatever
@@ -1204,8 +1201,6 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         raise _refuse("SELECT INTO or FOR UPDATE")
     if not stmt.fromClause:
         raise _refuse("a DP query must read a protected table")
-    if stmt.groupDistinct or stmt.limitOption == _WITH_TIES:
-        raise _refuse("GROUP BY DISTINCT or FETCH ... WITH TIES in a DP query")
     _only_clauses(stmt, (*_OWNED_CLAUSES, "havingClause", "sortClause", "limitCount",
                          "limitOffset", "withClause"), "a DP query")
     totalize = Totalizer(frozenset(policy), findings, None, integer_types)
@@ -1299,18 +1294,16 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     )
 
 
-def _check_work(costs: Sequence[tuple[Cost, str, Any]], budget: RowWorkBudget,
+def _check_work(found: Findings, budget: RowWorkBudget,
                 named: RowWorkBudget | None = None) -> None:
     """Refuse a query whose expressions may do more work on one row than `budget` (DESIGN
     §3.11: the time a query takes must not be a lever on one user's rows), naming the
     costliest expression."""
-    total = Linear()
-    for cost, _, _ in costs:
-        total = total + cost.work
+    total = found.work
     unbounded = not (math.isfinite(total.fixed) and math.isfinite(total.per_byte))
     if total.fits(budget.linear) or (named is not None and unbounded):
         return  # (an unbounded cost is a non-literal argument: the rules refuse it by name)
-    _, where, node = max(costs, key=lambda c: (c[0].work.per_byte, c[0].work.fixed))
+    _, where, node = max(found.costs, key=lambda c: (c[0].work.per_byte, c[0].work.fixed))
     budget = named or budget  # (the budget the message names)
     raise _refuse(
         f"expressions whose work on one row may exceed {budget.per_byte:g} passes over its "
