@@ -217,6 +217,11 @@ def _function(fc: ast.FuncCall) -> Cost:
         searched = Cost(args[0].size, args[0].work + args[0].size.times(max(looked_for, 1.0)))
         size = _SIZES[name](args, raw) if name in _SIZES else args[0].size + _WORD
         return _reading([searched, *args[1:]], size)
+    if name == "date_trunc" and len(args) == 2:
+        # made total by testing its value's range and finiteness, then calling it: the value
+        # three times (`dp_core.analysis.datetime_call`)
+        thrice = Cost(args[1].size.times(3.0), args[1].work.times(3.0))
+        return _reading([args[0], thrice], _WORD)
     if name == "width_bucket" and args:
         # made total by testing its value for NaN, then calling it: the value twice
         twice = Cost(args[0].size.times(2.0), args[0].work.times(2.0))

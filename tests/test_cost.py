@@ -101,3 +101,18 @@ def test_deep_nesting_is_refused_before_the_analysis_recurses() -> None:
     with pytest.raises(StatementTooComplex) as exc:
         parse_select(deep)
     assert exc.value.sqlstate == "54001"
+
+
+def test_nested_date_trunc_counts_the_copies_its_total_form_makes() -> None:
+    """date_trunc's total form tests its value twice before the call: nested, the pushdown
+    (and the work per row) would triple at each level."""
+    policy = {"events": TablePolicy("public", "uid", {})}
+    one = "SELECT count(*) FROM events WHERE date_trunc('day', ts) IS NOT NULL"
+    analyze(parse_select(one), policy, plain_form=True)
+    nested = "ts"
+    for unit in ("hour", "day", "week", "month", "year", "hour", "day", "week"):
+        nested = f"date_trunc('{unit}', {nested})"
+    assert cost(nested).work.per_byte >= 3 ** 8
+    with pytest.raises(FeatureNotSupported, match="work on one row"):
+        analyze(parse_select(f"SELECT count(*) FROM events WHERE {nested} IS NOT NULL"), policy,
+                plain_form=True)
