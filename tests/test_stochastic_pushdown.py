@@ -97,15 +97,17 @@ def tester_db(backend: Backend) -> Iterator[psycopg.Connection[dict[str, Any]]]:
 
 def _write(conn: psycopg.Connection[dict[str, Any]], values: list[float]) -> None:
     """One user per value: 1 to 3 visits in groups 'a', 'b', 'c' (the value, then its half and
-    its complement), a purchase of the value for every other user, and a user with a NULL
-    browser; the neighbour has one user fewer."""
+    its complement), for some users a purchase of the value or a NULL browser. Everything of a
+    user, its uid included, follows from its value alone, so that the neighbour (one value
+    fewer) differs by that user's rows and nothing else."""
     conn.execute("TRUNCATE visits, purchases")
     visits, purchases = [], []
-    for i, v in enumerate(values):
-        uid = i + 1
+    for v in values:
+        uid = int(v * 1_000_003) + 1  # (Halton values of one database are distinct)
+        null_browser = int(v * 13) % 4 == 3
         for j, value in enumerate((v, v / 2, UPPER - v)[: 1 + int(v) % 3]):
-            visits.append((uid, "abc"[j] if i % 4 != 3 else None, value))
-        if i % 2 == 0:
+            visits.append((uid, None if null_browser else "abc"[j], value))
+        if int(v * 7) % 2 == 0:
             purchases.append((uid, v))
     with conn.cursor() as cur:
         if visits:
