@@ -52,8 +52,7 @@ async def dataset_and_proxy(scale: float, extra_config: str = "",
     from dataset import generate
 
     from config import DEMO_CONFIG, load_config
-    from server.bootstrap import apply_backend_setup, demo_config_text
-    from server.dsn import DSN
+    from server.bootstrap import apply_backend_setup, demo_config_text, embedded_dsns
     from server.embedded import EmbeddedPostgres
 
     with EmbeddedPostgres() as pg, tempfile.TemporaryDirectory() as tmp:
@@ -65,13 +64,10 @@ async def dataset_and_proxy(scale: float, extra_config: str = "",
         n_rows = await conn.fetchval("SELECT count(*) FROM visits")
         n_users = await conn.fetchval("SELECT count(DISTINCT uid) FROM visits")
         config = load_config(DEMO_CONFIG, environ={})
-        await apply_backend_setup(conn, config, DATABASE)
+        await apply_backend_setup(conn, config, DATABASE, harden=True)
         print(f"dataset: {n_rows} visits, {n_users} users, generated in {seconds:.1f} s", flush=True)
         port = free_port()
-        cfg_text = demo_config_text(
-            DSN(str(pg.socket_dir), pg.port, "dp_pushdown", DATABASE),
-            DSN(str(pg.socket_dir), pg.port, "dp_restricted", DATABASE), port,
-        ).replace("epsilon_budget = 10", "epsilon_budget = 1e9")
+        cfg_text = demo_config_text(embedded_dsns(pg, DATABASE), port).replace("epsilon_budget = 10", "epsilon_budget = 1e9")
         for key, value in (settings or {}).items():
             section, _, key = key.rpartition(".")
             cfg_text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", cfg_text)

@@ -37,8 +37,12 @@ from common import append_results, free_port, machine  # noqa: E402
 
 from config import DEMO_CONFIG, load_config  # noqa: E402
 from config.models import usable_cores  # noqa: E402
-from server.bootstrap import apply_backend_setup, demo_config_text, load_demo_data  # noqa: E402
-from server.dsn import DSN  # noqa: E402
+from server.bootstrap import (  # noqa: E402
+    apply_backend_setup,
+    demo_config_text,
+    embedded_dsns,
+    load_demo_data,
+)
 from server.embedded import EmbeddedPostgres, find_bindir  # noqa: E402
 
 DATABASE = "bench"
@@ -58,15 +62,18 @@ async def _prepare(pg: EmbeddedPostgres) -> None:
     conn = await asyncpg.connect(pg.dsn(database=DATABASE))
     try:
         await load_demo_data(conn)
-        await apply_backend_setup(conn, load_config(DEMO_CONFIG, environ={}), DATABASE)
+        config = load_config(DEMO_CONFIG, environ={})
+        public = config.public.model_copy(update={"tables": [
+            *config.public.tables, "pgbench_accounts", "pgbench_branches", "pgbench_tellers"]})
+        await apply_backend_setup(conn, config.model_copy(update={"public": public}), DATABASE,
+                                  harden=True)
     finally:
         await conn.close()
 
 
 def _start_proxy(pg: EmbeddedPostgres, port: int, workdir: Path,
                  workers: str = "auto") -> subprocess.Popen[bytes]:
-    text = demo_config_text(DSN(str(pg.socket_dir), pg.port, "dp_pushdown", DATABASE),
-                            DSN(str(pg.socket_dir), pg.port, "dp_restricted", DATABASE), port)
+    text = demo_config_text(embedded_dsns(pg, DATABASE), port)
     cfg = workdir / f"bench{port}.toml"
     cfg.write_text(text)
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "--log-level", "WARNING", "serve",

@@ -43,9 +43,15 @@ class Accountant(StrEnum):
 class ListenConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=6432, ge=0, le=65535)
-    max_connections: int = Field(default=200, ge=1)
+    max_connections: int = Field(default=200, ge=1, description=(
+        "sessions that have logged in, all analysts together (53300 beyond it)"))
+    max_unauthenticated: int = Field(default=16, ge=1, le=10_000, description=(
+        "connections still in their start-up or login, on top of max_connections: sockets "
+        "that never log in cannot take the slots of those who do"))
     max_message_size: int = Field(default=64 * 1024 * 1024, ge=1024)
-    startup_timeout: float = Field(default=30.0, gt=0)
+    startup_timeout: float = Field(default=10.0, gt=0, description=(
+        "seconds a connection has to finish its start-up and login (as Postgres' "
+        "authentication_timeout)"))
     idle_timeout: float = Field(default=0.0, ge=0, description=(
         "seconds a session may sit with nothing running and no input before it is closed "
         "(57P05); 0 disables it"))
@@ -175,6 +181,19 @@ class BackendConfig(_Strict):
     embedded: bool = False
     pushdown_dsn: str | None = None
     restricted_dsn: str | None = None
+    ledger_dsn: str | None = Field(default=None, description=(
+        "the role that owns the ledger schema: no analyst SQL, pass-through or pushdown, ever "
+        "runs as it"))
+    analyst_role_prefix: str = Field(default="dp_analyst_", description=(
+        "each analyst's pass-through session logs in to the backend as its own role, this "
+        "prefix and the analyst's name (init-backend creates them), so that Postgres keeps "
+        "analysts apart"))
+    analyst_login_secret: str | None = Field(default=None, description=(
+        "the key from which each analyst role's backend password is derived (HMAC-SHA-256 of "
+        "the analyst's name); by default the restricted_dsn's password"))
+    pushdown_wait: float = Field(default=10.0, gt=0, le=3600, description=(
+        "seconds a DP query waits for a free pushdown connection before it fails with 53300 "
+        "(nothing charged)"))
     pushdown_pool_size: int = Field(default=10, ge=1, le=1000, description=(
         "connections for DP queries' pushdowns, opened as needed: the proxy's total, divided "
         "among its workers (at least one each)"))
@@ -194,7 +213,7 @@ class BackendConfig(_Strict):
                     "many rows (pg_class.reltuples, kept by ANALYZE and VACUUM)")
     ledger_schema: str = "dpproxy"
 
-    @field_validator("ledger_schema")
+    @field_validator("ledger_schema", "analyst_role_prefix")
     @classmethod
     def _schema_name(cls, v: str) -> str:
         if not _IDENTIFIER.match(v):
@@ -204,7 +223,8 @@ class BackendConfig(_Strict):
     @model_validator(mode="after")
     def _dsns(self) -> Self:
         if not self.embedded:
-            missing = [n for n in ("pushdown_dsn", "restricted_dsn") if getattr(self, n) is None]
+            missing = [n for n in ("pushdown_dsn", "restricted_dsn", "ledger_dsn")
+                       if getattr(self, n) is None]
             if missing:
                 raise ValueError(f"{' and '.join(missing)} required unless embedded = true")
         return self
@@ -220,6 +240,12 @@ class AnalystConfig(_Strict):
     accountant: Accountant = Accountant.BASIC
     refresh_days: int | None = Field(
         default=None, ge=1, description="renew the budget this many days after the last reset")
+    max_connections: int = Field(default=10, ge=1, le=10_000, description=(
+        "the analyst's sessions at once: the CONNECTION LIMIT of its backend role, which "
+        "Postgres enforces across every proxy (53300 beyond it)"))
+    max_dp_queries: int = Field(default=2, ge=1, le=1000, description=(
+        "the analyst's DP queries running at once in one proxy worker (53300 beyond it), "
+        "so that one analyst cannot hold every pushdown connection"))
 
     @field_validator("scram_verifier")
     @classmethod
@@ -376,6 +402,15 @@ class Config(_Strict):
         if bad:
             raise ValueError(f"analyst names must be plain identifiers: {', '.join(bad)}")
         return v
+
+    @model_validator(mode="after")
+    def _analyst_role_names(self) -> Self:
+        prefix = self.backend.analyst_role_prefix
+        long = sorted(n for n in self.analysts if len((prefix + n).encode()) > 63)
+        if long:
+            raise ValueError(f"analyst names too long for a backend role name (with the prefix "
+                             f"{prefix!r}, at most 63 bytes): {', '.join(long)}")
+        return self
 
     @field_validator("tables")
     @classmethod

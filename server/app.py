@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import ssl
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from config import Config, reloaded
@@ -15,7 +16,7 @@ from dp_core.classify import Classifier, ProtectionPolicy
 from dp_core.errors import AdminShutdown, TooManyConnections
 from dp_core.settings import Caps, DPSettings
 from server import backend
-from server.dsn import DSN
+from server.backend_setup import BackendDSNs
 from server.encodings import encoding_named
 from server.logs import StatementLogger, set_format
 from server.metrics import Metrics, OpsServer
@@ -29,16 +30,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("dp_proxy.server")
 
 PUSHDOWN_APPLICATION_NAME = "dp-proxy pushdown"
+LEDGER_APPLICATION_NAME = "dp-proxy ledger"
 
 
 class ProxyServer:
     """One listening proxy in front of one backend database."""
 
-    def __init__(self, config: Config, restricted: DSN, pushdown: DSN) -> None:
+    def __init__(self, config: Config, dsns: BackendDSNs) -> None:
         self.config = config
-        self.restricted = restricted
-        self.pushdown = pushdown
-        self.database = restricted.database
+        self.dsns = dsns
+        self.restricted = dsns.restricted
+        self.pushdown = dsns.pushdown
+        self.database = dsns.database
         self.classifier = Classifier(
             ProtectionPolicy({name: t.schema_ for name, t in config.tables.items()}),
             encoding_ok=lambda value: encoding_named(value) is not None,
@@ -50,8 +53,14 @@ class ProxyServer:
                                             d.noise.value, d.partition_selection.value)
         self.mock_secret = secrets.token_bytes(16)
         self.pool: Any = None
+        self.ledger_pool: Any = None
         self.dp: Any = None
         self.sessions: dict[int, Session] = {}
+        self._logged_in: set[int] = set()
+        """Sessions past their login."""
+        self._starting: weakref.WeakSet[ClientProtocol] = weakref.WeakSet()
+        """Connections taken and not logged in yet (counted from the moment they are taken,
+        before their session exists; one asyncio dropped unopened leaves with the object)."""
         self.metrics = Metrics(lambda: len(self.sessions))
         self.statement_log = StatementLogger(config.log)
         self.ops: OpsServer | None = None
@@ -83,7 +92,12 @@ class ProxyServer:
             self.pushdown.uri(), min_size=1, max_size=size,
             server_settings=await self._pushdown_settings(),
         )
-        ledger = Ledger(self.pool, b.ledger_schema,
+        # the ledger's own pool, as the ledger role: no analyst SQL runs on it, and a budget
+        # never waits behind DP queries holding every pushdown connection
+        self.ledger_pool = await asyncpg.create_pool(
+            self.dsns.ledger.uri(), min_size=1, max_size=max(2, min(size, 4)),
+            server_settings={"application_name": LEDGER_APPLICATION_NAME})
+        ledger = Ledger(self.ledger_pool, b.ledger_schema,
                         {name: a.refresh_days for name, a in self.config.analysts.items()})
         await ledger.migrate(self.config)
         self.dp = DPService(self.config, self.pool, ledger, self.metrics, self.restricted.user)
@@ -132,9 +146,24 @@ class ProxyServer:
         return settings
 
     def new_connection(self) -> asyncio.Protocol:
-        if self.worker is None and len(self.sessions) >= self.config.listen.max_connections:
+        """A new client: refused while max_unauthenticated others are in their start-up or
+        login (they cannot take the logged-in clients' slots), or max_connections are in."""
+        listen = self.config.listen
+        if self.worker is None and (len(self._starting) >= listen.max_unauthenticated
+                                    or len(self._logged_in) >= listen.max_connections):
             return Refuse(TooManyConnections("sorry, too many clients already"))
-        return ClientProtocol(self)
+        proto = ClientProtocol(self)
+        self._starting.add(proto)
+        return proto
+
+    def logged_in(self, session: Session) -> None:
+        """`session` has logged in: it counts against max_connections (53300 beyond it)."""
+        if self.worker is None and len(self._logged_in) >= self.config.listen.max_connections:
+            raise TooManyConnections("sorry, too many clients already")
+        self._logged_in.add(session.process_id)
+        self._starting.discard(session.proto)
+        if self.worker is not None:
+            self.worker.client_logged_in()
 
     async def shutdown(self, grace: float | None = None) -> None:
         """Stop accepting; let running queries finish for up to `grace` seconds (the
@@ -199,10 +228,11 @@ class ProxyServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
             self._server = None
-        if self.pool is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.pool.close(), 10)
-            self.pool = None
+        for pool in (self.pool, self.ledger_pool):
+            if pool is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(pool.close(), 10)
+        self.pool = self.ledger_pool = None
 
     # ------------------------------------------------------------------ sessions
 
@@ -217,8 +247,11 @@ class ProxyServer:
     def unregister(self, session: Session) -> None:
         if self.sessions.get(session.process_id) is session:
             del self.sessions[session.process_id]
+            logged_in = session.process_id in self._logged_in
+            self._logged_in.discard(session.process_id)
+            self._starting.discard(session.proto)
             if self.worker is not None:
-                self.worker.client_closed()
+                self.worker.client_closed(logged_in)
 
     def cancel(self, process_id: int, secret_key: int) -> None:
         if self.worker is not None and not self.worker.owns(process_id):
@@ -244,8 +277,10 @@ class ProxyServer:
             self._ssl = ctx
         return self._ssl
 
-    async def connect_backend(self, parameters: dict[str, str]) -> backend.BackendLink:
-        return await backend.connect(self.restricted, parameters)
+    async def connect_backend(self, analyst: str,
+                              parameters: dict[str, str]) -> backend.BackendLink:
+        """A pass-through connection as `analyst`'s own backend role."""
+        return await backend.connect(self.dsns.analyst(analyst), parameters)
 
     def default_settings(self) -> DPSettings:
         return self._default_settings

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import asyncpg
 
 from config import Config
-from server.backend_setup import DEFAULT_ROLES, BackendRoles, check_statements, setup_statements
+from server.backend_setup import (
+    DEFAULT_ROLES,
+    BackendDSNs,
+    BackendRoles,
+    check_statements,
+    hardening_statements,
+    setup_statements,
+)
 from server.demo_data import demo_data_sql, demo_schema_sql
 from server.dsn import DSN
 from server.embedded import EmbeddedPostgres
@@ -18,12 +27,19 @@ class BackendSetupError(RuntimeError):
 
 
 async def apply_backend_setup(
-    conn: asyncpg.Connection, config: Config, database: str, roles: BackendRoles = DEFAULT_ROLES
+    conn: asyncpg.Connection, config: Config, database: str, roles: BackendRoles = DEFAULT_ROLES,
+    login_secret: str | None = None, harden: bool = False,
 ) -> None:
-    """Create the roles and row-level security (idempotent), then verify the result."""
+    """Create the roles and row-level security (idempotent), with `harden` also the
+    database-wide closing of `hardening_statements`, then verify the result."""
     async with conn.transaction():
-        for stmt in setup_statements(config, database, roles):
+        # one setup at a time: concurrent GRANTs on one object fail ("tuple concurrently updated")
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext('dp-proxy backend setup'))")
+        for stmt in setup_statements(config, database, roles, login_secret):
             await conn.execute(stmt)
+        if harden:
+            for stmt in hardening_statements(roles):
+                await conn.execute(stmt)
     problems = await find_wall_problems(conn, config, roles)
     if problems:
         raise BackendSetupError("; ".join(problems))
@@ -81,13 +97,17 @@ async def config_problems(conn: asyncpg.Connection, config: Config) -> list[str]
     return problems
 
 
-def demo_config_text(pushdown: DSN, restricted: DSN, port: int | None = None) -> str:
+def demo_config_text(dsns: BackendDSNs, port: int | None = None) -> str:
     """config/demo.toml pointed at an existing backend (for benchmarks and tests)."""
     from config import DEMO_CONFIG
 
+    secret = "" if dsns.login_secret in (None, dsns.restricted.password) else \
+        f'\nanalyst_login_secret = "{dsns.login_secret}"'
     text = DEMO_CONFIG.read_text().replace(
         "[backend]\nembedded = true",
-        f'[backend]\npushdown_dsn = "{pushdown.uri()}"\nrestricted_dsn = "{restricted.uri()}"',
+        f'[backend]\npushdown_dsn = "{dsns.pushdown.uri()}"\n'
+        f'restricted_dsn = "{dsns.restricted.uri()}"\nledger_dsn = "{dsns.ledger.uri()}"\n'
+        f'analyst_role_prefix = "{dsns.analyst_prefix}"{secret}',
     )
     if "embedded = true" in text:
         raise RuntimeError("config/demo.toml no longer has the expected [backend] section")
@@ -104,11 +124,9 @@ async def load_demo_data(conn: asyncpg.Connection) -> bool:
     return True
 
 
-async def prepare_embedded(pg: EmbeddedPostgres, config: Config) -> tuple[DSN, DSN]:
-    """Create the demo database in `pg` (loading data unless it is there) and the roles.
-
-    Returns the restricted and pushdown DSNs.
-    """
+async def prepare_embedded(pg: EmbeddedPostgres, config: Config) -> BackendDSNs:
+    """Create the demo database in `pg` (loading data unless it is there), the roles, and the
+    database-wide hardening (the database is the proxy's alone); returns the roles' DSNs."""
     admin = await asyncpg.connect(pg.dsn())
     try:
         exists = await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", DEMO_DATABASE)
@@ -119,11 +137,18 @@ async def prepare_embedded(pg: EmbeddedPostgres, config: Config) -> tuple[DSN, D
     conn = await asyncpg.connect(pg.dsn(database=DEMO_DATABASE))
     try:
         await load_demo_data(conn)
-        await apply_backend_setup(conn, config, DEMO_DATABASE)
+        roles = replace(DEFAULT_ROLES, analyst_prefix=config.backend.analyst_role_prefix)
+        await apply_backend_setup(conn, config, DEMO_DATABASE, roles, harden=True)
     finally:
         await conn.close()
-    roles = DEFAULT_ROLES
-    return (
-        DSN(str(pg.socket_dir), pg.port, roles.restricted, DEMO_DATABASE),
-        DSN(str(pg.socket_dir), pg.port, roles.pushdown, DEMO_DATABASE),
-    )
+    return embedded_dsns(pg, DEMO_DATABASE, roles)
+
+
+def embedded_dsns(pg: EmbeddedPostgres, database: str,
+                  roles: BackendRoles = DEFAULT_ROLES) -> BackendDSNs:
+    """The roles' logins to `database` of an embedded Postgres (its socket trusts them)."""
+    def login(role: str) -> DSN:
+        return DSN(str(pg.socket_dir), pg.port, role, database)
+
+    return BackendDSNs(login(roles.restricted), login(roles.pushdown), login(roles.ledger),
+                       roles.analyst_prefix)

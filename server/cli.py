@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from config import DEMO_CONFIG, Config, ConfigError, load_config
-from server.dsn import DSN
 from server.logs import configure as configure_logs
 from server.logs import set_format
 
 if TYPE_CHECKING:
     from server.app import ProxyServer
+    from server.backend_setup import BackendDSNs
 
 EXIT_CONFIG = 2
 
@@ -61,11 +61,16 @@ def _parser() -> argparse.ArgumentParser:
     bud.add_argument("--config", type=Path, required=True)
 
     ib = sub.add_parser("init-backend",
-                        help="create the pushdown and restricted roles in an existing Postgres")
+                        help="create the backend roles (pushdown, restricted, ledger, one per analyst) in an "
+                             "existing Postgres")
     ib.add_argument("--config", type=Path, required=True)
     ib.add_argument("--admin-dsn", help="a superuser connection string to run the setup with")
     ib.add_argument("--print", action="store_true", dest="print_only",
                     help="print the SQL instead of running it")
+    ib.add_argument("--harden", action="store_true",
+                    help="also close, database-wide, what Postgres cannot take from the "
+                         "analysts' roles alone (statistics and size functions, signals, large "
+                         "objects, creating functions): see the README")
     ib.add_argument("--demo-data", action="store_true",
                     help="first load the demo tables (visits, purchases, countries) if absent")
     return ap
@@ -137,9 +142,10 @@ def _load(path: Path) -> Config | None:
         return None
 
 
-def _load_existing_backend(path: Path, embedded_message: str) -> tuple[Config, DSN, DSN] | int:
-    """The config at `path` and its (restricted, pushdown) DSNs, or an exit code after a message."""
-    from server.dsn import DSNError, parse_dsn
+def _load_existing_backend(path: Path, embedded_message: str) -> tuple[Config, BackendDSNs] | int:
+    """The config at `path` and its backend DSNs, or an exit code after a message."""
+    from server.backend_setup import BackendDSNs
+    from server.dsn import DSNError
 
     config = _load(path)
     if config is None:
@@ -147,9 +153,8 @@ def _load_existing_backend(path: Path, embedded_message: str) -> tuple[Config, D
     if config.backend.embedded:
         print(f"this config uses the embedded backend: {embedded_message}", file=sys.stderr)
         return EXIT_CONFIG
-    assert config.backend.pushdown_dsn and config.backend.restricted_dsn
     try:
-        return config, parse_dsn(config.backend.restricted_dsn), parse_dsn(config.backend.pushdown_dsn)
+        return config, BackendDSNs.of(config)
     except DSNError as e:
         print(f"backend DSN: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -206,28 +211,25 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 async def _database_problems(config: Config) -> list[str]:
     """`config_problems` and the wall's, read through the pushdown DSN; and the restricted
-    DSN must log in."""
+    and ledger DSNs must log in."""
     import asyncpg
 
-    from server.backend_setup import BackendRoles
+    from server.backend_setup import BackendDSNs
     from server.bootstrap import config_problems, find_wall_problems
-    from server.dsn import parse_dsn
 
-    assert config.backend.pushdown_dsn and config.backend.restricted_dsn
-    pushdown, restricted = (parse_dsn(d) for d in (config.backend.pushdown_dsn,
-                                                   config.backend.restricted_dsn))
-    conn = await asyncpg.connect(pushdown.uri())
+    dsns = BackendDSNs.of(config)
+    conn = await asyncpg.connect(dsns.pushdown.uri())
     try:
         problems = await config_problems(conn, config)
         if not problems:  # (the wall's checks name the tables: only once they are there)
-            problems = await find_wall_problems(
-                conn, config, BackendRoles(pushdown=pushdown.user, restricted=restricted.user))
+            problems = await find_wall_problems(conn, config, dsns.roles)
     finally:
         await conn.close()
-    try:
-        await (await asyncpg.connect(restricted.uri())).close()
-    except (asyncpg.PostgresError, OSError) as e:
-        problems.append(f"backend.restricted_dsn: cannot log in: {e}")
+    for name, dsn in (("restricted_dsn", dsns.restricted), ("ledger_dsn", dsns.ledger)):
+        try:
+            await (await asyncpg.connect(dsn.uri())).close()
+        except (asyncpg.PostgresError, OSError) as e:
+            problems.append(f"backend.{name}: cannot log in: {e}")
     return problems
 
 
@@ -249,38 +251,47 @@ def _cmd_hash_password(args: argparse.Namespace) -> int:
 
 
 def _cmd_init_backend(args: argparse.Namespace) -> int:
-    from server.backend_setup import BackendRoles, as_script, setup_statements
+    from server.backend_setup import as_script, hardening_statements, setup_statements
 
     loaded = _load_existing_backend(args.config, "nothing to initialise")
     if isinstance(loaded, int):
         return loaded
-    config, restricted, pushdown = loaded
-    roles = BackendRoles(pushdown=pushdown.user, restricted=restricted.user)
+    config, dsns = loaded
     if args.print_only:
-        print(as_script(setup_statements(config, restricted.database, roles)), end="")
+        print(as_script(setup_statements(config, dsns.database, dsns.roles, dsns.login_secret)),
+              end="")
+        harden = as_script(hardening_statements(dsns.roles))
+        if args.harden:
+            print(harden, end="")
+        else:
+            print("-- Database-wide (with --harden): what Postgres cannot take from the analysts'"
+                  "\n-- roles alone, taken from every role without a monitoring role; dp-proxy "
+                  "refuses\n-- these statements itself (42501) either way.\n"
+                  + "".join(f"-- {line}\n" for line in harden.splitlines()), end="")
         return 0
     if not args.admin_dsn:
         print("give --admin-dsn (a superuser) or --print", file=sys.stderr)
         return 1
-    passwords = {d.user: d.password for d in (pushdown, restricted) if d.password}
-    return asyncio.run(_init_backend(config, args.admin_dsn, restricted.database, roles, passwords,
-                                     args.demo_data))
+    return asyncio.run(_init_backend(config, args.admin_dsn, dsns, args.demo_data, args.harden))
 
 
-async def _init_backend(config: Config, admin_dsn: str, database: str, roles: object,
-                        passwords: dict[str, str], demo_data: bool) -> int:
+async def _init_backend(config: Config, admin_dsn: str, dsns: object, demo_data: bool,
+                        harden: bool) -> int:
     import asyncpg
 
-    from server.backend_setup import BackendRoles, closed_tables_sql, quote_ident, quote_literal
+    from server.backend_setup import BackendDSNs, closed_tables_sql, quote_ident, quote_literal
     from server.bootstrap import BackendSetupError, apply_backend_setup, load_demo_data
     from server.scram import make_verifier
 
-    assert isinstance(roles, BackendRoles)
+    assert isinstance(dsns, BackendDSNs)
+    roles, database = dsns.roles, dsns.database
+    passwords = {d.user: d.password for d in (dsns.pushdown, dsns.restricted, dsns.ledger)
+                 if d.password}
     conn = await asyncpg.connect(admin_dsn)
     try:
         if demo_data:
             await load_demo_data(conn)
-        await apply_backend_setup(conn, config, database, roles)
+        await apply_backend_setup(conn, config, database, roles, dsns.login_secret, harden)
         for user, password in passwords.items():
             # a verifier made here: the password itself never reaches the server or its logs
             verifier = quote_literal(str(make_verifier(password)))
@@ -294,8 +305,10 @@ async def _init_backend(config: Config, admin_dsn: str, database: str, roles: ob
         return 1
     finally:
         await conn.close()
-    unset = sorted({roles.pushdown, roles.restricted} - set(passwords))
-    print(f"roles {roles.pushdown} and {roles.restricted} are ready in database {database}.")
+    unset = sorted({roles.pushdown, roles.restricted, roles.ledger} - set(passwords))
+    print(f"roles {roles.pushdown}, {roles.restricted} and {roles.ledger}, and the analysts' "
+          f"{', '.join(roles.analysts(config))}, are ready in database {database}"
+          f"{' (hardened)' if harden else ''}.")
     public = [f"{s}.{t}" for s, t in config.public.qualified()] + \
         [f"{s}.*" for s in config.public.schemas]
     print(f"analysts may read: the protected tables ({', '.join(sorted(config.tables)) or 'none'})"
@@ -313,11 +326,11 @@ def _cmd_budget(args: argparse.Namespace) -> int:
         "dp_budget() there")
     if isinstance(loaded, int):
         return loaded
-    config, _, pushdown = loaded
+    config, dsns = loaded
     if args.analyst not in config.analysts:
         print(f"no analyst {args.analyst!r} in {args.config}", file=sys.stderr)
         return 1
-    return asyncio.run(_budget(config, pushdown.uri(), args.action, args.analyst))
+    return asyncio.run(_budget(config, dsns.ledger.uri(), args.action, args.analyst))
 
 
 async def _budget(config: Config, dsn: str, action: str, analyst: str) -> int:
@@ -388,23 +401,23 @@ def _run_loop(main: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(main)
 
 
-def run_worker(config: Config, restricted: DSN, pushdown: DSN, index: int, workers: int,
+def run_worker(config: Config, dsns: BackendDSNs, index: int, workers: int,
                control: socket.socket, config_path: str | None, log_level: str) -> int:
     """One worker process of a proxy with `[listen] workers` > 1 (see server.workers)."""
     configure_logs(log_level)
     return _run_loop(_serve(config, None, False, Path(config_path) if config_path else None,
-                            worker=(restricted, pushdown, index, workers, control)))
+                            worker=(dsns, index, workers, control)))
 
 
 async def _serve(config: Config, data_dir: Path | None, demo: bool,
                  config_path: Path | None = None,
-                 worker: tuple[DSN, DSN, int, int, socket.socket] | None = None) -> int:
+                 worker: tuple[BackendDSNs, int, int, socket.socket] | None = None) -> int:
     """Serve until SIGTERM (running queries may finish within listen.shutdown_grace) or
     SIGINT (sessions close at once); SIGHUP reloads the analysts from `config_path`.
 
     With `[listen] workers` > 1 this process supervises that many worker processes
-    (server.workers), which run this function with `worker` set: (restricted and pushdown
-    DSNs, their index, the number of workers, the control socket)."""
+    (server.workers), which run this function with `worker` set: (the backend DSNs, their
+    index, the number of workers, the control socket)."""
     set_format(config.log.format)
     from config import reloaded
     from server.embedded import EmbeddedPostgres, EmbeddedPostgresError
@@ -454,7 +467,7 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
     pg: EmbeddedPostgres | None = None
     try:
         if worker is not None:
-            restricted, pushdown = worker[0], worker[1]
+            dsns = worker[0]
         elif demo:
             from server.bootstrap import prepare_embedded
 
@@ -463,14 +476,13 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
             except EmbeddedPostgresError as e:
                 print(f"dp-proxy: {e}", file=sys.stderr)
                 return 1
-            restricted, pushdown = await prepare_embedded(pg, config)
+            dsns = await prepare_embedded(pg, config)
         else:
-            from server.dsn import DSNError, parse_dsn
+            from server.backend_setup import BackendDSNs
+            from server.dsn import DSNError
 
-            assert config.backend.restricted_dsn and config.backend.pushdown_dsn
             try:
-                restricted = parse_dsn(config.backend.restricted_dsn)
-                pushdown = parse_dsn(config.backend.pushdown_dsn)
+                dsns = BackendDSNs.of(config)
             except DSNError as e:
                 print(f"dp-proxy: backend DSN: {e}", file=sys.stderr)
                 return EXIT_CONFIG
@@ -478,7 +490,7 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
 
         try:
             if worker is None and config.listen.workers > 1:
-                supervisor = Supervisor(config, restricted, pushdown,
+                supervisor = Supervisor(config, dsns,
                                         str(config_path) if config_path else None,
                                         logging.getLevelName(logging.getLogger().level))
                 await supervisor.start()
@@ -486,15 +498,15 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
             else:
                 from server.app import ProxyServer
 
-                server = ProxyServer(config, restricted, pushdown)
+                server = ProxyServer(config, dsns)
                 if worker is not None:
-                    server.worker = WorkerLink(server, worker[4], worker[2], worker[3])
+                    server.worker = WorkerLink(server, worker[3], worker[1], worker[2])
                 await server.start()
                 port = server.port
         except (OSError, WorkerStartError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
             # (the backend unreachable or refusing the pushdown role, the port taken...)
             log.debug("start failed", exc_info=True)
-            where = f" (backend {pushdown.host}:{pushdown.port})" \
+            where = f" (backend {dsns.pushdown.host}:{dsns.pushdown.port})" \
                 if isinstance(e, ConnectionError) else ""
             print(f"dp-proxy: cannot start: {e}{where}", file=sys.stderr)
             return 1
@@ -505,7 +517,7 @@ async def _serve(config: Config, data_dir: Path | None, demo: bool,
             print(f'  psql "postgresql://alice:alice@{host}:{port}/demo"', flush=True)
             print("Ctrl-C stops the proxy and Postgres.", flush=True)
         elif worker is None:
-            log.info("dp-proxy serving database %s on %s:%s", restricted.database, host, port)
+            log.info("dp-proxy serving database %s on %s:%s", dsns.database, host, port)
         await stop.wait()
         return 0
     finally:

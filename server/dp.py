@@ -20,7 +20,7 @@ import math
 import re
 import struct
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
@@ -342,6 +342,8 @@ class DPService:
             for name, t in config.tables.items()
         }
         self._type_names: dict[int, TypeRef] = {}
+        self._running: dict[str, int] = {}
+        """Each analyst's DP queries running in this process (`_turn`)."""
         self._uid_columns: dict[str, tuple[float, UidSplit | None]] = {}
         """(until when it holds, the table's size and uid type, or None) by table name."""
         self._histograms: dict[str, tuple[float, tuple[str, ...] | None]] = {}
@@ -730,9 +732,17 @@ class DPService:
 
     @contextlib.asynccontextmanager
     async def _acquire(self) -> AsyncIterator[Any]:
-        """A pushdown connection; a backend out of connection slots is a clean 53300, not a bug."""
+        """A pushdown connection, waited for at most `pushdown_wait` seconds; a pool or a
+        backend with no connection free is a clean 53300 (nothing charged), not a bug."""
+        wait = self.config.backend.pushdown_wait
         try:
-            conn = await self.pool.acquire()
+            conn = await self.pool.acquire(timeout=wait)
+        except TimeoutError:
+            err = DPError(f"no connection for DP queries became free within {_g(wait)} s: "
+                          "other DP queries hold them all",
+                          hint="try again; an operator can raise pushdown_pool_size")
+            err.sqlstate = "53300"
+            raise err from None
         except (asyncpg.TooManyConnectionsError, asyncpg.CannotConnectNowError, OSError):
             err = DPError("the backend database has no connection slot free for the DP engine",
                           hint="try again; an operator can raise the backend's max_connections")
@@ -742,6 +752,27 @@ class DPService:
             yield conn
         finally:
             await self.pool.release(conn)
+
+    @contextlib.contextmanager
+    def _turn(self, analyst: str) -> Iterator[None]:
+        """One of the analyst's `max_dp_queries` DP queries at once in this process (53300
+        beyond it, before anything is charged): one analyst cannot hold every pushdown
+        connection while the others wait."""
+        limit = self.config.analysts[analyst].max_dp_queries
+        running = self._running.get(analyst, 0)
+        if running >= limit:
+            err = DPError(f'analyst "{analyst}" already has {running} DP queries running, '
+                          f"its limit (max_dp_queries)",
+                          hint="wait for one of them to end; nothing was charged")
+            err.sqlstate = "53300"
+            raise err
+        self._running[analyst] = running + 1
+        try:
+            yield
+        finally:
+            self._running[analyst] -= 1
+            if not self._running[analyst]:
+                del self._running[analyst]
 
     async def parameter_types(self, session: Session, st: Statement,
                               declared: Sequence[int]) -> tuple[int, ...]:
@@ -762,6 +793,13 @@ class DPService:
         its outcome (the audit trail); answers are there as charges.
         """
         started = time.perf_counter()
+        with self._turn(session.user) if st.kind is StatementKind.DP_QUERY else \
+                contextlib.nullcontext():
+            return await self._answer_turn(session, st, bind, param_types, started)
+
+    async def _answer_turn(self, session: Session, st: Statement, bind: p.Bind | None,
+                           param_types: Sequence[int],
+                           started: float) -> tuple[str, list[p.NoticeResponse]]:
         async with self._acquire() as conn:
             try:
                 answer = await self._answer(session, st, bind, param_types, conn,
@@ -772,8 +810,8 @@ class DPService:
             except DPError as e:
                 if st.kind is not StatementKind.DP_EXPLAIN:
                     try:
-                        await self.ledger.record(session.user, f"{e.sqlstate}: {e.message}", st.sql,
-                                                 conn)
+                        await self.ledger.record(session.user, f"{e.sqlstate}: {e.message}",
+                                                 st.sql)
                     except (asyncpg.PostgresError, OSError):
                         log.warning("session %s: could not audit a refused query", session.process_id)
                 raise
@@ -811,9 +849,9 @@ class DPService:
         mechanisms = plan.mechanisms()
         accountant = self.config.analysts[session.user].accountant
         try:
-            await self._check_affordable(session, prepared.query, plan, conn, accountant)
-            await self.ledger.charge(session.user, AnswerCost.of(plan), st.sql, mechanisms, conn,
-                                     accountant)
+            await self._check_affordable(session, prepared.query, plan, accountant)
+            await self.ledger.charge(session.user, AnswerCost.of(plan), st.sql, mechanisms,
+                                     accountant=accountant)
             self.metrics.epsilon_spent.labels(session.user).inc(float(plan.cost.epsilon))
             session.dp_charged()
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
@@ -831,7 +869,7 @@ class DPService:
         released = release(run.query, run.plan, run.rows, quantiles=run.quantiles,
                            selection=run.selection)
         sql = self._result_sql(prepared, released.rows)
-        budget = await self.ledger.budget(session.user, conn)
+        budget = await self.ledger.budget(session.user)
         await self._release_on_quantum(arrived)
         return sql, [self._notice(prepared, run, released, budget)]
 
@@ -849,6 +887,9 @@ class DPService:
         found: dict[int, FoundBounds] = {}
         rng = secure_rng()
         async with contextlib.AsyncExitStack() as stack:
+            # asyncpg prepares without a Sync, which leaves an implicit transaction open that
+            # BEGIN ISOLATION LEVEL could not start in: a simple query ends it
+            await conn.execute("SELECT")
             await self._begin(conn, stack)
             ranges, conns = await self._split_run(prepared, conn, stack)
             ranged = prepared.ranged
@@ -939,8 +980,9 @@ class DPService:
         if split is None:
             return [], [conn]
         pool = self.pool
-        free = pool.get_idle_size() + pool.get_max_size() - pool.get_size()
-        ranges = uid_ranges(split.histogram, min(b.pushdown_split, 1 + free))
+        # the free connections but one: a DP query arriving next finds one without waiting
+        free = pool.get_idle_size() + pool.get_max_size() - pool.get_size() - 1
+        ranges = uid_ranges(split.histogram, min(b.pushdown_split, 1 + max(0, free)))
         if len(ranges) < 2:
             return [], [conn]
         snapshot = str(await conn.fetchval("SELECT pg_export_snapshot()"))
@@ -963,14 +1005,14 @@ class DPService:
         return ranges, conns
 
     async def _check_affordable(self, session: Session, query: AnalyzedQuery,
-                                plan: DPQueryPlan, conn: Any, accountant: Accountant) -> None:
+                                plan: DPQueryPlan, accountant: Accountant) -> None:
         """A query costing more than is left gets 53400; then the per-query caps and noise
         too small for its grid (22023).
 
         (With the RDP accountant an answer may cost less than its nominal ε: the charge decides.)
         """
         if accountant is Accountant.BASIC:
-            budget = await self.ledger.budget(session.user, conn)
+            budget = await self.ledger.budget(session.user)
             check_affordable(budget, to_numeric(plan.cost.epsilon), to_numeric(plan.cost.delta))
         caps = session.server.caps
         if float(plan.epsilon) > caps.max_epsilon:

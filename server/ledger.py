@@ -79,7 +79,7 @@ def fingerprint(sql: str) -> str:
 
 
 class Ledger:
-    """Ledger operations over the pushdown role's pool."""
+    """Ledger operations over the ledger role's own pool (no analyst SQL runs as that role)."""
 
     def __init__(self, pool: asyncpg.Pool, schema: str,
                  refresh_days: Mapping[str, int | None] | None = None) -> None:

@@ -46,6 +46,7 @@ from dp_core.errors import (
     ProtocolViolationError,
     QueryCanceled,
     SyntaxError_,
+    TooManyConnections,
 )
 from dp_core.rewrite import copy_result, set_transaction_sql
 from dp_core.settings import DPSettings
@@ -134,6 +135,21 @@ class LocalStatement:
 class LocalPortal:
     statement: LocalStatement
     bind: p.Bind
+
+
+def _login_refused(analyst: str, sqlstate: str | None) -> DPError:
+    """What a client is told when the backend refuses its analyst's own login: too many of
+    the analyst's sessions (the role's CONNECTION LIMIT), or a role not set up yet."""
+    if sqlstate == "53300":
+        return TooManyConnections(
+            f'too many connections for analyst "{analyst}"',
+            hint="close another session of this analyst; an operator can raise its "
+                 "max_connections (then run dp-proxy init-backend)")
+    if sqlstate in ("28000", "28P01"):
+        return InvalidAuthorization(
+            f'analyst "{analyst}" has no backend login',
+            hint="an operator must run dp-proxy init-backend after adding an analyst")
+    return ConnectionFailure("could not connect to the backend database")
 
 
 def _non_standard_strings() -> DPError:
@@ -526,6 +542,7 @@ class Session:
         self.user = params["user"]
         self.state = State.AUTHENTICATING
         await self._authenticate()
+        self.server.logged_in(self)
         database = params.get("database") or self.user
         if database != self.server.database:
             err = DPError(f'database "{database}" does not exist',
@@ -534,8 +551,11 @@ class Session:
             raise err
         forwarded = {k: v for k, v in params.items() if k not in ("user", "database")}
         try:
-            self.link = await self.server.connect_backend(forwarded)
-        except (OSError, backend.BackendError, TimeoutError) as e:
+            self.link = await self.server.connect_backend(self.user, forwarded)
+        except backend.BackendError as e:
+            log.warning("session %s: backend connection failed: %s", self.process_id, e)
+            raise _login_refused(self.user, dict(e.fields).get("C")) from None
+        except (OSError, TimeoutError) as e:
             log.warning("session %s: backend connection failed: %s", self.process_id, e)
             raise ConnectionFailure("could not connect to the backend database") from None
         if self.link.parameters.get("standard_conforming_strings") != "on":

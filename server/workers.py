@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from config import Config
+from server.backend_setup import BackendDSNs
 from server.dsn import DSN
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class _Worker:
         self.proc: subprocess.Popen[bytes] | None = None
         self.control: socket.socket | None = None
         self.clients = 0
+        self.logged_in = 0
+        """Of `clients`, those past their login (the rest are in start-up or login)."""
         self.ready = False
         self.replies: asyncio.Queue[bytes] = asyncio.Queue()
         self.failures = 0
@@ -87,11 +90,10 @@ class _Worker:
 class Supervisor:
     """Accepts clients and spreads them over `config.listen.workers` worker processes."""
 
-    def __init__(self, config: Config, restricted: DSN, pushdown: DSN,
+    def __init__(self, config: Config, dsns: BackendDSNs,
                  config_path: str | None, log_level: str) -> None:
         self.config = config
-        self.restricted = restricted
-        self.pushdown = pushdown
+        self.dsns = dsns
         self.config_path = config_path
         self.log_level = log_level
         self.workers = [_Worker(i) for i in range(config.listen.workers)]
@@ -150,7 +152,7 @@ class Supervisor:
         mine, theirs = _control_pair()
         spec = {
             "config": self.config.model_dump(mode="json", by_alias=True),
-            "restricted": asdict(self.restricted), "pushdown": asdict(self.pushdown),
+            "dsns": asdict(self.dsns),
             "index": worker.index, "workers": len(self.workers), "control_fd": theirs.fileno(),
             "config_path": self.config_path, "log_level": self.log_level,
         }
@@ -161,6 +163,7 @@ class Supervisor:
         proc.stdin.write(json.dumps(spec).encode())
         proc.stdin.close()
         worker.proc, worker.control, worker.clients, worker.ready = proc, mine, 0, False
+        worker.logged_in = 0
         worker.replies = asyncio.Queue()
         loop = asyncio.get_running_loop()
         loop.add_reader(mine.fileno(), self._on_control, worker)
@@ -207,8 +210,12 @@ class Supervisor:
         if tag == b"R":
             worker.ready = True
             worker.failures = 0
-        elif tag == b"X":
+        elif tag in (b"X", b"Y"):  # a client closed before (X) or after (Y) its login
             worker.clients = max(0, worker.clients - 1)
+            if tag == b"Y":
+                worker.logged_in = max(0, worker.logged_in - 1)
+        elif tag == b"A":
+            worker.logged_in += 1
         elif tag == b"C":
             pid, _ = _KEY.unpack(body)
             owner = self.workers[pid % len(self.workers)]
@@ -239,8 +246,7 @@ class Supervisor:
                 continue
             with conn:
                 live = [w for w in self.workers if w.ready and w.control is not None]
-                total = sum(w.clients for w in self.workers)
-                if not live or total >= self.config.listen.max_connections:
+                if not live or self._full():
                     self._refuse(conn, bool(live))
                     continue
                 worker = min(live, key=lambda w: w.clients)
@@ -248,6 +254,16 @@ class Supervisor:
                     worker.clients += 1
                 else:
                     self._refuse(conn, False)
+
+    def _full(self) -> bool:
+        """No room for one more connection: max_connections clients are logged in, or
+        max_unauthenticated are in their start-up. (A worker admits a login without asking:
+        logins in progress can take the logged-in past max_connections by at most
+        max_unauthenticated.)"""
+        listen = self.config.listen
+        logged_in = sum(w.logged_in for w in self.workers)
+        starting = sum(w.clients for w in self.workers) - logged_in
+        return logged_in >= listen.max_connections or starting >= listen.max_unauthenticated
 
     def _refuse(self, conn: socket.socket, full: bool) -> None:
         """Answer a connection the workers cannot take with one FATAL error (in the
@@ -362,9 +378,13 @@ class WorkerLink:
     def owns(self, process_id: int) -> bool:
         return process_id % self.workers == self.index
 
-    def client_closed(self) -> None:
+    def client_closed(self, logged_in: bool) -> None:
         with contextlib.suppress(OSError):
-            self.control.send(b"X")
+            self.control.send(b"Y" if logged_in else b"X")
+
+    def client_logged_in(self) -> None:
+        with contextlib.suppress(OSError):
+            self.control.send(b"A")
 
     def cancel_elsewhere(self, process_id: int, secret_key: int) -> None:
         with contextlib.suppress(OSError, struct.error):
@@ -420,7 +440,7 @@ class WorkerLink:
                 log.warning("could not take a client connection: %s",
                             "cancelled" if task.cancelled() else task.exception())
                 sock.close()
-                self.client_closed()
+                self.client_closed(False)
         return done
 
 
@@ -428,8 +448,11 @@ def _worker_main() -> int:
     spec = json.loads(sys.stdin.buffer.read())
     from server.cli import run_worker
 
-    return run_worker(Config.model_validate(spec["config"]), DSN(**spec["restricted"]),
-                      DSN(**spec["pushdown"]), spec["index"], spec["workers"],
+    dsns = spec["dsns"]
+    for role in ("restricted", "pushdown", "ledger"):
+        dsns[role] = DSN(**dsns[role])
+    return run_worker(Config.model_validate(spec["config"]), BackendDSNs(**dsns),
+                      spec["index"], spec["workers"],
                       socket.socket(fileno=spec["control_fd"]), spec["config_path"],
                       spec["log_level"])
 

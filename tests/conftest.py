@@ -23,7 +23,7 @@ import pytest
 
 from config import DEMO_CONFIG, Config, load_config
 from server.app import ProxyServer
-from server.backend_setup import DEFAULT_ROLES
+from server.backend_setup import DEFAULT_ROLES, BackendDSNs
 from server.bootstrap import apply_backend_setup
 from server.demo_data import demo_data_sql, demo_schema_sql
 from server.dsn import DSN, parse_dsn
@@ -50,9 +50,16 @@ class Backend:
 
     admin_dsn: str
     """Superuser, connected to the test database."""
-    restricted: DSN
-    pushdown: DSN
+    dsns: BackendDSNs
     embedded: EmbeddedPostgres | None
+
+    @property
+    def restricted(self) -> DSN:
+        return self.dsns.restricted
+
+    @property
+    def pushdown(self) -> DSN:
+        return self.dsns.pushdown
 
 
 SLOW_DP_QUERY = ("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.2) v.browser, ANON_COUNT(*) "
@@ -83,11 +90,40 @@ async def _prepare(admin_server_dsn: str, database: str, config: Config, role_pa
                 await conn.execute(stmt)
             for stmt in _SLOW_LOOKUP_SQL:
                 await conn.execute(stmt)
-        await apply_backend_setup(conn, config, database)
-        for role in (DEFAULT_ROLES.pushdown, DEFAULT_ROLES.restricted):
+        await apply_backend_setup(conn, suite_config(config), database,
+                                  login_secret=role_password, harden=True)
+        for role in (DEFAULT_ROLES.pushdown, DEFAULT_ROLES.restricted, DEFAULT_ROLES.ledger):
             await conn.execute(f"ALTER ROLE {role} PASSWORD '{role_password}'")
     finally:
         await conn.close()
+
+
+SUITE_ANALYSTS = ("carol",)
+"""Analysts some tests add to the demo config: the suite's database has their backend roles."""
+
+
+def suite_config(config: Config) -> Config:
+    """`config` with the analysts of SUITE_ANALYSTS too (as alice, whatever their password)."""
+    extra = {name: config.analysts["alice"] for name in SUITE_ANALYSTS
+             if name not in config.analysts}
+    return config.model_copy(update={"analysts": {**config.analysts, **extra}})
+
+
+def init_backend(backend: Backend, config: Config) -> None:
+    """What `dp-proxy init-backend` does for `config` (with SUITE_ANALYSTS) on the suite's
+    database: its analysts' roles, with the suite's login secret; analysts it does not name
+    lose their login."""
+    config = suite_config(config)
+
+    async def run() -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            await apply_backend_setup(conn, config, TEST_DATABASE,
+                                      login_secret=backend.dsns.login_secret, harden=True)
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
 
 
 @pytest.fixture(scope="session")
@@ -110,8 +146,10 @@ def backend(demo_config: Config) -> Iterator[Backend]:
     try:
         yield Backend(
             admin_dsn=base.uri(database=TEST_DATABASE),
-            restricted=DSN(base.host, base.port, DEFAULT_ROLES.restricted, TEST_DATABASE, password),
-            pushdown=DSN(base.host, base.port, DEFAULT_ROLES.pushdown, TEST_DATABASE, password),
+            dsns=BackendDSNs(
+                *(DSN(base.host, base.port, role, TEST_DATABASE, password) for role in
+                  (DEFAULT_ROLES.restricted, DEFAULT_ROLES.pushdown, DEFAULT_ROLES.ledger)),
+                login_secret=password),
             embedded=pg,
         )
     finally:
@@ -175,7 +213,7 @@ def start_proxy(loop_thread: LoopThread, config: Config, backend: Backend) -> Pr
     config = config.model_copy(update={"listen": listen})
 
     async def make() -> ProxyServer:
-        server = ProxyServer(config, backend.restricted, backend.pushdown)
+        server = ProxyServer(config, backend.dsns)
         await server.start()
         return server
 

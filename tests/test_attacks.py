@@ -59,7 +59,11 @@ CASES = [
     Case("FOR UPDATE", "SELECT * FROM visits FOR UPDATE", "42501"),
     Case("plain aggregate not in a DP form", "SELECT string_agg(browser, ',') FROM visits", "42501"),
     Case("query text run by the server", "SELECT query_to_xml('SELECT * FROM visits', true, "
-         "false, '') AS x", None),
+         "false, '') AS x", "42501"),
+    Case("query text run by the server, public table", "SELECT query_to_xml('SELECT "
+         "pg_relation_size(''visits'')', true, false, '') AS x", "42501"),
+    Case("query text of a text search statistic", "SELECT * FROM ts_stat('SELECT "
+         "to_tsvector(browser) FROM visits')", "42501"),
     Case("DP form selecting a raw column", DP + "duration FROM visits", "0A000"),
     # each group would be one user's: refused before anything is spent
     Case("DP form grouped by uid (singling out)",
@@ -188,7 +192,7 @@ CASES = [
     Case("the ledger reached through search_path", ("SET search_path = dpproxy, public",
          DP + "ANON_COUNT(*) FROM visits v JOIN analysts a ON true"), "42P01"),
     Case("statistics views", DP + "ANON_COUNT(*) FROM visits WHERE browser IN (SELECT relname "
-         "FROM pg_stat_user_tables)", "0A000"),
+         "FROM pg_stat_user_tables)", "42501"),
     Case("information_schema", DP + "ANON_COUNT(*) FROM visits v JOIN information_schema.tables t "
          "ON t.table_name = v.browser", "0A000"),
     Case("a per-user window over the NULL uid of an outer join", DP + "ANON_AVG(s, 0, 1000) FROM "

@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dp_core.classify import Classifier, Effect, ProtectionPolicy, StatementKind
+from dp_core.classify import (
+    _ISOLATION_WORDS,
+    _SESSION_WORDS,
+    Classifier,
+    Effect,
+    ProtectionPolicy,
+    StatementKind,
+)
 from dp_core.errors import InvalidParameterValue, SyntaxError_, UndefinedObject
 from dp_core.settings import Caps, DPSettings, check_finite_normal, validate
 from dp_core.syntax import strip_dp_clauses
@@ -257,9 +264,10 @@ def test_unknown_setting() -> None:
 # ---------------------------------------------------------------- the unparsed fast path
 
 def _needs_parse_reference(c: Classifier, sql: bytes) -> bool:
-    """The fast path's rule, written plainly: a policy word anywhere, or DO/CALL as a word."""
+    """The fast path's rule, written plainly: a policy, session or isolation word anywhere, or
+    DO/CALL as a word."""
     text = sql.lower()
-    words = [w.lower().encode() for w in c.policy.names] + [
+    words = [w.lower().encode() for w in [*c.policy.names, *_SESSION_WORDS, *_ISOLATION_WORDS]] + [
         b"u&", b"dp.", b'"dp"', b"dp_", b"anonymization", b"differential_privacy"]
     return any(w in text for w in words) or re.search(rb"\bdo\b|\bcall\b", text) is not None
 
@@ -278,6 +286,9 @@ def _needs_parse_reference(c: Classifier, sql: bytes) -> bool:
         (b"select _do", True),
         (b"select \xc3\xa1do", False),  # a non-ASCII byte is a word boundary, as for \b
         (b"SELECT dp_budget()", False),
+        (b"SELECT * FROM PG_STAT_ACTIVITY", False),
+        (b"select lo_get(16385)", False),
+        (b"SELECT pg_column_size(x), broadcast, CAST(y AS int) FROM t", True),
     ],
 )
 def test_fast_path_words(classifier: Classifier, sql: bytes, plain: bool) -> None:

@@ -209,7 +209,7 @@ def test_bi_tool_connect_statements(proxy: Proxy) -> None:
     with psycopg.connect(proxy.dsn(options="'-c TimeZone=UTC -c extra_float_digits=3'"),
                          autocommit=True) as conn:
         assert conn.execute("SELECT current_schema(), session_user").fetchone() == (
-            "public", "dp_restricted")
+            "public", "dp_analyst_alice")
         assert conn.execute("SHOW search_path").fetchone() == ('"$user", public',)
         assert conn.execute("SHOW TRANSACTION ISOLATION LEVEL").fetchone() == ("read committed",)
         version = conn.execute("SELECT current_setting('server_version_num')").fetchone()

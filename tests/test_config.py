@@ -20,7 +20,8 @@ GOOD_VERIFIER = str(make_verifier("pw", salt=b"0123456789abcdef"))
 
 def minimal() -> dict:
     return {
-        "backend": {"pushdown_dsn": "postgresql://p@h/db", "restricted_dsn": "postgresql://r@h/db"},
+        "backend": {"pushdown_dsn": "postgresql://p@h/db", "restricted_dsn": "postgresql://r@h/db",
+                    "ledger_dsn": "postgresql://l@h/db"},
         "analysts": {"alice": {"scram_verifier": GOOD_VERIFIER}},
     }
 

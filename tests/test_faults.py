@@ -125,7 +125,7 @@ def test_backend_restart_mid_session(loop_thread: LoopThread, demo_config: Confi
     import asyncio
     import secrets
 
-    from server.backend_setup import DEFAULT_ROLES
+    from server.backend_setup import DEFAULT_ROLES, BackendDSNs
     from server.dsn import DSN, parse_dsn
     from server.embedded import EmbeddedPostgres
 
@@ -136,10 +136,11 @@ def test_backend_restart_mid_session(loop_thread: LoopThread, demo_config: Confi
         asyncio.run(_prepare(pg.dsn(), TEST_DATABASE, demo_config, password))
         base = parse_dsn(pg.dsn())
         own = Backend(admin_dsn=base.uri(database=TEST_DATABASE),
-                      restricted=DSN(base.host, base.port, DEFAULT_ROLES.restricted, TEST_DATABASE,
-                                     password),
-                      pushdown=DSN(base.host, base.port, DEFAULT_ROLES.pushdown, TEST_DATABASE,
-                                   password),
+                      dsns=BackendDSNs(*(DSN(base.host, base.port, role, TEST_DATABASE, password)
+                                         for role in (DEFAULT_ROLES.restricted,
+                                                      DEFAULT_ROLES.pushdown,
+                                                      DEFAULT_ROLES.ledger)),
+                                       login_secret=password),
                       embedded=pg)
         with running_proxy(loop_thread, demo_config, own) as px:
             _reset(px, "alice")

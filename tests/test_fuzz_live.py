@@ -70,7 +70,7 @@ def _drain(c: RawClient, seconds: float) -> None:
 
 def _restricted_backends(backend: Backend) -> int:
     with psycopg.connect(backend.admin_dsn, autocommit=True) as admin:
-        row = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE usename = 'dp_restricted' "
+        row = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE usename LIKE 'dp\\_analyst\\_%%' "
                             "AND datname = %s", (TEST_DATABASE,)).fetchone()
     assert row is not None
     return int(row[0])

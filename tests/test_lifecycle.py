@@ -17,7 +17,7 @@ import pytest
 from config import AnalystConfig, Config
 from server.scram import make_verifier
 
-from .conftest import Backend, LoopThread, running_proxy, start_proxy
+from .conftest import Backend, LoopThread, init_backend, running_proxy, start_proxy
 from .test_operations import ROOT, _config_for
 
 
@@ -92,8 +92,9 @@ def test_reload_changes_budgets_adds_and_removes_analysts_without_dropping_sessi
         a = demo_config.analysts
         carol = AnalystConfig(scram_verifier=str(make_verifier("carol-pw")), epsilon_budget=3,
                               delta_budget=1e-6)
+        dave = carol.model_copy()
         new = _with_analysts(demo_config, alice=a["alice"].model_copy(update={"epsilon_budget": 7.5}),
-                             admin=a["admin"], carol=carol)
+                             admin=a["admin"], carol=carol, dave=dave)
         new = new.model_copy(update={"listen": new.listen.model_copy(update={"idle_timeout": 99.0})})
         ignored = loop_thread.run(px.server.reload(new))
         assert ignored == ["listen"]
@@ -106,7 +107,12 @@ def test_reload_changes_budgets_adds_and_removes_analysts_without_dropping_sessi
         assert "removed from the configuration" in str(exc.value)
         with pytest.raises(psycopg.OperationalError):
             psycopg.connect(px.dsn("bob"))
-        # carol can log in and has her budget
+        # dave has no backend role until an operator runs init-backend; then he can log in
+        with pytest.raises(psycopg.OperationalError, match='analyst "dave" has no backend login'):
+            psycopg.connect(px.dsn("dave", password="carol-pw"))
+        init_backend(backend, _with_analysts(demo_config, **demo_config.analysts, dave=dave))
+        psycopg.connect(px.dsn("dave", password="carol-pw")).close()
+        # carol (whose role the suite's database has) can log in and has her budget
         with psycopg.connect(px.dsn("carol", password="carol-pw"), autocommit=True) as c:
             row = c.execute("SELECT epsilon_total FROM dp_budget()").fetchone()
             assert row is not None and float(row[0]) == 3

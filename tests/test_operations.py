@@ -18,13 +18,15 @@ from server.bootstrap import demo_config_text
 from server.cli import _parser
 from server.dsn import DSN, parse_dsn
 
-from .conftest import TEST_DATABASE, Backend, LoopThread, running_proxy
+from .conftest import TEST_DATABASE, Backend, LoopThread, init_backend, running_proxy
 
 ROOT = Path(__file__).parent.parent
 
 
-def _config_for(backend: Backend, tmp_path: Path, pushdown: str, restricted: str) -> Path:
-    """demo.toml against the test database, with the given role[:password] for each DSN."""
+def _config_for(backend: Backend, tmp_path: Path, pushdown: str, restricted: str,
+                ledger: str | None = None) -> Path:
+    """demo.toml against the test database, with the given role[:password] for each DSN (the
+    suite's ledger role by default)."""
     from dataclasses import replace
 
     def dsn(role: str) -> DSN:
@@ -32,7 +34,9 @@ def _config_for(backend: Backend, tmp_path: Path, pushdown: str, restricted: str
         return replace(backend.pushdown, user=user, password=password or None)
 
     path = tmp_path / "existing.toml"
-    path.write_text(demo_config_text(dsn(pushdown), dsn(restricted)))
+    ledger_dsn = backend.dsns.ledger if ledger is None else dsn(ledger)
+    path.write_text(demo_config_text(replace(backend.dsns, pushdown=dsn(pushdown),
+                                             restricted=dsn(restricted), ledger=ledger_dsn)))
     return path
 
 
@@ -49,11 +53,28 @@ def test_init_backend_print(backend: Backend, tmp_path: Path) -> None:
     assert 'ALTER TABLE "public"."visits" ENABLE ROW LEVEL SECURITY;' in sql
     assert 'CREATE POLICY dp_pushdown_reads_all ON "public"."visits" FOR SELECT TO "ops_push" USING (true);' \
         in sql
-    assert 'CREATE SCHEMA IF NOT EXISTS "dpproxy" AUTHORIZATION "ops_push";' in sql
-    assert "ops_restr" in sql and "PASSWORD" not in sql
+    # the ledger belongs to the ledger role, and no other role of the proxy may use it
+    assert 'CREATE SCHEMA IF NOT EXISTS "dpproxy" AUTHORIZATION "dp_ledger";' in sql
+    assert ('REVOKE ALL ON SCHEMA "dpproxy" FROM "ops_push", "ops_restr", "dp_analyst_admin", '
+            '"dp_analyst_alice", "dp_analyst_bob";') in sql
+    # each analyst has its own role, with its derived password only as a SCRAM verifier
+    from server.backend_setup import analyst_password
+
+    assert backend.dsns.login_secret is not None
+    for name in ("admin", "alice", "bob"):
+        assert f'ALTER ROLE "dp_analyst_{name}" LOGIN CONNECTION LIMIT 10;' in sql
+        assert f'ALTER ROLE "dp_analyst_{name}" PASSWORD \'SCRAM-SHA-256$4096:' in sql
+        assert analyst_password(backend.dsns.login_secret, name) not in sql
+    assert 'ALTER ROLE "ops_restr" PASSWORD' not in sql
     # only what the configuration names (issue 29): the protected tables and [public]
-    assert "ALL TABLES IN SCHEMA" not in sql
-    assert 'GRANT SELECT ON "public"."countries" TO "ops_push", "ops_restr";' in sql
+    assert "ALL TABLES IN SCHEMA" not in sql.replace(
+        'REVOKE ALL ON ALL TABLES IN SCHEMA "dpproxy"', "")
+    assert ('GRANT SELECT ON "public"."countries" TO "ops_push", "ops_restr", '
+            '"dp_analyst_admin", "dp_analyst_alice", "dp_analyst_bob";') in sql
+    # the database-wide part is shown, commented out, unless --harden
+    assert "-- REVOKE USAGE ON LANGUAGE sql, plpgsql FROM PUBLIC;" in sql
+    hardened = _cli("init-backend", "--config", str(cfg), "--print", "--harden").stdout
+    assert "\nREVOKE USAGE ON LANGUAGE sql, plpgsql FROM PUBLIC;" in hardened
 
 
 def test_init_backend_runs_and_sets_verifier_passwords(backend: Backend, tmp_path: Path) -> None:
@@ -62,7 +83,8 @@ def test_init_backend_runs_and_sets_verifier_passwords(backend: Backend, tmp_pat
                                "home_address text)"))
     out = _cli("init-backend", "--config", str(cfg), "--admin-dsn", backend.admin_dsn)
     assert out.returncode == 0, out.stderr
-    assert "ops_push and ops_restr are ready" in out.stdout
+    assert ("roles ops_push, ops_restr and dp_ledger, and the analysts' dp_analyst_admin, "
+            "dp_analyst_alice, dp_analyst_bob, are ready") in out.stdout
     assert "the public public.countries" in out.stdout
     assert "warning: public.riders is left closed" in out.stdout, out.stdout
 
@@ -90,19 +112,11 @@ def test_init_backend_runs_and_sets_verifier_passwords(backend: Backend, tmp_pat
             await restricted.close()
 
     from config import DEMO_CONFIG, load_config
-    from server.bootstrap import apply_backend_setup
-
-    async def restore() -> None:  # the policy of the suite's own roles
-        conn = await asyncpg.connect(backend.admin_dsn)
-        try:
-            await apply_backend_setup(conn, load_config(DEMO_CONFIG, environ={}), TEST_DATABASE)
-        finally:
-            await conn.close()
 
     try:
         asyncio.run(check())
-    finally:
-        asyncio.run(restore())
+    finally:  # the policy of the suite's own roles
+        init_backend(backend, load_config(DEMO_CONFIG, environ={}))
         asyncio.run(_exec(backend, "DROP TABLE IF EXISTS public.riders"))
 
 
@@ -221,7 +235,8 @@ def test_ordinary_mistakes_get_one_line_not_a_traceback(backend: Backend, tmp_pa
         ("init-backend", "--config", str(cfg), "--admin-dsn",
          "postgresql://postgres@127.0.0.1:1/postgres"),
         ("budget", "show", "alice", "--config",
-         str(_config_for(backend, tmp_path, "no_such_role:nope", "ops_restr:pw2"))),
+         str(_config_for(backend, tmp_path, "ops_push:pw1", "ops_restr:pw2",
+                         ledger="no_such_role:nope"))),
     ]
     for args in cases:
         out = _cli(*args)
@@ -239,7 +254,7 @@ def test_check_config_connect_lists_every_mismatch_and_serve_refuses_to_start(
     from dataclasses import replace
 
     good = tmp_path / "good.toml"
-    good.write_text(demo_config_text(backend.pushdown, backend.restricted))
+    good.write_text(demo_config_text(backend.dsns))
     out = _cli("check-config", str(good), "--connect")
     assert out.returncode == 0, out.stderr
     assert "checked against the database" in out.stdout
@@ -265,6 +280,6 @@ def test_check_config_connect_lists_every_mismatch_and_serve_refuses_to_start(
     assert served.returncode == 2 and "user_id" in served.stderr, served.stderr
     wrong = replace(backend.restricted, user="no_such_role")  # (the test cluster trusts sockets)
     login = tmp_path / "login.toml"
-    login.write_text(demo_config_text(backend.pushdown, wrong))
+    login.write_text(demo_config_text(replace(backend.dsns, restricted=wrong)))
     out = _cli("check-config", str(login), "--connect")
     assert out.returncode == 2 and "backend.restricted_dsn: cannot log in" in out.stderr, out.stderr

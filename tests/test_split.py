@@ -316,8 +316,10 @@ def _reads_of(admin_dsn: str, table: str) -> tuple[int, ...]:
     with psycopg.connect(admin_dsn, autocommit=True) as c:
         for _ in range(100):
             (connected,) = c.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE usename IN (%s, %s)",
-                (DEFAULT_ROLES.pushdown, DEFAULT_ROLES.restricted)).fetchone() or (0,)
+                "SELECT count(*) FROM pg_stat_activity WHERE usename IN (%s, %s) "
+                "OR usename LIKE %s", (DEFAULT_ROLES.pushdown, DEFAULT_ROLES.restricted,
+                                       DEFAULT_ROLES.analyst_prefix.replace("_", "\\_") + "%"),
+            ).fetchone() or (0,)
             if connected == 0:
                 break
             time.sleep(0.1)

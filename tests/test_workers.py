@@ -218,12 +218,14 @@ def test_workers_speak_tls_and_refuse_plaintext_when_required(
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_an_unreachable_backend_is_one_line_and_exit_1(tmp_path: Path, workers: str) -> None:
+    from server.backend_setup import BackendDSNs
     from server.bootstrap import demo_config_text
     from server.dsn import DSN
 
     cfg = tmp_path / "unreachable.toml"
-    cfg.write_text(demo_config_text(DSN("127.0.0.1", 1, "dp_pushdown", "x"),
-                                    DSN("127.0.0.1", 1, "dp_restricted", "x"), _free_port()))
+    cfg.write_text(demo_config_text(BackendDSNs(*(DSN("127.0.0.1", 1, role, "x") for role in
+                                                  ("dp_restricted", "dp_pushdown", "dp_ledger"))),
+                                    _free_port()))
     out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--config", str(cfg)],
                          cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, DPPROXY_LISTEN__WORKERS=workers))
