@@ -67,7 +67,8 @@ async def dataset_and_proxy(scale: float, extra_config: str = "",
         await apply_backend_setup(conn, config, DATABASE, harden=True)
         print(f"dataset: {n_rows} visits, {n_users} users, generated in {seconds:.1f} s", flush=True)
         port = free_port()
-        cfg_text = demo_config_text(embedded_dsns(pg, DATABASE), port).replace("epsilon_budget = 10", "epsilon_budget = 1e9")
+        cfg_text = demo_config_text(embedded_dsns(pg, DATABASE), port).replace(
+            "epsilon_budget = 10", "epsilon_budget = 1e9")
         for key, value in (settings or {}).items():
             section, _, key = key.rpartition(".")
             cfg_text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", cfg_text)
