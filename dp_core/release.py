@@ -60,11 +60,17 @@ def group_key(row: Mapping[str, Any], query: AnalyzedQuery) -> GroupKey:
     return tuple(row[f"dp_h{i}" if k.hashed else f"dp_t{i}"] for i, k in enumerate(query.keys))
 
 
+def row_order(row: Mapping[str, Any], keys: int) -> tuple[Any, ...]:
+    """Where a row of a ranged main statement sorts (its ORDER BY: key texts by code point,
+    NULL last), for merging the rows of several ranges of users as streams."""
+    return tuple((1, "") if row[f"dp_t{i}"] is None else (0, row[f"dp_t{i}"])
+                 for i in range(keys))
+
+
 def tree_order(row: Mapping[str, Any], keys: int) -> tuple[Any, ...]:
     """Where a tree-statement row sorts (its ORDER BY: key texts by code point, NULL last; then
     the aggregate), for merging the trees of several ranges of users as streams."""
-    return (*((1, "") if row[f"dp_t{i}"] is None else (0, row[f"dp_t{i}"]) for i in range(keys)),
-            int(row["dp_agg"]))
+    return (*row_order(row, keys), int(row["dp_agg"]))
 
 
 def tree_arrays(row: Mapping[str, Any]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
@@ -212,6 +218,39 @@ def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, 
     kept = [int(x) for x in np.flatnonzero(keep)]
     matched = _matched(rows, kept, query) if query.has_quantiles else frozenset()
     return Selection(rows, noisy, kept, matched)
+
+
+class SelectionStream:
+    """Partition selection over the pushdown's rows a batch at a time (`select` on each): only
+    the kept groups' rows and noisy quantities stay, so memory grows with the answer, not with
+    the groups the pushdown returns. Each group's noise and selection are its own, so the
+    outcome has the distribution of one `select` over all the rows."""
+
+    def __init__(self, query: AnalyzedQuery, plan: DPQueryPlan,
+                 rng: np.random.Generator | None = None) -> None:
+        self.query, self.plan, self.rng = query, plan, rng or secure_rng()
+        self._rows: list[Mapping[str, Any]] = []
+        self._noisy: dict[str, list[NDArray[np.float64]]] = {}
+        self._seen = 0
+
+    def add(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        if not rows:
+            return
+        self._seen += len(rows)
+        chosen = select(self.query, self.plan, rows, self.rng)
+        self._rows.extend(rows[r] for r in chosen.kept)
+        for name, values in chosen.noisy.items():
+            self._noisy.setdefault(name, []).append(values[chosen.kept])
+
+    def done(self) -> Selection:
+        """The selection over every row added (as `select` over them all would make it)."""
+        if not self._seen:
+            return select(self.query, self.plan, [], self.rng)
+        rows = self._rows
+        kept = list(range(len(rows)))
+        noisy = {name: np.concatenate(parts) for name, parts in self._noisy.items()}
+        matched = _matched(rows, kept, self.query) if self.query.has_quantiles else frozenset()
+        return Selection(rows, noisy, kept, matched)
 
 
 def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, Any]],

@@ -737,6 +737,11 @@ def _pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
     query = query.with_bounds({i: Bounds(0.0, 1.0) for i, a in enumerate(query.aggregates)
                                if a.bounds is None})
     main = _template(query, plan, types, seed, prefilter)
+    if main and token is not None and query.keys:
+        # in one order (code points; NULL last) for any collation and range of users, as the
+        # trees: the ranges' rows merge as streams, a group at a time (`release.row_order`)
+        order = ", ".join(f'dp_k{i}::text COLLATE "C"' for i in range(len(query.keys)))
+        main = f"{main} ORDER BY {order}"
     trees = _tree_template(query, plan, types, seed, prefilter)
     built = Pushdown(_build(main, query, token) if main else None,
                      _build(trees, query, token) if trees else None,

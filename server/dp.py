@@ -63,12 +63,13 @@ from dp_core.release import (
     GroupKey,
     Released,
     Selection,
+    SelectionStream,
     add_rows,
     add_trees,
     group_key,
     output_type,
     release,
-    select,
+    row_order,
     tree_answer,
     tree_nodes,
     tree_order,
@@ -113,6 +114,10 @@ _OIDS = {"int8": 20, "float8": 701, "text": 25, "numeric": 1700, "timestamptz": 
 PG = "pg_catalog"
 _TREE_NODES_PER_FETCH = 1 << 16
 _TREE_ROWS_PER_FETCH = 1024
+_ROWS_PER_FETCH = 2048
+"""Main-statement rows per fetch (split among the ranges merged at once)."""
+_ROWS_PER_SELECTION = 4096
+"""Main-statement rows partition selection takes at a time (`SelectionStream`)."""
 """Quantile-tree rows are fetched in batches of about this many nodes, at most this many rows."""
 _SPLIT_KEY_OIDS = frozenset({16, 18, 19, 20, 21, 23, 25, 1042, 1043, 1082, 1083, 1114, 1184,
                              2950})
@@ -237,6 +242,35 @@ async def _tree_stream(cursor: Any, timeout: float, streams: int = 1) -> AsyncIt
             nodes += tree_nodes(r)
             yield r
         batch = max(1, min(_TREE_ROWS_PER_FETCH, nodes_per_fetch * len(rows) // max(nodes, 1)))
+
+
+async def _row_stream(cursor: Any, timeout: float, streams: int = 1) -> AsyncIterator[Any]:
+    """The rows of a main statement's cursor, fetched _ROWS_PER_FETCH at a time (shared by
+    `streams` merged at once)."""
+    batch = max(1, _ROWS_PER_FETCH // streams)
+    while rows := await cursor.fetch(batch, timeout=timeout + 5):
+        for r in rows:
+            yield r
+
+
+async def _merged_rows(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIterator[Any]:
+    """The main rows of several ranges of users, each stream in `row_order`, merged: one row
+    per group (`add_rows` of its ranges' rows), holding one batch per range at a time."""
+    by, keep = [f"dp_t{i}" for i in range(keys)], [f"dp_k{i}" for i in range(keys)]
+    heads = list(await asyncio.gather(*(anext(s, None) for s in streams)))
+    while True:
+        live = [row_order(h, keys) for h in heads if h is not None]
+        if not live:
+            return
+        first = min(live)
+        parts = []
+        for i, head in enumerate(heads):
+            if head is not None and row_order(head, keys) == first:
+                parts.append(head)
+                heads[i] = nxt = await anext(streams[i], None)
+                if nxt is not None and row_order(nxt, keys) <= first:
+                    raise InternalError("pushdown rows out of order")
+        yield parts[0] if len(parts) == 1 else add_rows([parts], by, keep)[0]
 
 
 async def _merged_trees(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIterator[Any]:
@@ -522,8 +556,8 @@ class DPService:
     async def _split_candidate(self, prepared: Prepared, conn: Any) -> UidSplit | None:
         """Whether the pushdown may be split by uid ranges, before any charge (and for
         EXPLAIN): only over a large table (by the catalog's estimate of its rows), with group
-        keys whose texts rows can be added up by, no COUNT(DISTINCT x), and (for quantile
-        trees, which merge as streams in key order) a server encoding whose byte order is the
+        keys whose texts rows can be added up by, no COUNT(DISTINCT x), and (grouped rows and
+        trees merge as streams in key order) a server encoding whose byte order is the
         code points'. Reads the catalog only, never a row of a table: the uid's histogram,
         which the ranges are cut from, is sampled after the charge (`_split`), without
         `histogram` here."""
@@ -534,8 +568,7 @@ class DPService:
             return None
         if any(a.kind is AggKind.COUNT_DISTINCT for a in prepared.query.aggregates):
             return None  # (distinct values do not add up over ranges of users: one value, many)
-        if ("trees" in prepared.statements and prepared.key_oids
-                and conn.get_settings().server_encoding not in _CODE_POINT_ORDER):
+        if prepared.key_oids and conn.get_settings().server_encoding not in _CODE_POINT_ORDER:
             return None
         try:
             # a nondeterministic collation makes 'a' = 'A' a group
@@ -895,23 +928,21 @@ class DPService:
             ranged = prepared.ranged
             shards = [ranged.of(r).statements() for r in ranges] if ranged else []
 
-            async def fetch(name: str) -> list[Any]:
+            async def fetch_bounds() -> list[Any]:
+                """The APPROX_BOUNDS bins (a few hundred rows at most), added over ranges."""
                 if not ranges:
-                    return list(await statements[name].fetch(timeout=timeout + 5))
-                parts = await asyncio.gather(*(c.fetch(sqls[name], timeout=timeout + 5)
+                    return list(await statements["bounds"].fetch(timeout=timeout + 5))
+                parts = await asyncio.gather(*(c.fetch(sqls["bounds"], timeout=timeout + 5)
                                                for c, sqls in zip(conns, shards, strict=True)),
                                              return_exceptions=True)
                 for part in parts:
                     if isinstance(part, BaseException):
                         raise part
-                if name == "bounds":
-                    return add_rows(parts, ("dp_agg", "dp_bin"))
-                keys = range(len(query.keys))
-                return add_rows(parts, [f"dp_t{i}" for i in keys], [f"dp_k{i}" for i in keys])
+                return add_rows(parts, ("dp_agg", "dp_bin"))
 
             if "bounds" in statements:
                 bins: dict[int, dict[int, int]] = {i: {} for i in plan.auto_bounds}
-                for r in await fetch("bounds"):
+                for r in await fetch_bounds():
                     bins[int(r["dp_agg"])][int(r["dp_bin"])] = int(r["dp_n"])
                 for q in plan.approx_bounds:
                     assert q.aggregate is not None
@@ -935,9 +966,27 @@ class DPService:
                     pd = pushdown(query, plan, prepared.arg_types, seed)
                     statements = {name: await conn.prepare(sql)
                                   for name, sql in pd.statements().items() if name != "bounds"}
-            rows = await fetch("main") if "main" in statements else []
-            # partition selection first: only the kept groups' trees are walked
-            selection = select(query, plan, rows, rng)
+            # partition selection first (only the kept groups' trees are walked), over the
+            # rows as they stream: a worker holds one batch and the kept groups, not every group
+            chosen = SelectionStream(query, plan, rng)
+            if "main" in statements:
+                if ranges:
+                    streams = [_row_stream(await (await c.prepare(sqls["main"])).cursor(
+                        timeout=timeout + 5), timeout, len(conns))
+                        for c, sqls in zip(conns, shards, strict=True)]
+                    rows_in: AsyncIterator[Any] = _merged_rows(streams, len(query.keys))
+                else:
+                    rows_in = _row_stream(await statements["main"].cursor(timeout=timeout + 5),
+                                          timeout)
+                batch: list[Any] = []
+                async for r in rows_in:
+                    batch.append(r)
+                    if len(batch) >= _ROWS_PER_SELECTION:
+                        chosen.add(batch)
+                        batch = []
+                chosen.add(batch)
+            selection = chosen.done()
+            rows = selection.rows
             quantiles: dict[tuple[GroupKey, int], float] = {}
             if "trees" in statements:
                 wanted, keys = selection.matched, len(query.keys)

@@ -20,7 +20,7 @@ from dp_core.errors import FeatureNotSupported, InvalidParameterValue, SyntaxErr
 from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import NoiseKind, gaussian_sigma, granularity, threshold_tau
 from dp_core.plan import make_plan
-from dp_core.release import release
+from dp_core.release import SelectionStream, release, select
 from dp_core.rewrite import argument_probe_sql, pushdown, pushdown_sql, result_sql
 
 GOLDEN = Path(__file__).parent / "golden" / "rewrite"
@@ -718,6 +718,38 @@ def test_threshold_drops_small_groups_and_keeps_large_ones() -> None:
     n = {r[0]: r[1] for r in out.rows}
     assert abs(n["k2"] - 5000) < 100 and abs(n["k3"] - 10000) < 100
     assert all(isinstance(r[1], int) for r in out.rows) and all(isinstance(r[2], float) for r in out.rows)
+
+
+def test_selection_over_a_stream_of_batches_is_selection_over_all_rows() -> None:
+    """Issue 27: the pushdown's rows are selected a batch at a time (`SelectionStream`) and only
+    the kept groups stay held. Certain groups come out as from one `select`; groups at τ are
+    kept as often either way (4000 groups each: within 4σ of the difference of two binomial
+    proportions); a global aggregate over no rows still answers one row."""
+    query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) AS n, "
+                           "ANON_SUM(duration, 0, 10) AS s FROM visits GROUP BY browser")
+    rows = _rows([1, 2, 5000, 10000, 1, 8000], [1.0, 2.0, 5000.0, 1e5, 1.0, 80.0])
+    stream = SelectionStream(query, plan)
+    for batch in (rows[:2], rows[2:5], [], rows[5:]):
+        stream.add(batch)
+    chosen = stream.done()
+    assert [r["dp_t0"] for r in chosen.rows] == ["k2", "k3", "k5"]  # only the kept are held
+    out = release(query, plan, chosen.rows, selection=chosen)
+    assert [(r[0], abs(r[1] - n) < 100) for r, n in zip(out.rows, (5000, 10000, 8000),
+                                                        strict=True)] == \
+        [("k2", True), ("k3", True), ("k5", True)]
+    assert plan.tau is not None
+    at_tau = _rows([round(plan.tau)] * 4000, [0.0] * 4000)
+    whole = len(select(query, plan, at_tau).kept) / 4000
+    stream = SelectionStream(query, plan)
+    for start in range(0, 4000, 300):
+        stream.add(at_tau[start:start + 300])
+    streamed = len(stream.done().kept) / 4000
+    p = (whole + streamed) / 2
+    assert 0.2 < p < 0.8
+    assert abs(whole - streamed) <= 4 * math.sqrt(2 * p * (1 - p) / 4000)
+    global_query, global_plan, _ = build("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits")
+    empty = SelectionStream(global_query, global_plan).done()
+    assert len(release(global_query, global_plan, empty.rows, selection=empty).rows) == 1
 
 
 def test_truncated_geometric_selection_plan_and_release() -> None:

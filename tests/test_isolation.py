@@ -335,3 +335,26 @@ def test_init_backend_hands_an_old_ledger_to_the_ledger_role_and_reruns(
     assert asyncio.run(problems()) == []
     with psycopg.connect(proxy.dsn("alice"), autocommit=True) as alice:
         assert alice.execute("SELECT epsilon_total FROM dp_budget()").fetchone()
+
+
+def test_a_worker_holds_the_answer_not_every_group(proxy: Proxy) -> None:
+    """A DP query whose pushdown returns tens of thousands of groups of 400-byte keys, nearly
+    all of them dropped by partition selection: the proxy holds one batch of rows and the
+    kept groups, not every group (was: every group's row at once, 47 MiB here, and 395 MB for
+    the issue's 190k groups of 2 kB keys)."""
+    import tracemalloc
+
+    reset_budget(proxy, "alice")
+    sql = ("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.5, max_groups_contributed=100) "
+           "lpad(browser || duration::text || country, 200, 'x') AS k, ANON_COUNT(*) AS n "
+           "FROM visits GROUP BY k")
+    with psycopg.connect(proxy.dsn("alice"), autocommit=True) as alice:
+        alice.execute("SELECT 1")
+        tracemalloc.start()
+        try:
+            rows = alice.execute(sql).fetchall()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert len(rows) < 1000
+    assert peak < 16 * 2**20, f"{peak / 2**20:.0f} MiB"  # (3.6 MiB; 47 MiB before)
