@@ -246,6 +246,9 @@ class AnalyzedQuery:
     relations: tuple[Relation, ...] = ()
     """The unprotected tables it reads by name (schema as written, or None; name): the
     server refuses the query unless each is one the analysts may read."""
+    joins_capped: bool = False
+    """Two protected FROM items are joined row by row somewhere: each reads at most
+    JOIN_ROWS_PER_USER rows of a user."""
     outer: ast.SelectStmt | None = None
     """A query over this one's answer (`SELECT ... FROM (DP query) AS t WHERE ...`, as Power BI
     writes): post-processing, run over the released rows; its FROM item's subquery is
@@ -558,6 +561,8 @@ class Findings:
     work: Linear = field(default_factory=Linear)
     """The sum of their work."""
     budget: RowWorkBudget = field(default_factory=RowWorkBudget)
+    joins_capped: bool = False
+    """Some scope joins two protected items row by row (`_FromAnalysis.capped_joins`)."""
     """The most work per row the query's expressions may do together."""
 
 
@@ -850,6 +855,29 @@ class Totalizer:
 # ---------------------------------------------------------------------------- FROM clause
 
 
+JOIN_ROWS_PER_USER = 100
+"""Where two protected FROM items are joined row by row, the rows of each user each of them
+reads (`_FromAnalysis.capped_joins`): the join then makes at most 100² rows per user."""
+
+
+def _capped(node: Any, table: TableRef) -> ast.RangeSubselect:
+    """`node`, a protected FROM item, as a subquery of the same name that reads at most
+    JOIN_ROWS_PER_USER rows of each user: those whose hash of the whole row is lowest (a
+    choice made from the user's own rows alone). Its columns are the item's and dp_rn (the
+    row's rank within its user's): a condition on the uid still reaches the table's index."""
+    alias, uid = _quote(table.alias), _quote(table.uid_column)
+    sub = parse_sql(
+        f"SELECT * FROM (SELECT {alias}.*, row_number() OVER (PARTITION BY {alias}.{uid} "
+        f"ORDER BY hashtextextended({alias}::text, 0)) AS dp_rn FROM dp_capped) AS dp_c "
+        f"WHERE dp_c.dp_rn <= {JOIN_ROWS_PER_USER}")[0].stmt
+    sub.fromClause[0].subquery.fromClause = (node,)
+    return ast.RangeSubselect(subquery=sub, alias=ast.Alias(aliasname=table.alias))
+
+
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
 def _no_column_aliases(rv: ast.RangeVar) -> None:
     """`FROM visits AS v (browser, uid)` renames columns by position: v.uid would be the
     browser, and the privacy unit with it. Refused for every relation with user rows."""
@@ -888,6 +916,8 @@ class _FromAnalysis:
         self.nullable: set[str] = set()
         """Aliases of protected FROM items that an outer join can null (their uid is then
         NULL in rows they have no part in)."""
+        self.nodes: dict[str, Any] = {}
+        """Each protected FROM item's node, by alias (for `capped_joins`)."""
 
     def item(self, node: Any) -> Any:
         if isinstance(node, ast.RangeVar):
@@ -935,6 +965,7 @@ class _FromAnalysis:
                 bases, per_user = self.totalize.findings.shapes[id(node.subquery)]
                 self.tables.append(TableRef(alias, alias, sub_uid, derived=True, bases=bases,
                                             per_user=per_user))
+                self.nodes[alias] = node
             return node
         if isinstance(node, (ast.RangeFunction, ast.RangeTableFunc)):
             raise _refuse("functions in FROM", _sql(node))
@@ -964,12 +995,14 @@ class _FromAnalysis:
                 bases, per_user = self.totalize.findings.shapes[name]
                 self.tables.append(TableRef(name, alias, cte_uid, derived=True, bases=bases,
                                             per_user=per_user))
+                self.nodes[alias] = rv
             return rv
         pol = self.policy.get(name)
         if pol is not None and schema in (None, pol.schema):
             _no_column_aliases(rv)
             self.tables.append(TableRef(name, alias, pol.uid_column,
                                         bases=frozenset({f"{pol.schema}.{name}"})))
+            self.nodes[alias] = rv
             rv.schemaname = pol.schema  # (the pushdown names the configured table, whatever
             # the pushdown role's search_path finds first)
         else:
@@ -1029,6 +1062,26 @@ class _FromAnalysis:
             raise _refuse("joins of more than two protected tables row by row (aggregate the "
                           "others per user first: (SELECT uid, ... GROUP BY uid))",
                           ", ".join(t.alias for t in rows))
+
+    def capped_joins(self, items: tuple[Any, ...]) -> tuple[Any, ...]:
+        """`items` (this scope's FROM) where two protected items are joined row by row: each
+        then reads at most JOIN_ROWS_PER_USER rows of each user (picked by a hash of the row),
+        so that the join makes at most JOIN_ROWS_PER_USER² rows of one user, whatever that
+        user's rows (DESIGN §3.11: no construct lets one user's rows multiply the work)."""
+        rows = [t for t in self.tables if not t.per_user]
+        if len(rows) < 2:
+            return items
+        capped = {id(self.nodes[t.alias]): _capped(self.nodes[t.alias], t) for t in rows}
+        self.totalize.findings.joins_capped = True
+
+        def swap(node: Any) -> Any:
+            if id(node) in capped:
+                return capped[id(node)]
+            if isinstance(node, ast.JoinExpr):
+                node.larg, node.rarg = swap(node.larg), swap(node.rarg)
+            return node
+
+        return tuple(swap(item) for item in items)
 
     def check_connected(self, where: Any) -> None:
         """All protected tables must be joined on uid equality into one privacy unit."""
@@ -1215,6 +1268,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
                       f"column: {units})")
     fa.check_connected(stmt.whereClause)
     fa.check_multiplying()
+    from_clause = fa.capped_joins(from_clause)
     uid = fa.owner()
     # rows whose owner is NULL (a NULL uid in the data, or the side an outer join adds) belong
     # to no user: dropped before anything is counted
@@ -1290,7 +1344,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         plain_form=plain_form, ctes=cte_nodes, select=tuple(select),
         casts=tuple(findings.casts), arithmetic=tuple(findings.arithmetic),
         relations=tuple(dict.fromkeys(findings.relations)),
-        sublinks=tuple(findings.sublinks),
+        sublinks=tuple(findings.sublinks), joins_capped=findings.joins_capped,
     )
 
 
@@ -1443,6 +1497,7 @@ def _owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Total
     sel.fromClause = tuple(fa.item(item) for item in sel.fromClause)
     fa.check_connected(sel.whereClause)
     fa.check_multiplying()
+    sel.fromClause = fa.capped_joins(sel.fromClause)
     if sel.whereClause is not None:
         sel.whereClause = totalize(sel.whereClause, "WHERE")
     # a uid that an outer join can null is not a user: only the owned tables' uids bound a

@@ -34,6 +34,7 @@ from config import Accountant, Config
 from dp_core.accounting import AnswerCost
 from dp_core.analysis import (
     INTEGER_TYPES,
+    JOIN_ROWS_PER_USER,
     NUMBER_TYPES,
     AggKind,
     AnalyzedQuery,
@@ -1272,6 +1273,10 @@ def explain_lines(prepared: Prepared) -> list[str]:
                      f"users is kept with probability pi(n), at least 0.5 from "
                      f"{users_kept_with(0.5, *args)} users and 1 from "
                      f"{users_kept_with(1.0, *args)}")
+    if prepared.query.joins_capped:
+        lines.append(f"Protected tables joined row by row: each reads at most "
+                     f"{JOIN_ROWS_PER_USER} rows of a user (those with the lowest hash of the "
+                     "row), so one user's rows cannot multiply the work past their square")
     for q in plan.approx_bounds:
         assert q.aggregate is not None
         lines.append(f"APPROX_BOUNDS for {_visible_name(prepared.query, q.aggregate)}: log-scale "

@@ -919,3 +919,57 @@ def test_casts_that_cannot_fail_are_answered_and_others_refused(proxy: Proxy, re
             with pytest.raises(psycopg.errors.FeatureNotSupported, match=message):
                 conn.execute(sql)
         assert spent(conn) == after_answer, "a refused cast is refused before the charge"
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits v JOIN purchases p USING (uid)",
+    "SELECT count(*) FROM visits v JOIN purchases p ON p.uid = v.uid WHERE v.duration >= 0",
+    "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits v LEFT JOIN purchases p ON "
+    "p.uid = v.uid",
+    "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM (SELECT v.uid FROM visits v, purchases p "
+    "WHERE p.uid = v.uid) AS s",
+    "WITH vv AS (SELECT uid, browser FROM visits) SELECT WITH ANONYMIZATION ANON_COUNT(*) "
+    "FROM vv JOIN purchases p USING (uid)",
+])
+def test_two_protected_tables_joined_make_at_most_a_square_of_rows_per_user(
+        backend: Backend, sql: str) -> None:
+    """Issue 35 item 2: joined row by row, each protected side reads at most
+    JOIN_ROWS_PER_USER rows of a user, so one user's rows cannot multiply the backend's work
+    past JOIN_ROWS_PER_USER²: a user with 300 visits and 300 purchases makes 100² joined rows,
+    not 300², and one with 5 and 3 all of its 15. The whole pushdown runs (as the superuser,
+    in a transaction rolled back)."""
+    from pglast.stream import RawStream
+
+    from dp_core.analysis import JOIN_ROWS_PER_USER
+
+    from .test_dp_engine import build
+
+    query, _, pushdown_sql = build(sql)
+    from_sql = ", ".join(RawStream()(node) for node in query.from_clause)
+    with_sql = f"WITH {', '.join(RawStream()(c) for c in query.ctes)} " if query.ctes else ""
+    with psycopg.connect(backend.admin_dsn) as admin:
+        for uid, visits, purchases in ((-7, 300, 300), (-8, 5, 3)):
+            admin.execute("INSERT INTO visits SELECT %s, 'b' || i, 'US', i FROM "
+                          "generate_series(1, %s) i", (uid, visits))
+            admin.execute("INSERT INTO purchases SELECT %s, 'c' || i, i FROM "
+                          "generate_series(1, %s) i", (uid, purchases))
+        joined = {uid: admin.execute(f"{with_sql}SELECT count(*) FROM {from_sql} WHERE "
+                                     f"{RawStream()(query.uid)} = %s", (uid,)).fetchone()
+                  for uid in (-7, -8)}
+        assert joined == {-7: (JOIN_ROWS_PER_USER ** 2,), -8: (15,)}
+        for statement in pushdown_sql.split(";\n"):
+            admin.execute(statement).fetchall()
+        admin.rollback()
+
+
+def test_explain_shows_the_cap_on_joined_rows(proxy: Proxy) -> None:
+    with psycopg.connect(proxy.dsn("alice"), autocommit=True) as conn:
+        joined = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits v "
+            "JOIN purchases p USING (uid)").fetchall())
+        alone = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits v "
+            "JOIN (SELECT uid, count(*) AS n FROM purchases GROUP BY uid) p USING (uid)"
+        ).fetchall())
+    assert "each reads at most 100 rows of a user" in joined
+    assert "at most 100 rows" not in alone  # (one row per user on one side: nothing multiplies)
