@@ -862,13 +862,16 @@ reads (`_FromAnalysis.capped_joins`): the join then makes at most 100² rows per
 
 def _capped(node: Any, table: TableRef) -> ast.RangeSubselect:
     """`node`, a protected FROM item, as a subquery of the same name that reads at most
-    JOIN_ROWS_PER_USER rows of each user: those whose hash of the whole row is lowest (a
-    choice made from the user's own rows alone). Its columns are the item's and dp_rn (the
-    row's rank within its user's): a condition on the uid still reaches the table's index."""
+    JOIN_ROWS_PER_USER rows of each user, chosen from the user's own rows alone: those of a
+    table with the lowest hash of their place in it (ctid: cheap, and the same in each
+    statement of one snapshot), those of an inner query with the lowest hash of the whole
+    row. Its columns are the item's and dp_rn (the row's rank within its user's): a condition
+    on the uid still reaches the table's index."""
     alias, uid = _quote(table.alias), _quote(table.uid_column)
+    row = f"{alias}::text" if table.derived else f"{alias}.ctid::text"
     sub = parse_sql(
         f"SELECT * FROM (SELECT {alias}.*, row_number() OVER (PARTITION BY {alias}.{uid} "
-        f"ORDER BY hashtextextended({alias}::text, 0)) AS dp_rn FROM dp_capped) AS dp_c "
+        f"ORDER BY hashtextextended({row}, 0)) AS dp_rn FROM dp_capped) AS dp_c "
         f"WHERE dp_c.dp_rn <= {JOIN_ROWS_PER_USER}")[0].stmt
     sub.fromClause[0].subquery.fromClause = (node,)
     return ast.RangeSubselect(subquery=sub, alias=ast.Alias(aliasname=table.alias))
