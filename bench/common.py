@@ -110,16 +110,18 @@ def _terminate_with_parent() -> None:
 
 
 def pushdown_statements(explain_rows: list[asyncpg.Record]) -> list[str]:
-    """The (unsplit) pushdown statements a DP EXPLAIN lists: the indented lines under
-    "Pushdown SQL"."""
+    """The (unsplit) pushdown statements a DP EXPLAIN lists under "Pushdown SQL", each
+    pretty-printed over several rows: its first row indented by two spaces, the rest by four."""
     lines = [r[0] for r in explain_rows]
     start = next(i for i, ln in enumerate(lines) if ln.startswith("Pushdown SQL"))
-    out = []
+    out: list[list[str]] = []
     for ln in lines[start + 1:]:
         if not ln.startswith("  "):
             break
-        out.append(ln.strip())
-    return out
+        if not ln.startswith("   ") or not out:
+            out.append([])
+        out[-1].append(ln[2:] if not out[-1] else ln[4:])
+    return ["\n".join(statement) for statement in out]
 
 
 def _status_mib(pid: int, field: str) -> float:

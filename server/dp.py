@@ -1275,8 +1275,8 @@ def explain_lines(prepared: Prepared) -> list[str]:
                      f"{users_kept_with(1.0, *args)}")
     if prepared.query.joins_capped:
         lines.append(f"Protected tables joined row by row: each reads at most "
-                     f"{JOIN_ROWS_PER_USER} rows of a user (those with the lowest hash of the "
-                     "row), so one user's rows cannot multiply the work past their square")
+                     f"{JOIN_ROWS_PER_USER} rows of a user (chosen by a hash of each row's "
+                     "place), so one user's rows cannot multiply the work past their square")
     for q in plan.approx_bounds:
         assert q.aggregate is not None
         lines.append(f"APPROX_BOUNDS for {_visible_name(prepared.query, q.aggregate)}: log-scale "
@@ -1309,8 +1309,21 @@ def explain_lines(prepared: Prepared) -> list[str]:
         lines.append("Post-processing: the query around the DP subquery runs over its released "
                      "rows only")
     lines.append("Pushdown SQL (run as the pushdown role):")
-    lines.extend("  " + sql for sql in prepared.sql)
+    for sql in prepared.sql:  # (a statement's first row indented by two, the rest by four)
+        first, *rest = _pretty(sql)
+        lines.append("  " + first)
+        lines.extend("    " + line for line in rest)
     return lines
+
+
+def _pretty(sql: str) -> list[str]:
+    """`sql` on several lines (pglast's pretty printer), for EXPLAIN's rows in psql."""
+    from pglast import prettify
+
+    try:
+        return [line for line in prettify(sql).splitlines() if line.strip()]
+    except Exception:  # (a printer's gap must not fail EXPLAIN: the one-line form)
+        return [sql]
 
 
 def _param_text(raw: bytes, fmt: int, oid: int, codec: str, encoding: str) -> str:

@@ -973,3 +973,16 @@ def test_explain_shows_the_cap_on_joined_rows(proxy: Proxy) -> None:
         ).fetchall())
     assert "each reads at most 100 rows of a user" in joined
     assert "at most 100 rows" not in alone  # (one row per user on one side: nothing multiplies)
+
+
+def test_explain_prints_the_pushdown_on_several_short_rows(proxy: Proxy) -> None:
+    """Issue 29: psql draws EXPLAIN's rows as they come; the pushdown SQL was one row of
+    ~2,000 characters, it is now pretty-printed over many."""
+    with psycopg.connect(proxy.dsn("alice"), autocommit=True) as conn:
+        rows = [r[0] for r in conn.execute(
+            "EXPLAIN SELECT WITH ANONYMIZATION country, ANON_MEDIAN(duration, 0, 3600) "
+            "FROM visits GROUP BY country").fetchall()]
+    start = rows.index("Pushdown SQL (run as the pushdown role):")
+    sql = rows[start + 1:]
+    assert len(sql) > 20 and max(len(r) for r in sql) <= 200
+    assert sum(r.strip().startswith("WITH dp_per_user") for r in sql) == 2  # (main and trees)
