@@ -33,9 +33,9 @@ def protected_message(tables: tuple[str, ...]) -> str:
     which = f"table {tables[0]} is" if len(tables) == 1 else f"tables {', '.join(tables)} are"
     return (
         f"{which} protected: only differentially private aggregates may read "
-        f"{'it' if len(tables) == 1 else 'them'}, e.g. SELECT WITH ANONYMIZATION browser, "
-        "ANON_COUNT(*) FROM visits GROUP BY browser, or a plain SELECT k, COUNT(*), SUM(x), AVG(x) "
-        "... GROUP BY k"
+        f"{'it' if len(tables) == 1 else 'them'}, e.g. SELECT WITH ANONYMIZATION ANON_COUNT(*) "
+        f"FROM {tables[0]}, or a plain SELECT k, count(*), sum(x), avg(x) FROM {tables[0]} "
+        "GROUP BY k"
     )
 
 
@@ -381,8 +381,9 @@ class Classifier:
 
     @staticmethod
     def _refuse(make: Any, protected: tuple[str, ...], reason: str | None) -> Statement:
-        allowed = protected_message(protected or ("(none)",))
-        err = InsufficientPrivilege(reason or allowed, hint=allowed if reason else None)
+        allowed = protected_message(protected) if protected else None
+        message = reason or allowed or "this statement is not allowed through dp-proxy"
+        err = InsufficientPrivilege(message, hint=allowed if reason else None)
         st: Statement = make(StatementKind.REFUSED, refusal=err)
         return st
 

@@ -274,11 +274,14 @@ def check_affordable(budget: Budget, epsilon: decimal.Decimal, delta: decimal.De
     for what, spent, total, cost in (("epsilon", budget.epsilon_spent, budget.epsilon_total, epsilon),
                                      ("delta", budget.delta_spent, budget.delta_total, delta)):
         if spent + cost > total:
+            left = total - spent
+            hint = (f"nothing is left of this {what} budget: an admin can reset it "
+                    f"(SELECT dp_reset_budget('{budget.analyst}'))" if left <= 0 else
+                    f"{_fmt(left)} is left: ask for at most that (SET dp.{what} or "
+                    f"OPTIONS({what}=...)), or an admin can reset the budget")
             raise BudgetExhausted(
                 f"privacy budget exhausted: {what} spent {_fmt(spent)} of {_fmt(total)}, "
-                f"this query costs {_fmt(cost)}",
-                hint="ask an admin to reset the budget, or lower dp.epsilon / OPTIONS(epsilon=...)",
-            )
+                f"this query costs {_fmt(cost)}", hint=hint)
 
 
 def require_admin(is_admin: bool, function: str) -> None:

@@ -106,3 +106,22 @@ def test_refresh_period_renews_the_budget(loop_thread: LoopThread, demo_config: 
         with psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
             kinds = [r[0] for r in admin.execute("SELECT outcome FROM dp_ledger('carol') WHERE kind = 'reset'")]
             assert kinds == ["budget renewed: refresh period of 30 days"]
+
+
+def test_an_exhausted_budget_hints_at_what_fits() -> None:
+    """Issue 29: with something left, the hint says how much; with nothing left, lowering ε
+    cannot help and the hint says who can reset it."""
+    from decimal import Decimal
+
+    from dp_core.errors import BudgetExhausted
+    from server.ledger import Budget, check_affordable
+
+    some = Budget("alice", Decimal(1), Decimal("0.75"), Decimal("1e-5"), Decimal(0))
+    with pytest.raises(BudgetExhausted) as info:
+        check_affordable(some, Decimal("0.5"), Decimal(0))
+    assert info.value.hint is not None and info.value.hint.startswith("0.25 is left")
+    spent = Budget("alice", Decimal(1), Decimal(1), Decimal("1e-5"), Decimal(0))
+    with pytest.raises(BudgetExhausted) as info:
+        check_affordable(spent, Decimal("0.1"), Decimal(0))
+    assert info.value.hint is not None and "nothing is left" in info.value.hint
+    assert "dp_reset_budget('alice')" in info.value.hint and "dp.epsilon" not in info.value.hint

@@ -421,3 +421,19 @@ def test_statements_that_reach_the_proxys_session_state(classifier: Classifier, 
     (stmt,) = classifier.classify(sql)
     assert stmt.kind is K.PASS_THROUGH and stmt.effect is effect and stmt.setting == name
     assert not classifier.is_plain_pass_through_bytes(sql.encode())
+
+
+def test_refusals_give_examples_over_the_table_refused() -> None:
+    """Issue 29: the example in a refusal names the configured table it refused, not the
+    demo's; a refusal that names no protected table carries no such example."""
+    rides = Classifier(ProtectionPolicy({"rides": "public"}))
+    (st,) = rides.classify("SELECT rider_id, fare FROM rides")
+    assert st.kind is StatementKind.REFUSED and st.refusal is not None
+    assert "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM rides" in st.refusal.message
+    assert "visits" not in st.refusal.message
+    (st,) = rides.classify("COPY (SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM rides) "
+                           "TO '/tmp/x'")
+    assert st.refusal is not None and "FROM rides" in (st.refusal.hint or "")
+    (st,) = rides.classify("CREATE FUNCTION pg_temp.f() RETURNS int LANGUAGE sql AS 'SELECT 1'")
+    assert st.refusal is not None and st.refusal.hint is None
+    assert "(none)" not in st.refusal.message
