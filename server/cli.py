@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     ib.add_argument("--harden", action="store_true",
                     help="also close, database-wide, what Postgres cannot take from the "
                          "analysts' roles alone (statistics and size functions, signals, large "
-                         "objects, creating functions): see the README")
+                         "objects, creating functions): see docs/isolation.md")
     ib.add_argument("--demo-data", action="store_true",
                     help="first load the demo tables (visits, purchases, countries) if absent")
     return ap

@@ -331,14 +331,14 @@ def test_a_login_with_standard_conforming_strings_off_is_refused(proxy_module: P
 
 def test_reltuples_is_a_documented_residual(proxy_module: Proxy) -> None:
     """pg_class is readable by every role, so the planner's size estimates of protected tables
-    are visible (hiding them would break every BI tool's table browser). README documents it:
-    the approximate row count of a whole table, not any user's data."""
+    are visible (hiding them would break every BI tool's table browser). docs/isolation.md
+    documents it: the approximate row count of a whole table, not any user's data."""
     with psycopg.connect(proxy_module.dsn(), autocommit=True) as conn:
         rows = conn.execute("SELECT reltuples, relpages FROM pg_class WHERE relname = 'visits'"
                             ).fetchall()
     assert len(rows) == 1
-    readme = (__import__("pathlib").Path(__file__).parent.parent / "README.md").read_text()
-    assert "reltuples" in readme
+    docs = (__import__("pathlib").Path(__file__).parent.parent / "docs" / "isolation.md")
+    assert "reltuples" in docs.read_text()
 
 
 # --- malformed and extreme DP options: a clean error before any charge, the session lives on
