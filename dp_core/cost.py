@@ -219,7 +219,7 @@ def _function(fc: ast.FuncCall) -> Cost:
         return _reading([searched, *args[1:]], size)
     if name == "date_trunc" and len(args) == 2:
         # made total by testing its value's range and finiteness, then calling it: the value
-        # three times (`dp_core.analysis.datetime_call`)
+        # three times (`dp_core.catalogue.datetime_call`)
         thrice = Cost(args[1].size.times(3.0), args[1].work.times(3.0))
         return _reading([args[0], thrice], _WORD)
     if name == "width_bucket" and args:

@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery, Bounds
 from dp_core.errors import InternalError, InvalidParameterValue
 from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import (
@@ -21,6 +20,7 @@ from dp_core.mechanisms import (
     threshold_tau,
 )
 from dp_core.quantiles import DEPTH
+from dp_core.query import AggKind, Aggregate, AnalyzedQuery, Bounds
 
 
 class Component:

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery
 from dp_core.errors import InternalError
 from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import keep_probability, secure_rng
 from dp_core.plan import Component, DPQueryPlan, reads_user_count
 from dp_core.quantiles import LEAVES, LEVEL_OFFSETS, walk
+from dp_core.query import AggKind, Aggregate, AnalyzedQuery
 
 INT8 = "int8"
 FLOAT8 = "float8"

@@ -39,10 +39,10 @@ from pglast.enums import (
 from pglast.stream import RawStream
 from pglast.visitors import Visitor
 
-from dp_core.analysis import AggKind, Aggregate, AnalyzedQuery, Bounds
 from dp_core.errors import FeatureNotSupported, InternalError
 from dp_core.plan import Component, DPQueryPlan, reads_user_count
 from dp_core.quantiles import EDGES, LEAVES, LEVEL_DIVISORS, LEVEL_OFFSETS
+from dp_core.query import AggKind, Aggregate, AnalyzedQuery, Bounds
 
 _PH = "dp_ph_"
 

@@ -518,7 +518,7 @@ def test_datetime_units_never_fail_on_any_value(backend: Backend) -> None:
     from pglast import parse_sql
     from pglast.stream import RawStream
 
-    from dp_core.analysis import DATETIME_UNITS, datetime_call
+    from dp_core.catalogue import DATETIME_UNITS, datetime_call
 
     def written(function: str, unit: str) -> str:
         call = f"extract({unit} FROM x)" if function == "extract" else f"{function}('{unit}', x)"

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 from pglast import parse_sql
 
-from dp_core.analysis import Bounds, TablePolicy, analyze, parse_select
+from dp_core.analysis import analyze, parse_select
 from dp_core.cost import Cost, Linear, RowWorkBudget, row_cost
 from dp_core.errors import FeatureNotSupported
+from dp_core.query import Bounds, TablePolicy
 
 POLICY = {
     "visits": TablePolicy("public", "uid", {"duration": Bounds(0, 3600)}),

@@ -14,12 +14,13 @@ import pytest
 from pglast import ast, parse_sql
 from pglast.stream import RawStream
 
-from dp_core.analysis import AggKind, Bounds, TablePolicy, analyze, parse_select
+from dp_core.analysis import analyze, parse_select
 from dp_core.classify import Classifier, ProtectionPolicy
 from dp_core.errors import FeatureNotSupported, InvalidParameterValue, SyntaxError_
 from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import NoiseKind, gaussian_sigma, granularity, threshold_tau
 from dp_core.plan import make_plan
+from dp_core.query import AggKind, Bounds, TablePolicy
 from dp_core.release import SelectionStream, release, select
 from dp_core.rewrite import argument_probe_sql, pushdown, pushdown_sql, result_sql
 
@@ -269,7 +270,7 @@ def test_per_user_rows_joined_freely_and_more_than_two_tables_refused() -> None:
 def test_every_select_clause_pglast_knows_is_named() -> None:
     """The clause allowlist names every field of pglast's SelectStmt: a field a later pglast
     adds is refused by its own name until a rule handles it."""
-    from dp_core.analysis import _CLAUSES
+    from dp_core.sqlnodes import _CLAUSES
 
     assert set(ast.SelectStmt.__slots__) <= set(_CLAUSES)
 
@@ -302,7 +303,7 @@ def test_public_tables_are_recorded_for_the_servers_check() -> None:
 
 
 def test_arithmetic_operands_are_clamped_and_dates_checked_by_type() -> None:
-    from dp_core.analysis import DATETIME_UNITS, check_casts
+    from dp_core.catalogue import DATETIME_UNITS, check_casts
 
     _, _, sql = build(_ANY + "visits WHERE duration * duration * duration > 0")
     assert sql.count("LEAST(GREATEST(") >= 4 and "1e+300" in sql
@@ -640,7 +641,7 @@ def test_a_query_without_group_by_is_calibrated_for_one_group_per_user() -> None
 
 
 def test_casts_in_the_query_scope_wait_for_their_source_type() -> None:
-    from dp_core.analysis import check_casts
+    from dp_core.catalogue import check_casts
 
     query, _, _ = build("SELECT WITH ANONYMIZATION ANON_AVG(duration::float8, 0, 100) FROM visits "
                         "WHERE browser::int > 3 AND duration::double precision < 10")

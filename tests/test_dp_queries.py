@@ -940,7 +940,7 @@ def test_two_protected_tables_joined_make_at_most_a_square_of_rows_per_user(
     in a transaction rolled back)."""
     from pglast.stream import RawStream
 
-    from dp_core.analysis import JOIN_ROWS_PER_USER
+    from dp_core.ownership import JOIN_ROWS_PER_USER
 
     from .test_dp_engine import build
 

@@ -14,7 +14,6 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from dp_core.analysis import AggKind
 from dp_core.errors import InternalError
 from dp_core.mechanisms import NoiseKind, NoiseSpec, secure_rng
 from dp_core.plan import Component, make_plan
@@ -33,6 +32,7 @@ from dp_core.quantiles import (
     tree_codes,
     walk,
 )
+from dp_core.query import AggKind
 from dp_core.release import release, select, tree_values
 
 from .test_dp_engine import build
@@ -140,7 +140,7 @@ def test_approx_bounds_split_by_hand() -> None:
     with pytest.raises(InternalError):
         release(query, plan, [])
     # with bounds found, the same split and the noise calibrated
-    from dp_core.analysis import Bounds
+    from dp_core.query import Bounds
 
     filled = query.with_bounds({0: Bounds(0, 4096)})
     final = make_plan(filled, 1.0, 1e-6, 1, NoiseKind.LAPLACE, plan.auto_bounds)

@@ -23,12 +23,13 @@ import pytest
 from numpy.typing import NDArray
 from psycopg.rows import dict_row
 
-from dp_core.analysis import TablePolicy, analyze, parse_select
+from dp_core.analysis import analyze, parse_select
 from dp_core.classify import Classifier, ProtectionPolicy
 from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import NoiseKind, secure_rng
 from dp_core.plan import make_plan
 from dp_core.quantiles import walk
+from dp_core.query import TablePolicy
 from dp_core.release import release, tree_arrays
 from dp_core.rewrite import pushdown
 

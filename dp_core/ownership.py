@@ -1,0 +1,554 @@
+"""Ownership (paper Table 2): FROM items, joins on the uid, and inner queries over protected tables."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from pglast import ast, parse_sql
+from pglast.enums import A_Expr_Kind, JoinType, SubLinkType
+
+from dp_core.catalogue import SYSTEM_SCHEMAS, is_dp_aggregate
+from dp_core.errors import (
+    FeatureNotSupported,
+    SyntaxError_,
+)
+from dp_core.query import TablePolicy, TableRef
+from dp_core.sqlnodes import (
+    OWNED_CLAUSES,
+    PUBLIC_CLAUSES,
+    conjuncts,
+    const_number,
+    func_name,
+    node_sql,
+    only_clauses,
+    refuse,
+    walk_nodes,
+)
+from dp_core.totality import Totalizer
+
+JOIN_ROWS_PER_USER = 100
+"""Where two protected FROM items are joined row by row, the rows of each user each of them
+reads (`FromAnalysis.capped_joins`): the join then makes at most 100² rows per user."""
+
+
+def _capped(node: Any, table: TableRef) -> ast.RangeSubselect:
+    """`node`, a protected FROM item, as a subquery of the same name that reads at most
+    JOIN_ROWS_PER_USER rows of each user, chosen from the user's own rows alone: those of a
+    table with the lowest hash of their place in it (ctid: cheap, and the same in each
+    statement of one snapshot), those of an inner query with the lowest hash of the whole
+    row. Its columns are the item's and dp_rn (the row's rank within its user's): a condition
+    on the uid still reaches the table's index."""
+    alias, uid = _quote(table.alias), _quote(table.uid_column)
+    row = f"{alias}::text" if table.derived else f"{alias}.ctid::text"
+    sub = parse_sql(
+        f"SELECT * FROM (SELECT {alias}.*, row_number() OVER (PARTITION BY {alias}.{uid} "
+        f"ORDER BY hashtextextended({row}, 0)) AS dp_rn FROM dp_capped) AS dp_c "
+        f"WHERE dp_c.dp_rn <= {JOIN_ROWS_PER_USER}")[0].stmt
+    sub.fromClause[0].subquery.fromClause = (node,)
+    return ast.RangeSubselect(subquery=sub, alias=ast.Alias(aliasname=table.alias))
+
+
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _no_column_aliases(rv: ast.RangeVar) -> None:
+    """`FROM visits AS v (browser, uid)` renames columns by position: v.uid would be the
+    browser, and the privacy unit with it. Refused for every relation with user rows."""
+    if rv.alias is not None and rv.alias.colnames:
+        raise refuse("column aliases on a table with user rows (they would rename its uid)",
+                      node_sql(rv))
+
+
+def _public_relation(rv: ast.RangeVar, ctes: Mapping[str, str | None],
+                     totalize: Totalizer) -> None:
+    """An unprotected table (or a WITH query) read by name in a DP query: never a system
+    catalog; recorded for the server, which refuses it unless the analysts may read it."""
+    name = str(rv.relname)
+    schema = str(rv.schemaname) if rv.schemaname else None
+    if schema in SYSTEM_SCHEMAS or name.startswith("pg_") or rv.catalogname:
+        raise refuse("system catalogs", name)
+    if schema is None and name in ctes:
+        return
+    totalize.relations.append((schema, name))
+
+
+class FromAnalysis:
+    """Walks FROM: finds protected tables, checks joins between them equate their uids."""
+
+    def __init__(self, policy: Mapping[str, TablePolicy], totalize: Totalizer,
+                 ctes: Mapping[str, str | None] | None = None) -> None:
+        self.policy = policy
+        self.totalize = totalize
+        self.ctes = dict(ctes or {})
+        """Common table expressions in scope: name → uid column (None: no protected rows)."""
+        self.tables: list[TableRef] = []
+        self.uid_equalities: list[tuple[str, str]] = []
+        self.using: list[tuple[set[str], str]] = []
+        self.names: set[str] = set()
+        """The names of the scope's FROM items (aliases, or table names)."""
+        self.nullable: set[str] = set()
+        """Aliases of protected FROM items that an outer join can null (their uid is then
+        NULL in rows they have no part in)."""
+        self.nodes: dict[str, Any] = {}
+        """Each protected FROM item's node, by alias (for `capped_joins`)."""
+
+    def item(self, node: Any) -> Any:
+        if isinstance(node, ast.RangeVar):
+            return self._range_var(node)
+        if isinstance(node, ast.JoinExpr):
+            if node.isNatural:
+                raise refuse("NATURAL JOIN (name the join columns)", node_sql(node))
+            if node.alias is not None:  # (it hides the names inside: a.uid could be another a's)
+                raise refuse("an alias on a join (name its tables instead)", node_sql(node))
+            if node.jointype not in (JoinType.JOIN_INNER, JoinType.JOIN_LEFT, JoinType.JOIN_RIGHT,
+                                     JoinType.JOIN_FULL):
+                raise refuse("this kind of join", node_sql(node))
+            before = len(self.tables)
+            node.larg = self.item(node.larg)
+            mid = len(self.tables)
+            node.rarg = self.item(node.rarg)
+            left = {t.alias for t in self.tables[before:mid]}
+            right = {t.alias for t in self.tables[mid:]}
+            if node.jointype in (JoinType.JOIN_LEFT, JoinType.JOIN_FULL):
+                self.nullable |= right
+            if node.jointype in (JoinType.JOIN_RIGHT, JoinType.JOIN_FULL):
+                self.nullable |= left
+            if node.usingClause:
+                cols = {str(c.sval) for c in node.usingClause}
+                for alias in left | right:
+                    uid = self._by_alias(alias).uid_column
+                    if left and right and uid in cols:
+                        self.using.append((left | right, uid))
+            if node.quals is not None:
+                self._collect_uid_equalities(node.quals)
+                node.quals = self.totalize(node.quals, "JOIN condition")
+            return node
+        if isinstance(node, ast.RangeSubselect):
+            if node.lateral:
+                raise refuse("LATERAL subqueries", node_sql(node))
+            if node.alias is None:
+                raise refuse("a subquery in FROM needs an alias", node_sql(node))
+            sub_uid = owned_subquery(node.subquery, self.policy,
+                                      self.totalize.inner(node.subquery), self.ctes)
+            alias = str(node.alias.aliasname)
+            self._named(alias)
+            if sub_uid is not None:
+                if node.alias.colnames:
+                    raise refuse("column aliases on a subquery that reads protected tables", alias)
+                bases, per_user = self.totalize.findings.shapes[id(node.subquery)]
+                self.tables.append(TableRef(alias, alias, sub_uid, derived=True, bases=bases,
+                                            per_user=per_user))
+                self.nodes[alias] = node
+            return node
+        if isinstance(node, (ast.RangeFunction, ast.RangeTableFunc)):
+            raise refuse("functions in FROM", node_sql(node))
+        if isinstance(node, ast.RangeTableSample):
+            raise refuse("TABLESAMPLE (a DP query reads every row it selects)", node_sql(node))
+        raise refuse(f"FROM item {type(node).__name__}", node_sql(node))
+
+    def _named(self, alias: str) -> None:
+        """Every FROM item of a scope has its own name (Postgres checks it too, but not
+        across a join's alias): the analysis reads `alias.uid` as that item's."""
+        if alias in self.names:
+            raise refuse("the same alias twice", alias)
+        self.names.add(alias)
+        self.totalize.findings.row_names.add(alias)
+
+    def _range_var(self, rv: ast.RangeVar) -> ast.RangeVar:
+        name = str(rv.relname)
+        schema = str(rv.schemaname) if rv.schemaname else None
+        alias = str(rv.alias.aliasname) if rv.alias else name
+        self._named(alias)
+        if (schema in SYSTEM_SCHEMAS) or name.startswith("pg_"):
+            raise refuse("system catalogs", name)
+        if schema is None and name in self.ctes:
+            cte_uid = self.ctes[name]
+            if cte_uid is not None:
+                _no_column_aliases(rv)
+                bases, per_user = self.totalize.findings.shapes[name]
+                self.tables.append(TableRef(name, alias, cte_uid, derived=True, bases=bases,
+                                            per_user=per_user))
+                self.nodes[alias] = rv
+            return rv
+        pol = self.policy.get(name)
+        if pol is not None and schema in (None, pol.schema):
+            _no_column_aliases(rv)
+            self.tables.append(TableRef(name, alias, pol.uid_column,
+                                        bases=frozenset({f"{pol.schema}.{name}"})))
+            self.nodes[alias] = rv
+            rv.schemaname = pol.schema  # (the pushdown names the configured table, whatever
+            # the pushdown role's search_path finds first)
+        else:
+            _public_relation(rv, self.ctes, self.totalize)
+        return rv
+
+    def owned(self) -> list[TableRef]:
+        """The protected FROM items whose uid no outer join can null, in FROM order."""
+        return [t for t in self.tables if t.alias not in self.nullable]
+
+    def owner(self) -> ast.Node:
+        """Each row's owner (DESIGN §3.4): the uid of the first protected FROM item that no
+        outer join nulls; where every one can be (a FULL JOIN between protected tables, a
+        public table LEFT JOINed to one), the first of their uids that is not NULL. A row
+        whose owner is NULL belongs to no user (the pushdown drops it)."""
+        refs = [ast.ColumnRef(fields=(ast.String(sval=t.alias), ast.String(sval=t.uid_column)))
+                for t in (self.owned() or self.tables)]
+        return refs[0] if len(refs) == 1 or self.owned() else ast.CoalesceExpr(args=tuple(refs))
+
+    def _by_alias(self, alias: str) -> TableRef:
+        for t in self.tables:
+            if t.alias == alias:
+                return t
+        raise KeyError(alias)
+
+    def _collect_uid_equalities(self, cond: Any) -> None:
+        for conj in conjuncts(cond):
+            if (isinstance(conj, ast.A_Expr) and conj.kind == A_Expr_Kind.AEXPR_OP
+                    and conj.name[-1].sval == "="):
+                a, b = self._uid_alias(conj.lexpr), self._uid_alias(conj.rexpr)
+                if a and b and a != b:
+                    self.uid_equalities.append((a, b))
+
+    def _uid_alias(self, node: Any) -> str | None:
+        """The alias whose uid column `node` names (alias.uid), if any."""
+        if not isinstance(node, ast.ColumnRef) or len(node.fields) != 2:
+            return None
+        alias, col = str(node.fields[0].sval), str(node.fields[1].sval)
+        for t in self.tables:
+            if t.alias == alias and t.uid_column == col:
+                return alias
+        return None
+
+    def check_multiplying(self) -> None:
+        """Joined row by row, protected tables multiply each user's rows: two tables give the
+        product of the user's rows in each (the work a query does then grows with one user's
+        rows squared), a table with itself the square. Allowed: two different tables, and any
+        number of inner queries with one row per user (grouped by the uid alone)."""
+        rows = [t for t in self.tables if not t.per_user]
+        seen: set[str] = set()
+        for t in rows:
+            if seen & t.bases:
+                raise refuse("a protected table joined row by row with itself (aggregate one "
+                              "side per user first: (SELECT uid, ... GROUP BY uid))", t.alias)
+            seen |= t.bases
+        if len(rows) > 2:
+            raise refuse("joins of more than two protected tables row by row (aggregate the "
+                          "others per user first: (SELECT uid, ... GROUP BY uid))",
+                          ", ".join(t.alias for t in rows))
+
+    def capped_joins(self, items: tuple[Any, ...]) -> tuple[Any, ...]:
+        """`items` (this scope's FROM) where two protected items are joined row by row: each
+        then reads at most JOIN_ROWS_PER_USER rows of each user (picked by a hash of the row),
+        so that the join makes at most JOIN_ROWS_PER_USER² rows of one user, whatever that
+        user's rows (DESIGN §3.11: no construct lets one user's rows multiply the work)."""
+        rows = [t for t in self.tables if not t.per_user]
+        if len(rows) < 2:
+            return items
+        capped = {id(self.nodes[t.alias]): _capped(self.nodes[t.alias], t) for t in rows}
+        self.totalize.findings.joins_capped = True
+
+        def swap(node: Any) -> Any:
+            if id(node) in capped:
+                return capped[id(node)]
+            if isinstance(node, ast.JoinExpr):
+                node.larg, node.rarg = swap(node.larg), swap(node.rarg)
+            return node
+
+        return tuple(swap(item) for item in items)
+
+    def check_connected(self, where: Any) -> None:
+        """All protected tables must be joined on uid equality into one privacy unit."""
+        if len(self.tables) <= 1:
+            return
+        if where is not None:
+            self._collect_uid_equalities(where)
+        parent = {t.alias: t.alias for t in self.tables}
+
+        def find(a: str) -> str:
+            while parent[a] != a:
+                a = parent[a]
+            return a
+
+        for a, b in self.uid_equalities:
+            parent[find(a)] = find(b)
+        for aliases, _ in self.using:
+            first, *rest = sorted(aliases)
+            for other in rest:
+                parent[find(other)] = find(first)
+        roots = {find(t.alias) for t in self.tables}
+        if len(roots) > 1:
+            names = ", ".join(t.alias for t in self.tables)
+            raise refuse("joins between protected tables must equate their uid columns, "
+                          "e.g. USING (uid) or ON a.uid = b.uid", names)
+
+
+_PER_USER_AGGREGATES = frozenset({"count", "sum", "avg", "min", "max"})
+
+
+def semi_join(link: ast.SubLink, policy: Mapping[str, TablePolicy],
+               ctes: Mapping[str, str | None], totalize: Totalizer) -> ast.SubLink:
+    """`x IN (SELECT ...)` or `EXISTS (SELECT ...)` in a DP query's WHERE, checked and made
+    total in place: over unprotected tables only, a plain SELECT [WHERE] of their rows
+    (public data), total.
+
+    Subqueries in WHERE that read protected tables, correlated or not, are refused (DESIGN
+    §3.1, the paper's Table 2), even the semi-join on the uid (`uid IN (SELECT uid FROM
+    purchases ...)`), which would be safe: a join on the uid in FROM says the same."""
+    sub = link.subselect
+    exists = link.subLinkType == SubLinkType.EXISTS_SUBLINK
+    if not exists and (link.subLinkType != SubLinkType.ANY_SUBLINK or
+                       (link.operName and str(link.operName[-1].sval) != "=")):
+        raise refuse("subqueries inside a DP query (but IN or EXISTS over unprotected tables "
+                      "in WHERE)", node_sql(link))
+    if not isinstance(sub, ast.SelectStmt):
+        raise refuse("this kind of subquery", node_sql(link))
+    if _reads_protected(sub, policy, ctes):
+        raise refuse("correlated or WHERE subqueries that read protected tables (join the "
+                      "table on the uid in FROM instead)", node_sql(link))
+    _public_subquery(sub, totalize.inner(sub), ctes,
+                     "a subquery in IN or EXISTS over unprotected tables")
+    totalize.findings.sublinks.append(sub)
+    return link
+
+
+def _public_subquery(sub: ast.SelectStmt, totalize: Totalizer,
+                     ctes: Mapping[str, str | None], scope: str) -> None:
+    """A subquery of unprotected tables inside a DP query (in FROM, WITH, IN or EXISTS): a
+    plain SELECT of their rows, filtered, made total (it may read the DP query's row too), or
+    a VALUES list; its tables are recorded for the server's check (`_public_relation`)."""
+    if sub.valuesLists:
+        only_clauses(sub, ("valuesLists",), scope)
+        sub.valuesLists = tuple(tuple(totalize(v, "VALUES list") for v in row)
+                                for row in sub.valuesLists)
+        return
+    try:
+        only_clauses(sub, PUBLIC_CLAUSES, scope)
+    except FeatureNotSupported:
+        raise refuse(f"{scope} but as SELECT ... FROM ... [WHERE]", node_sql(sub)) from None
+    if len(sub.fromClause or ()) > 1:
+        raise refuse(f"{scope} reads one table (no joins: work per row of the DP query)",
+                      node_sql(sub))
+    for item in sub.fromClause or ():
+        if not isinstance(item, ast.RangeVar):
+            raise refuse(f"{scope} reads tables by name only (no joins, functions or "
+                          "subqueries)", node_sql(item))
+        _public_relation(item, ctes, totalize)
+        totalize.findings.row_names.add(str(item.alias.aliasname) if item.alias
+                                        else str(item.relname))
+    for target in sub.targetList or ():
+        if isinstance(target.val, ast.ColumnRef) and isinstance(target.val.fields[-1], ast.A_Star):
+            continue
+        _no_aggregates_inside(target.val)
+        target.val = totalize(target.val, "subquery select list")
+    if sub.whereClause is not None:
+        sub.whereClause = totalize(sub.whereClause, "WHERE")
+
+
+def owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Totalizer,
+                    ctes: Mapping[str, str | None]) -> str | None:
+    """Check an inner query (subquery in FROM or WITH) against the ownership rules.
+
+    Returns the name of its uid output column, or None when it reads no protected
+    rows. Projection and selection are free; aggregation must group by the uid
+    (per-user rows); DISTINCT, LIMIT/OFFSET, window functions and set operations
+    are refused. The uid is appended to the select list when it is missing and
+    that is unambiguous. Expressions are made total in place.
+    """
+    if not isinstance(sel, ast.SelectStmt):
+        raise refuse("this kind of subquery", node_sql(sel))
+    if sel.op and sel.larg is not None:
+        if _reads_protected(sel, policy, ctes):
+            raise refuse("set operations (UNION, INTERSECT, EXCEPT) over protected tables", node_sql(sel))
+        raise refuse("set operations (UNION, INTERSECT, EXCEPT) in a DP query", node_sql(sel))
+    if not _reads_protected(sel, policy, ctes):
+        _public_subquery(sel, totalize, ctes, "a subquery over unprotected tables")
+        return None
+    if sel.withClause is not None:
+        raise refuse("WITH inside a subquery", node_sql(sel))
+    if sel.distinctClause:
+        raise refuse("DISTINCT in a subquery over protected tables", node_sql(sel))
+    if sel.limitCount is not None or sel.limitOffset is not None:
+        raise refuse("LIMIT or OFFSET in a subquery over protected tables", node_sql(sel))
+    if sel.windowClause:
+        raise refuse("named windows (WINDOW w AS ...) in a subquery", node_sql(sel))
+    if sel.havingClause is not None:
+        raise refuse("HAVING in a subquery over protected tables", node_sql(sel))
+    if sel.valuesLists or not sel.fromClause:
+        raise refuse("this kind of subquery", node_sql(sel))
+    if sel.sortClause:
+        raise refuse("ORDER BY in a subquery over protected tables (without LIMIT it means "
+                      "nothing)", node_sql(sel))
+    only_clauses(sel, OWNED_CLAUSES, "a subquery over protected tables")
+    fa = FromAnalysis(policy, totalize, ctes)
+    sel.fromClause = tuple(fa.item(item) for item in sel.fromClause)
+    fa.check_connected(sel.whereClause)
+    fa.check_multiplying()
+    sel.fromClause = fa.capped_joins(sel.fromClause)
+    if sel.whereClause is not None:
+        sel.whereClause = totalize(sel.whereClause, "WHERE")
+    # a uid that an outer join can null is not a user: only the owned tables' uids bound a
+    # contribution (per-user groups and windows); an unqualified one only where no nullable
+    # table has a uid of that name
+    owned = fa.owned()
+    if not fa.tables:
+        raise refuse("protected tables read elsewhere than in a subquery's FROM", node_sql(sel))
+    if not owned:
+        raise refuse("outer joins that can null every protected table of a subquery (its "
+                      "rows would have no owner)", node_sql(sel))
+    uid_refs = {(t.alias, t.uid_column) for t in owned}
+    uid_names = {t.uid_column for t in owned} - \
+        {t.uid_column for t in fa.tables if t.alias in fa.nullable}
+
+    def is_uid(node: Any) -> bool:
+        if not isinstance(node, ast.ColumnRef):
+            return False
+        parts = tuple(str(f.sval) for f in node.fields if isinstance(f, ast.String))
+        return (len(parts) == 2 and parts in uid_refs) or (len(parts) == 1 and parts[0] in uid_names)
+
+    grouped = bool(sel.groupClause)
+    if grouped:
+        keys = group_expressions(sel)
+        if not any(is_uid(k) for k in keys):
+            raise refuse("aggregation in a subquery must group by the uid (per-user rows)",
+                          node_sql(sel))
+        sel.groupClause = tuple(totalize(g, "GROUP BY") if not is_uid(g) else g
+                                for g in sel.groupClause)
+    targets = []
+    uid_out: str | None = None
+    for target in sel.targetList or ():
+        val = target.val
+        if isinstance(val, ast.ColumnRef) and isinstance(val.fields[-1], ast.A_Star):
+            if fa.nullable:
+                raise refuse("* in a subquery with an outer join of protected tables (name "
+                              "the columns)", node_sql(sel))
+            targets.append(target)
+            if uid_out is None:
+                uid_out = fa.tables[0].uid_column
+            continue
+        if is_uid(val) and uid_out is None:
+            uid_out = str(target.name) if target.name else str(val.fields[-1].sval)
+            targets.append(target)
+            continue
+        if isinstance(val, ast.FuncCall) and val.over is not None:
+            target.val = _per_user_window(val, is_uid, totalize)
+        else:
+            for node in walk_nodes(val):
+                if isinstance(node, ast.FuncCall) and node.over is not None:
+                    raise refuse("window functions inside expressions", node_sql(val))
+            target.val = _per_user_expression(val, grouped, totalize)
+        targets.append(target)
+    if uid_out is None:  # propagate the uid: unambiguous, the first owned table's
+        first = owned[0]
+        uid_out = "dp_uid_auto" if any(t.name == first.uid_column for t in targets) else first.uid_column
+        targets.append(ast.ResTarget(name=uid_out, val=ast.ColumnRef(fields=(
+            ast.String(sval=first.alias), ast.String(sval=first.uid_column)))))
+    sel.targetList = tuple(targets)
+    bases = frozenset().union(*(t.bases for t in fa.tables))
+    per_user = grouped and len(group_expressions(sel)) == 1
+    totalize.findings.shapes[id(sel)] = (bases, per_user)
+    return uid_out
+
+
+def _builtin(fc: ast.FuncCall) -> bool:
+    return len(fc.funcname) == 1 or str(fc.funcname[0].sval) == "pg_catalog"
+
+
+_DEFAULT_FRAME = 1058
+"""pglast's WindowDef.frameOptions without a frame clause (RANGE UNBOUNDED PRECEDING to
+CURRENT ROW, the frame Postgres computes incrementally)."""
+_WINDOW_FUNCTIONS = frozenset({"row_number", "rank", "dense_rank", "count", "sum", "avg", "min", "max"})
+
+
+def _per_user_window(fc: Any, is_uid: Any, totalize: Totalizer) -> Any:
+    """A window function over one user's rows: partitioned by the uid, total."""
+    over = fc.over
+    if over.refname or not any(is_uid(p) for p in (over.partitionClause or ())):
+        raise refuse("window functions must be partitioned by the uid", node_sql(fc))
+    name = func_name(fc)
+    if name not in _WINDOW_FUNCTIONS or not _builtin(fc):
+        raise refuse(f"window function {name}() (allowed: {', '.join(sorted(_WINDOW_FUNCTIONS))})",
+                      node_sql(fc))
+    if fc.agg_filter is not None or fc.agg_distinct:
+        raise refuse("FILTER or DISTINCT in a window function", node_sql(fc))
+    if over.frameOptions != _DEFAULT_FRAME:
+        # (a frame whose start moves recomputes max() over it on every row: quadratic work
+        # in one user's rows)
+        raise refuse("window frames (ROWS or RANGE BETWEEN ...)", node_sql(fc))
+    args = tuple(totalize(a, "window function argument") for a in (fc.args or ()))
+    if name in ("sum", "avg"):
+        args = tuple(totalize.number(a, f"{name}() of a number", node_sql(fc)) for a in args)
+    fc.args = args or None
+    over.partitionClause = tuple(p if is_uid(p) else totalize(p, "PARTITION BY")
+                                 for p in over.partitionClause)
+    if over.orderClause:
+        for sort in over.orderClause:
+            if sort.useOp:
+                raise refuse("ORDER BY ... USING in a window", node_sql(fc))
+            sort.node = totalize(sort.node, "window ORDER BY")
+    if over.startOffset is not None or over.endOffset is not None:
+        raise refuse("window frames with offsets", node_sql(fc))
+    return fc
+
+
+def _per_user_expression(val: Any, grouped: bool, totalize: Totalizer) -> Any:
+    """A select-list item of an inner query: total, with per-user aggregates made total too."""
+    if isinstance(val, ast.FuncCall) and func_name(val) in _PER_USER_AGGREGATES:
+        if not grouped:
+            raise refuse("aggregates in a subquery need GROUP BY uid", node_sql(val))
+        if val.over is not None or val.agg_filter is not None or val.agg_order \
+                or not _builtin(val):
+            raise refuse("FILTER, ORDER BY or OVER in a per-user aggregate, or one that is not "
+                          "built in", node_sql(val))
+        name = func_name(val)
+        args = tuple(totalize(a, "aggregate argument") for a in (val.args or ()))
+        if name in ("sum", "avg"):  # exact: no overflow for any user's rows
+            args = tuple(totalize.number(a, f"{name}() of a number", node_sql(val)) for a in args)
+        val.args = args or None
+        return val
+    for node in walk_nodes(val):
+        if isinstance(node, ast.FuncCall) and func_name(node) in _PER_USER_AGGREGATES:
+            raise refuse("expressions over per-user aggregates (select the aggregate itself)",
+                          node_sql(val))
+    _no_aggregates_inside(val)
+    return totalize(val, "subquery select list")
+
+
+def _reads_protected(sel: Any, policy: Mapping[str, TablePolicy], ctes: Mapping[str, str | None]) -> bool:
+    for node in walk_nodes(sel):
+        if isinstance(node, ast.RangeVar):
+            name = str(node.relname)
+            schema = str(node.schemaname) if node.schemaname else None
+            pol = policy.get(name)
+            if pol is not None and schema in (None, pol.schema):
+                return True
+            if schema is None and ctes.get(name) is not None:
+                return True
+    return False
+
+
+def group_expressions(stmt: ast.SelectStmt) -> list[Any]:
+    out = []
+    for g in stmt.groupClause or ():
+        if isinstance(g, (ast.GroupingSet,)):
+            raise refuse("GROUPING SETS, ROLLUP and CUBE")
+        n = const_number(g)
+        if n is not None:
+            if not math.isfinite(n):
+                raise SyntaxError_(f"GROUP BY position {n} is not in select list")
+            idx = int(n) - 1
+            if not 0 <= idx < len(stmt.targetList) or n != int(n):
+                raise SyntaxError_(f"GROUP BY position {n} is not in select list")
+            out.append(stmt.targetList[idx].val)
+        else:
+            out.append(g)
+    return out
+
+
+def _no_aggregates_inside(val: Any) -> None:
+    for node in walk_nodes(val):
+        if isinstance(node, ast.FuncCall) and is_dp_aggregate(func_name(node)):
+            raise refuse("expressions over DP aggregates are not supported yet "
+                          "(select the aggregate itself)", node_sql(val))

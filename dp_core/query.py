@@ -1,0 +1,208 @@
+"""The query model: what the analysis finds in a DP query, and what the rewriter and planner read."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any
+
+from pglast import ast
+
+from dp_core.errors import (
+    InternalError,
+)
+from dp_core.sqlnodes import walk_nodes
+
+Relation = tuple[str | None, str]
+"""An unprotected table a DP query reads: (schema as written, or None; name)."""
+
+
+class AggKind(Enum):
+    COUNT = "count"
+    """Rows per user and group, clamped to [0, U] (U = 1 unless given): a bounded sum."""
+    COUNT_USERS = "count_users"
+    """COUNT(DISTINCT uid): the number of users in the group."""
+    COUNT_DISTINCT = "count_distinct"
+    """COUNT(DISTINCT x) of anything but the uid: the distinct values in the group, each user
+    adding at most k of its own (k = U, 1 unless given)."""
+    SUM = "sum"
+    AVG = "avg"
+    VAR = "var"
+    STDDEV = "stddev"
+    QUANTILE = "quantile"
+    """ANON_NTILE and its forms: a DP quantile of the users' own quantiles (dp_core.quantiles)."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    lower: float
+    upper: float
+
+
+@dataclass(frozen=True)
+class TableRef:
+    """A protected table in the query's FROM: its alias and uid column."""
+
+    name: str
+    alias: str
+    uid_column: str
+    derived: bool = False
+    """A subquery or WITH query over protected tables (no configured column bounds)."""
+    bases: frozenset[str] = frozenset()
+    """The protected tables whose rows it carries."""
+    per_user: bool = False
+    """At most one row per user (a subquery grouped by the uid alone)."""
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    kind: AggKind
+    arg: ast.Node | None
+    """The (totalised) argument; None for COUNT(*) and COUNT(DISTINCT uid)."""
+    bounds: Bounds | None
+    """Per-user contribution bounds: [0, U] for counts; None when APPROX_BOUNDS finds them."""
+    output_name: str
+    quantile: float | None = None
+    """The quantile (0…1) of a QUANTILE aggregate."""
+
+    @property
+    def known_bounds(self) -> Bounds:
+        if self.bounds is None:
+            raise InternalError("bounds used before APPROX_BOUNDS found them (this is a bug)")
+        return self.bounds
+
+
+@dataclass(frozen=True)
+class CastCheck:
+    """A cast of column values that is total only for some source types, which the analysis
+    cannot see: the server learns the source type from Postgres (`argument_probe_sql`) and
+    `check_casts` refuses the query unless the cast is in TOTAL_CASTS."""
+
+    arg: ast.Node
+    """The (totalised) expression being cast."""
+    target: str
+    text: str
+    """The cast as the analyst wrote it, for the refusal message."""
+    scope: ast.SelectStmt | None = None
+    """The inner query (subquery in FROM, or WITH query) whose FROM `arg` reads; None: the
+    DP query's own FROM. Its FROM is final once the analysis is done."""
+    rule: str | None = None
+    """The refusal's rule when it is not a cast (an operand of `||` that is not text)."""
+    sources: frozenset[str] | None = None
+    """The source types accepted, where the check is not of a cast to `target` (a date/time
+    function's unit, which fails on every value of the other types)."""
+
+
+@dataclass(frozen=True)
+class ArithmeticCheck:
+    """An arithmetic operator as the analyst wrote it, whose type Postgres reports when the
+    proxy prepares `argument_probe_sql` (t{i}): where it is an integer type, the analysis runs
+    again with it (`analyze(..., integer_types=...)`) so that the total form keeps Postgres's
+    integer semantics (`duration / 60` truncates) and type."""
+
+    arg: ast.Node
+    """The operator's expression, untouched (prepared, never run)."""
+    location: int
+    """Its offset in the statement: the key of `integer_types`."""
+    scope: ast.SelectStmt | None = None
+
+
+@dataclass(frozen=True)
+class Key:
+    expr: ast.Node
+    output_name: str
+    hashed: bool = False
+    """Matched between the pushdown's statements (a group's row and its quantile trees) by a
+    hash of its value (`dp_h{i}`) instead of its text (`dp_t{i}`): for types whose equal
+    values can print differently (numeric 1.0 = 1.00, float -0 = 0, ...)."""
+
+
+@dataclass(frozen=True)
+class OutputColumn:
+    """One released column: a key or an aggregate (hidden when only an expression uses it)."""
+
+    name: str
+    key: int | None = None
+    aggregate: int | None = None
+    source: Any = field(default=None, compare=False)
+    """The select-list expression it answers (to map HAVING / ORDER BY / expressions onto)."""
+
+
+@dataclass(frozen=True)
+class SelectItem:
+    """One column the client sees: a released column, or an expression over released columns."""
+
+    name: str
+    column: int | None = None
+    expr: Any = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class TablePolicy:
+    schema: str
+    uid_column: str
+    columns: Mapping[str, Bounds] = field(default_factory=dict)
+    """Configured contribution bounds of numeric columns."""
+
+
+@dataclass(frozen=True)
+class AnalyzedQuery:
+    """A validated DP query, in pieces for the rewriter."""
+
+    from_clause: tuple[ast.Node, ...]
+    where: ast.Node | None
+    uid: ast.Node
+    tables: tuple[TableRef, ...]
+    keys: tuple[Key, ...]
+    aggregates: tuple[Aggregate, ...]
+    outputs: tuple[OutputColumn, ...]
+    having: ast.Node | None
+    order_by: tuple[ast.Node, ...]
+    limit: ast.Node | None
+    offset: ast.Node | None
+    plain_form: bool
+    """True for `SELECT k, COUNT(*) ...` without WITH ANONYMIZATION."""
+    ctes: tuple[Any, ...] = ()
+    """The query's (validated) WITH list, kept ahead of the pushdown's own."""
+    select: tuple[SelectItem, ...] = ()
+    """What the client sees, in select-list order."""
+    casts: tuple[CastCheck, ...] = ()
+    """Casts whose totality depends on their source type (see `check_casts`)."""
+    arithmetic: tuple[ArithmeticCheck, ...] = ()
+    """Arithmetic operators whose type decides their integer semantics (`ArithmeticCheck`)."""
+    sublinks: tuple[ast.SelectStmt, ...] = ()
+    """Its IN and EXISTS subqueries (total), which must plan alone (`Findings.sublinks`)."""
+    relations: tuple[Relation, ...] = ()
+    """The unprotected tables it reads by name (schema as written, or None; name): the
+    server refuses the query unless each is one the analysts may read."""
+    joins_capped: bool = False
+    """Two protected FROM items are joined row by row somewhere: each reads at most
+    JOIN_ROWS_PER_USER rows of a user."""
+    outer: ast.SelectStmt | None = None
+    """A query over this one's answer (`SELECT ... FROM (DP query) AS t WHERE ...`, as Power BI
+    writes): post-processing, run over the released rows; its FROM item's subquery is
+    replaced by the result query."""
+
+    def with_bounds(self, found: Mapping[int, Bounds]) -> AnalyzedQuery:
+        """The query with bounds (from APPROX_BOUNDS) filled in for the given aggregates."""
+        aggregates = tuple(replace(a, bounds=found[i]) if i in found else a
+                           for i, a in enumerate(self.aggregates))
+        return replace(self, aggregates=aggregates)
+
+    def with_hashed_keys(self, hashed: Iterable[int]) -> AnalyzedQuery:
+        """The query with the given keys matched by hash (`Key.hashed`)."""
+        which = set(hashed)
+        return replace(self, keys=tuple(replace(k, hashed=i in which)
+                                        for i, k in enumerate(self.keys)))
+
+    @property
+    def has_quantiles(self) -> bool:
+        return any(a.kind is AggKind.QUANTILE for a in self.aggregates)
+
+    @property
+    def keys_read_uid(self) -> bool:
+        """Whether a group key reads a protected table's uid column (by name)."""
+        names = {t.uid_column for t in self.tables}
+        return any(isinstance(n, ast.ColumnRef) and getattr(n.fields[-1], "sval", "") in names
+                   for k in self.keys for n in walk_nodes(k.expr))
