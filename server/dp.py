@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import asyncpg
 from pglast import ast
@@ -32,19 +32,8 @@ from pglast.visitors import Visitor
 
 from config import Accountant, Config
 from dp_core.accounting import AnswerCost
-from dp_core.analysis import (
-    INTEGER_TYPES,
-    JOIN_ROWS_PER_USER,
-    NUMBER_TYPES,
-    AggKind,
-    AnalyzedQuery,
-    Bounds,
-    TablePolicy,
-    TableRef,
-    analyze,
-    check_casts,
-    parse_select,
-)
+from dp_core.analysis import analyze, parse_select
+from dp_core.catalogue import INTEGER_TYPES, NUMBER_TYPES, check_casts
 from dp_core.classify import Statement, StatementKind
 from dp_core.cost import RowWorkBudget
 from dp_core.errors import (
@@ -58,8 +47,10 @@ from dp_core.errors import (
 )
 from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import NoiseKind, secure_rng, users_kept_with
+from dp_core.ownership import JOIN_ROWS_PER_USER
 from dp_core.plan import Component, DPQueryPlan, check_noise_scales, make_plan
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, choose_bounds
+from dp_core.query import AggKind, AnalyzedQuery, Bounds, TablePolicy, TableRef
 from dp_core.release import (
     GroupKey,
     Released,
@@ -91,7 +82,7 @@ from dp_core.rewrite import (
     standalone_subqueries,
     uid_ranges,
 )
-from dp_core.settings import Caps, validate
+from dp_core.settings import Caps, DPSettings, validate
 from server import protocol as p
 from server.backend_setup import quote_ident
 from server.encodings import invalid_text
@@ -107,7 +98,22 @@ from server.replies import notice_response
 
 if TYPE_CHECKING:
     from server.metrics import Metrics
-    from server.session import Session
+
+
+class Session(Protocol):
+    """What the DP path reads of the session that asks (server.session.Session is one)."""
+
+    user: str
+    process_id: int
+    config: Config
+    link: Any
+    """The session's backend link: its client encoding decodes Bind parameters."""
+
+    @property
+    def settings(self) -> DPSettings: ...
+    @property
+    def caps(self) -> Caps: ...
+    def dp_charged(self) -> None: ...
 
 log = logging.getLogger("dp_proxy.dp")
 
@@ -403,7 +409,7 @@ class DPService:
                                   "noise": s.noise, "partition_selection": s.partition_selection}
         # the per-query caps are checked against the plan's cost, after the budget; the
         # least ε, here, before anything runs (whether set by SET, OPTIONS or the defaults)
-        unlimited = Caps(math.inf, 1.0 - 1e-12, 10_000, session.server.caps.min_epsilon)
+        unlimited = Caps(math.inf, 1.0 - 1e-12, 10_000, session.caps.min_epsilon)
         if st.dp_clause is not None:
             for name, value in st.dp_clause.options:
                 if name == "max_rows_contributed":
@@ -1064,7 +1070,7 @@ class DPService:
         if accountant is Accountant.BASIC:
             budget = await self.ledger.budget(session.user)
             check_affordable(budget, to_numeric(plan.cost.epsilon), to_numeric(plan.cost.delta))
-        caps = session.server.caps
+        caps = session.caps
         if float(plan.epsilon) > caps.max_epsilon:
             raise InvalidParameterValue(
                 f"epsilon {_g(float(plan.epsilon))} is above this proxy's per-query limit "
@@ -1162,7 +1168,7 @@ class _LocalFunctions(Visitor):
 
     async def resolve(self, stmt: Any) -> None:
         """Run the functions (admin checks first) and keep their results for the rewrite."""
-        from dp_core.analysis import const_string
+        from dp_core.sqlnodes import const_string
 
         calls = [n for n in _walk(stmt) if isinstance(n, ast.FuncCall)
                  and str(n.funcname[-1].sval).lower() in ("dp_budget", "dp_ledger", "dp_reset_budget")]

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from config import AuthMethod
 from dp_core.classify import (
@@ -49,7 +49,7 @@ from dp_core.errors import (
     TooManyConnections,
 )
 from dp_core.rewrite import copy_result, set_transaction_sql
-from dp_core.settings import DPSettings
+from dp_core.settings import Caps, DPSettings
 from server import backend
 from server import protocol as p
 from server.backend_setup import quote_ident
@@ -59,7 +59,34 @@ from server.replies import error_response
 from server.scram import MECHANISM, ScramError, ScramServer, Verifier
 
 if TYPE_CHECKING:
-    from server.app import ProxyServer
+    from config import Config
+    from dp_core.classify import Classifier
+    from server.logs import StatementLogger
+    from server.metrics import Metrics
+
+
+class SessionHost(Protocol):
+    """What a session needs of the proxy that serves it (server.app.ProxyServer is one)."""
+
+    config: Config
+    database: str
+    classifier: Classifier
+    caps: Caps
+    dp: Any
+    """The DP path (server.dp.DPService)."""
+    metrics: Metrics
+    statement_log: StatementLogger
+    mock_secret: bytes
+
+    def register_key(self, session: Session) -> tuple[int, int]: ...
+    def unregister(self, session: Session) -> None: ...
+    def logged_in(self, session: Session) -> None: ...
+    def cancel(self, process_id: int, secret_key: int) -> None: ...
+    async def cancel_backend(self, key: tuple[int, int]) -> None: ...
+    async def connect_backend(self, analyst: str,
+                              parameters: dict[str, str]) -> backend.BackendLink: ...
+    def default_settings(self) -> DPSettings: ...
+    def ssl_context(self) -> ssl.SSLContext: ...
 
 log = logging.getLogger("dp_proxy.session")
 
@@ -174,7 +201,7 @@ def _unsupported_encoding(exc: UnsupportedEncoding) -> DPError:
 class ClientProtocol(asyncio.Protocol):
     """The asyncio protocol of one client connection; all logic is in Session."""
 
-    def __init__(self, server: ProxyServer) -> None:
+    def __init__(self, server: SessionHost) -> None:
         self.server = server
         self.session: Session | None = None
 
@@ -207,7 +234,7 @@ class Session:
                  "secret_key", "server", "state", "transport", "user")
 
     def __init__(
-        self, server: ProxyServer, transport: asyncio.Transport, proto: ClientProtocol
+        self, server: SessionHost, transport: asyncio.Transport, proto: ClientProtocol
     ) -> None:
         self.server = server
         self.config = server.config
@@ -1025,6 +1052,11 @@ class Session:
     def settings(self) -> DPSettings:
         """The session's dp.* settings now."""
         return self.block_settings.now(self.link)
+
+    @property
+    def caps(self) -> Caps:
+        """The proxy's caps on dp.* settings."""
+        return self.server.caps
 
     def _settle(self) -> None:
         """Settle the dp.* settings of a block that changed them and has ended (the link

@@ -37,16 +37,25 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from config import Config
 from server.backend_setup import BackendDSNs
-from server.dsn import DSN
 
 if TYPE_CHECKING:
-    from server.app import ProxyServer
+    from server.metrics import Metrics
+
+
+class WorkerHost(Protocol):
+    """What a worker's link needs of the proxy it serves (server.app.ProxyServer is one)."""
+
+    metrics: Metrics
+
+    def cancel(self, process_id: int, secret_key: int) -> None: ...
+    async def healthy(self) -> bool: ...
+    def new_connection(self) -> asyncio.Protocol: ...
 
 log = logging.getLogger("dp_proxy.workers")
 
@@ -156,7 +165,7 @@ class Supervisor:
             "index": worker.index, "workers": len(self.workers), "control_fd": theirs.fileno(),
             "config_path": self.config_path, "log_level": self.log_level,
         }
-        proc = subprocess.Popen([sys.executable, "-m", "server.workers"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "server.worker_process"], stdin=subprocess.PIPE,
                                 pass_fds=[theirs.fileno()])
         theirs.close()
         assert proc.stdin is not None
@@ -364,7 +373,7 @@ def _escape_label(text: str) -> str:
 class WorkerLink:
     """A worker's end of its control socket: adopts client sockets, passes on cancels."""
 
-    def __init__(self, server: ProxyServer, control: socket.socket, index: int,
+    def __init__(self, server: WorkerHost, control: socket.socket, index: int,
                  workers: int) -> None:
         self.server = server
         self.control = control
@@ -442,20 +451,3 @@ class WorkerLink:
                 sock.close()
                 self.client_closed(False)
         return done
-
-
-def _worker_main() -> int:
-    spec = json.loads(sys.stdin.buffer.read())
-    from server.cli import run_worker
-
-    dsns = spec["dsns"]
-    for role in ("restricted", "pushdown", "ledger"):
-        dsns[role] = DSN(**dsns[role])
-    return run_worker(Config.model_validate(spec["config"]), BackendDSNs(**dsns),
-                      spec["index"], spec["workers"],
-                      socket.socket(fileno=spec["control_fd"]), spec["config_path"],
-                      spec["log_level"])
-
-
-if __name__ == "__main__":
-    sys.exit(_worker_main())

@@ -60,7 +60,7 @@ def test_expositions_are_summed_sample_by_sample() -> None:
 
 
 def _workers(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "server.workers"], capture_output=True,
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "server.worker_process"], capture_output=True,
                          text=True, check=False)
     return sorted(int(x) for x in out.stdout.split())
 
