@@ -7,13 +7,16 @@ optional purchase and a public lookup table, and the query's own pushdown statem
 it. The release (`dp_core.release`) then draws many answers from that statement's row; an
 error of the pushdown, or a group that is not released, is one more outcome. Covers joins
 (inner, left, right, full, a public table left joined), windows and per-user subqueries,
-bounded row counts, distinct counts, Gaussian noise, C_u > 1 and both partition selections.
+bounded row counts, distinct counts, Gaussian noise, C_u > 1 and both partition selections,
+APPROX_BOUNDS (its bins' statement, then the main statement with the bounds each draw finds),
+and the split paths: the statements of two uid ranges, plain and prefiltered, added up.
 `DPPROXY_TEST_STOCHASTIC_LONG=1` (or `pytest --long`) runs more databases and samples.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,11 +30,11 @@ from dp_core.analysis import analyze, parse_select
 from dp_core.classify import Classifier, ProtectionPolicy
 from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import NoiseKind, secure_rng
-from dp_core.plan import make_plan
-from dp_core.quantiles import walk
-from dp_core.query import TablePolicy
-from dp_core.release import release, tree_arrays
-from dp_core.rewrite import pushdown
+from dp_core.plan import DPQueryPlan, make_plan
+from dp_core.quantiles import NoBoundsFound, choose_bounds, walk
+from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
+from dp_core.release import add_rows, release, tree_arrays
+from dp_core.rewrite import UidRange, pushdown, ranged_pushdown
 
 from .conftest import Backend
 from .dp_tester import Mechanism, test_mechanism
@@ -77,6 +80,18 @@ SHAPES = {
 }
 """Global queries, and grouped ones with a large δ (so that groups of a few users are
 sometimes released): the first group's value, or NOT_RELEASED."""
+SHAPES["approx bounds"] = f"{DP}) ANON_SUM(duration) FROM visits"
+SPLIT_SHAPES = {
+    "grouped, split in two uid ranges": (SHAPES["grouped, tau, C_u 2"], False),
+    "grouped, split and prefiltered": (f"{DP}, delta=0.2) browser, ANON_SUM(duration, 0, 10) "
+                                       "FROM visits GROUP BY browser", True),
+}
+"""Run as the statements of two uid ranges (cut at a fixed uid, not at the data's), added up
+(`release.add_rows`) as the proxy adds up a split run's; prefiltered: each user's groups
+picked from its rows before they are aggregated."""
+SPLIT_AT = "5000000"
+"""The cut between the two ranges: the uids run from 1 to about 10,000,031 (a value times
+1,000,003, plus 1), so that both ranges hold users."""
 
 
 @pytest.fixture(scope="module")
@@ -117,48 +132,101 @@ def _write(conn: psycopg.Connection[dict[str, Any]], values: list[float]) -> Non
             cur.executemany("INSERT INTO purchases VALUES (%s, %s)", purchases)
 
 
-def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str) -> Mechanism:
+def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = False,
+              prefiltered: bool = False,
+              ranges: tuple[UidRange, ...] = ((None, SPLIT_AT), (SPLIT_AT, None))) -> Mechanism:
     (st,) = CLASSIFIER.classify(sql)
     assert st.dp_clause is not None
     options = dict(st.dp_clause.options)
     query = analyze(parse_select(st.stripped_sql), POLICY, plain_form=False)
-    plan = make_plan(query, float(options["epsilon"]), float(options.get("delta", 1e-6)),
-                     int(options.get("max_groups_contributed", 1)),
-                     NoiseKind(options.get("noise", "laplace")),
+    epsilon, delta = float(options["epsilon"]), float(options.get("delta", 1e-6))
+    groups = int(options.get("max_groups_contributed", 1))
+    noise = NoiseKind(options.get("noise", "laplace"))
+    plan = make_plan(query, epsilon, delta, groups, noise,
                      selection=SelectionKind(options.get("partition_selection", "laplace")))
     statements = pushdown(query, plan).statements()
-    assert list(statements) in (["main"], ["trees"]), statements
+    assert list(statements) in (["main"], ["trees"], ["bounds", "main"]), statements
 
-    def run(values: list[float], samples: int) -> NDArray[np.float64]:  # type: ignore[override]
-        _write(conn, values)
-        try:
-            rows = conn.execute(next(iter(statements.values()))).fetchall()
-        except psycopg.Error:
-            return np.full(samples, ERROR)
-        if "trees" in statements:  # a global quantile: its tree (none without users), walked
-            (tree,) = plan.trees
-            codes, counts = tree_arrays(rows[0]) if rows else (np.zeros(0, np.int64),
-                                                                np.zeros(0, np.int64))
-            agg = query.aggregates[tree.aggregate]
-            bounds = agg.known_bounds
-            return walk(codes, counts, float(agg.quantile or 0.0), bounds.lower, bounds.upper,
-                        tree.spec, secure_rng(), runs=samples)
-        if not query.keys:
+    def main_rows(q: AnalyzedQuery, pl: DPQueryPlan) -> list[dict[str, Any]]:
+        """The main statement's rows: one statement, or the two ranges' added up."""
+        if not split:
+            return conn.execute(pushdown(q, pl).statements()["main"]).fetchall()
+        ranged = ranged_pushdown(q, pl, None, None, ("int8", "text") if prefiltered else None)
+        parts = [conn.execute(ranged.of(r).statements()["main"]).fetchall()
+                 for r in ranges]
+        keys = range(len(q.keys))
+        return add_rows(parts, [f"dp_t{i}" for i in keys], [f"dp_k{i}" for i in keys])
+
+    def outcomes(q: AnalyzedQuery, pl: DPQueryPlan, rows: list[dict[str, Any]],
+                 samples: int) -> NDArray[np.float64]:
+        if not q.keys:
             (row,) = rows
-            out = release(query, plan, [row] * samples, secure_rng())
+            out = release(q, pl, [row] * samples, secure_rng())
             return np.array([float(r[-1]) if r[-1] is not None else ERROR for r in out.rows])
         # grouped: the group 'a', released or not, `samples` times (each copy its own group)
         first = [r for r in rows if r["dp_t0"] == "a"]
         if not first:
             return np.full(samples, NOT_RELEASED)
         copies = [{**first[0], "dp_k0": f"a{i}", "dp_t0": f"a{i}"} for i in range(samples)]
-        out = release(query, plan, copies, secure_rng())
+        out = release(q, pl, copies, secure_rng())
         outcome = np.full(samples, NOT_RELEASED)
         for r in out.rows:
             outcome[int(str(r[0])[1:])] = float(r[-1])
         return outcome
 
+    def with_found_bounds(samples: int) -> NDArray[np.float64]:
+        """APPROX_BOUNDS: each draw's bounds from the bins (no bin passing is an error), then
+        the main statement with those bounds, run once per distinct pair drawn."""
+        bins: dict[int, dict[int, int]] = {i: {} for i in plan.auto_bounds}
+        for r in conn.execute(statements["bounds"]).fetchall():
+            bins[int(r["dp_agg"])][int(r["dp_bin"])] = int(r["dp_n"])
+        rng, drawn = secure_rng(), Counter[tuple[tuple[int, float, float], ...]]()
+        failed = 0
+        for _ in range(samples):
+            try:
+                drawn[tuple((q.aggregate, f.lower, f.upper) for q in plan.approx_bounds
+                            if q.aggregate is not None
+                            for f in [choose_bounds(bins[q.aggregate], q.spec, rng, "x")])] += 1
+            except NoBoundsFound:
+                failed += 1
+        parts = [np.full(failed, ERROR)]
+        for found, n in drawn.items():
+            q = query.with_bounds({i: Bounds(lo, hi) for i, lo, hi in found})
+            pl = make_plan(q, epsilon, delta, groups, noise, plan.auto_bounds,
+                           plan.selection_asked)
+            parts.append(outcomes(q, pl, main_rows(q, pl), n))
+        return np.concatenate(parts)
+
+    def run(values: list[float], samples: int) -> NDArray[np.float64]:  # type: ignore[override]
+        _write(conn, values)
+        try:
+            if "bounds" in statements:
+                return with_found_bounds(samples)
+            if "trees" in statements:  # a global quantile: its tree (none without users), walked
+                rows = conn.execute(statements["trees"]).fetchall()
+                (tree,) = plan.trees
+                codes, counts = tree_arrays(rows[0]) if rows else (np.zeros(0, np.int64),
+                                                                    np.zeros(0, np.int64))
+                agg = query.aggregates[tree.aggregate]
+                bounds = agg.known_bounds
+                return walk(codes, counts, float(agg.quantile or 0.0), bounds.lower,
+                            bounds.upper, tree.spec, secure_rng(), runs=samples)
+            return outcomes(query, plan, main_rows(query, plan), samples)
+        except psycopg.Error:
+            return np.full(samples, ERROR)
+
     return run  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("name", list(SPLIT_SHAPES))
+def test_split_pushdowns_are_differentially_private(
+        tester_db: psycopg.Connection[dict[str, Any]], name: str) -> None:
+    sql, prefiltered = SPLIT_SHAPES[name]
+    verdict = test_mechanism(mechanism(tester_db, sql, split=True, prefiltered=prefiltered),
+                             EPSILON, 0.2, databases=DATABASES, max_users=4, lower=LOWER,
+                             upper=UPPER, samples=SAMPLES, depth=1)
+    assert verdict.bins_checked > 0
+    assert verdict.failure_rate <= TOLERANCE, verdict
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -190,5 +258,17 @@ def test_a_pushdown_without_its_contribution_bound_is_caught(
                                                         secure_rng()).rows])
 
     verdict = test_mechanism(run, EPSILON, 1e-5, databases=DATABASES, max_users=4,
+                             lower=LOWER, upper=UPPER, samples=SAMPLES, depth=1)
+    assert verdict.failure_rate > TOLERANCE, verdict
+
+
+def test_a_split_whose_ranges_overlap_is_caught(
+        tester_db: psycopg.Connection[dict[str, Any]]) -> None:
+    """The tester's power on the split path: the bounded row count split into ranges of
+    which four read the users below the cut (each of them added four times) fails."""
+    below = (None, SPLIT_AT)
+    broken = mechanism(tester_db, SHAPES["rows counted, U = 3"], split=True,
+                       ranges=(below, below, below, below, (SPLIT_AT, None)))
+    verdict = test_mechanism(broken, EPSILON, 1e-5, databases=DATABASES, max_users=4,
                              lower=LOWER, upper=UPPER, samples=SAMPLES, depth=1)
     assert verdict.failure_rate > TOLERANCE, verdict
