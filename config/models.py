@@ -240,12 +240,13 @@ class AnalystConfig(_Strict):
     accountant: Accountant = Accountant.BASIC
     refresh_days: int | None = Field(
         default=None, ge=1, description="renew the budget this many days after the last reset")
-    max_connections: int = Field(default=10, ge=1, le=10_000, description=(
+    max_connections: int = Field(default=40, ge=1, le=10_000, description=(
         "the analyst's sessions at once: the CONNECTION LIMIT of its backend role, which "
         "Postgres enforces across every proxy (53300 beyond it)"))
     max_dp_queries: int = Field(default=2, ge=1, le=1000, description=(
-        "the analyst's DP queries running at once in one proxy worker (53300 beyond it), "
-        "so that one analyst cannot hold every pushdown connection"))
+        "the analyst's DP queries running at once in one proxy worker: more wait for one of "
+        "them to end (53300 after backend.pushdown_wait), so that one analyst cannot hold "
+        "every pushdown connection"))
 
     @field_validator("scram_verifier")
     @classmethod

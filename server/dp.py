@@ -20,7 +20,7 @@ import math
 import re
 import struct
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol
@@ -383,8 +383,8 @@ class DPService:
             for name, t in config.tables.items()
         }
         self._type_names: dict[int, TypeRef] = {}
-        self._running: dict[str, int] = {}
-        """Each analyst's DP queries running in this process (`_turn`)."""
+        self._turns: dict[str, tuple[int, asyncio.Semaphore]] = {}
+        """Each analyst's limit of DP queries at once in this process, and its turns (`_turn`)."""
         self._uid_columns: dict[str, tuple[float, UidSplit | None]] = {}
         """(until when it holds, the table's size and uid type, or None) by table name."""
         self._histograms: dict[str, tuple[float, tuple[str, ...] | None]] = {}
@@ -793,26 +793,29 @@ class DPService:
         finally:
             await self.pool.release(conn)
 
-    @contextlib.contextmanager
-    def _turn(self, analyst: str) -> Iterator[None]:
-        """One of the analyst's `max_dp_queries` DP queries at once in this process (53300
-        beyond it, before anything is charged): one analyst cannot hold every pushdown
-        connection while the others wait."""
+    @contextlib.asynccontextmanager
+    async def _turn(self, analyst: str) -> AsyncIterator[None]:
+        """One of the analyst's `max_dp_queries` DP queries at once in this process: beyond it
+        a query waits for one of them to end, at most `pushdown_wait` seconds (then 53300,
+        before anything is charged), so that one analyst's burst (a dashboard's) queues
+        behind itself and never holds every pushdown connection while the others wait."""
         limit = self.config.analysts[analyst].max_dp_queries
-        running = self._running.get(analyst, 0)
-        if running >= limit:
-            err = DPError(f'analyst "{analyst}" already has {running} DP queries running, '
-                          f"its limit (max_dp_queries)",
-                          hint="wait for one of them to end; nothing was charged")
+        turns = self._turns.get(analyst)
+        if turns is None or turns[0] != limit:  # (a reload may change the limit)
+            turns = self._turns[analyst] = (limit, asyncio.Semaphore(limit))
+        wait = self.config.backend.pushdown_wait
+        try:
+            await asyncio.wait_for(turns[1].acquire(), wait)
+        except TimeoutError:
+            err = DPError(f'analyst "{analyst}" has {limit} DP queries running (max_dp_queries) '
+                          f"and none ended within {_g(wait)} s",
+                          hint="run fewer at once; nothing was charged")
             err.sqlstate = "53300"
-            raise err
-        self._running[analyst] = running + 1
+            raise err from None
         try:
             yield
         finally:
-            self._running[analyst] -= 1
-            if not self._running[analyst]:
-                del self._running[analyst]
+            turns[1].release()
 
     async def parameter_types(self, session: Session, st: Statement,
                               declared: Sequence[int]) -> tuple[int, ...]:
@@ -833,7 +836,7 @@ class DPService:
         its outcome (the audit trail); answers are there as charges.
         """
         started = time.perf_counter()
-        with self._turn(session.user) if st.kind is StatementKind.DP_QUERY else \
+        async with self._turn(session.user) if st.kind is StatementKind.DP_QUERY else \
                 contextlib.nullcontext():
             return await self._answer_turn(session, st, bind, param_types, started)
 

@@ -175,10 +175,11 @@ def _run_in_thread(dsn: str, sql: str, out: list[object]) -> threading.Thread:
 
 def test_one_analysts_dp_queries_leave_pushdown_connections_to_the_others(
         loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
-    """alice may run one DP query at a time (max_dp_queries = 1): her second waits for nothing,
-    it is refused at once (53300, nothing charged); bob's DP query and dp_budget() answer
-    while hers runs, on a pool of two connections."""
-    cfg = _with(demo_config, {"pushdown_pool_size": 2}, alice={"max_dp_queries": 1})
+    """alice may run one DP query at a time (max_dp_queries = 1): her second waits for her
+    turn at most pushdown_wait, then 53300 (nothing charged); bob's DP query and dp_budget()
+    answer while hers runs, on a pool of two connections."""
+    cfg = _with(demo_config, {"pushdown_pool_size": 2, "pushdown_wait": 1.0},
+                alice={"max_dp_queries": 1})
     with running_proxy(loop_thread, cfg, backend) as px:
         reset_budget(px, "alice")
         reset_budget(px, "bob")
@@ -187,8 +188,10 @@ def test_one_analysts_dp_queries_leave_pushdown_connections_to_the_others(
         time.sleep(1.0)  # (alice's query is running: the lookup view sleeps 50 ms a row)
         with psycopg.connect(px.dsn("alice"), autocommit=True) as alice:
             spent = alice.execute("SELECT epsilon_spent FROM dp_budget()").fetchone()
+            t0 = time.monotonic()
             with pytest.raises(psycopg.errors.TooManyConnections, match="max_dp_queries"):
                 alice.execute("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits")
+            assert 0.8 < time.monotonic() - t0 < 3.0
             assert alice.execute("SELECT epsilon_spent FROM dp_budget()").fetchone() == spent
         with psycopg.connect(px.dsn("bob"), autocommit=True) as bob:
             t0 = time.monotonic()
@@ -199,6 +202,22 @@ def test_one_analysts_dp_queries_leave_pushdown_connections_to_the_others(
             assert slow.is_alive(), "alice's query ended before bob's: the test proves nothing"
         slow.join(60)
         assert out and not isinstance(out[0], Exception), out
+
+
+def test_an_analysts_burst_queues_behind_itself(loop_thread: LoopThread, demo_config: Config,
+                                               backend: Backend) -> None:
+    """A dashboard's six DP queries at once, with max_dp_queries = 1: they take turns, and
+    every one is answered."""
+    cfg = _with(demo_config, alice={"max_dp_queries": 1})
+    with running_proxy(loop_thread, cfg, backend) as px:
+        reset_budget(px, "alice")
+        out: list[object] = []
+        burst = [_run_in_thread(px.dsn("alice"), "SELECT WITH ANONYMIZATION OPTIONS("
+                                f"epsilon=0.1) browser, ANON_COUNT(*) FROM visits WHERE "
+                                f"duration > {i} GROUP BY browser", out) for i in range(6)]
+        for t in burst:
+            t.join(60)
+        assert len(out) == 6 and not [r for r in out if isinstance(r, Exception)], out
 
 
 def test_a_dp_query_waits_for_a_pushdown_connection_a_bounded_time(

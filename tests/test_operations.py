@@ -62,7 +62,7 @@ def test_init_backend_print(backend: Backend, tmp_path: Path) -> None:
 
     assert backend.dsns.login_secret is not None
     for name in ("admin", "alice", "bob"):
-        assert f'ALTER ROLE "dp_analyst_{name}" LOGIN CONNECTION LIMIT 10;' in sql
+        assert f'ALTER ROLE "dp_analyst_{name}" LOGIN CONNECTION LIMIT 40;' in sql
         assert f'ALTER ROLE "dp_analyst_{name}" PASSWORD \'SCRAM-SHA-256$4096:' in sql
         assert analyst_password(backend.dsns.login_secret, name) not in sql
     assert 'ALTER ROLE "ops_restr" PASSWORD' not in sql
