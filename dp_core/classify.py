@@ -19,6 +19,8 @@ from typing import Any
 from pglast import parser
 
 from dp_core.errors import DPError, FeatureNotSupported, InsufficientPrivilege, SyntaxError_
+from dp_core.parsetree import const_int, func_name, literal, range_vars, walk
+from dp_core.reach import REACH_WORDS, reach_refusal
 from dp_core.syntax import DPClause, strip_dp_clauses
 
 LOCAL_FUNCTIONS = frozenset({"dp_budget", "dp_ledger", "dp_reset_budget"})
@@ -213,7 +215,7 @@ class Classifier:
         # what the backend role cannot keep apart between analysts.
         words = sorted(policy.names | {"u&", "dp.", '"dp"', "dp_", "anonymization",
                                        "differential_privacy", *_SESSION_WORDS,
-                                       *_ISOLATION_WORDS})
+                                       *REACH_WORDS})
         # and DO / CALL, refused whatever they name, as words (not inside "double", "local")
         opaque = r"\bdo\b|\bcall\b"
         self._needs_parse = re.compile("|".join([*(re.escape(w) for w in words), opaque]),
@@ -325,7 +327,7 @@ class Classifier:
         def make(kind: StatementKind, **kw: Any) -> Statement:
             return Statement(kind, sql, stripped, protected=protected, tree=node, **kw)
 
-        isolation = _isolation_refusal(node)
+        isolation = reach_refusal(node)
         if isolation is not None:
             return make(StatementKind.REFUSED, refusal=isolation)
         if (clauses or protected or _local_function(body)) and _copies_to_server(ntype, body):
@@ -397,11 +399,11 @@ class Classifier:
             err = self._lexing_value(body.get("name", "").lower(), body.get("args", []))
             if err is not None:
                 return err
-        for fc in _walk(body, "FuncCall"):
-            if _funcname(fc) != "set_config":
+        for fc in walk(body, "FuncCall"):
+            if func_name(fc) != "set_config":
                 continue
             args = fc.get("args", [])
-            name = _literal(args[0]) if args else None
+            name = literal(args[0]) if args else None
             if not isinstance(name, str):
                 return FeatureNotSupported(
                     "set_config() with a name that is not a literal is not allowed through "
@@ -409,7 +411,7 @@ class Classifier:
             err = self._lexing_value(name.lower(), args[1:2])
             if err is not None:
                 return err
-        for upd in _walk({ntype: body}, "UpdateStmt"):  # (its rule calls set_config)
+        for upd in walk({ntype: body}, "UpdateStmt"):  # (its rule calls set_config)
             if upd.get("relation", {}).get("relname") == "pg_settings":
                 return FeatureNotSupported("UPDATE of pg_settings is not allowed through dp-proxy",
                                            hint="use SET")
@@ -419,7 +421,7 @@ class Classifier:
         """The refusal of setting `name` to `args` (one literal), when it changes lexing."""
         if name not in _LEXING_SETTINGS:
             return None
-        value = _literal(args[0]) if len(args) == 1 else None
+        value = literal(args[0]) if len(args) == 1 else None
         if name == "standard_conforming_strings":
             if value is None or str(value).lower() not in _TRUE:
                 return FeatureNotSupported(
@@ -442,7 +444,7 @@ class Classifier:
         return None
 
     def _protected_in(self, node: Any) -> Iterator[str]:
-        for rv in _range_vars(node):
+        for rv in range_vars(node):
             name = rv.get("relname", "")
             if self.policy.matches(rv.get("schemaname"), name):
                 yield name
@@ -471,40 +473,6 @@ def _copies_to_server(ntype: str, body: Mapping[str, Any]) -> bool:
         and (body.get("filename") is not None or bool(body.get("is_program")))
 
 
-def _range_vars(node: Any) -> Iterator[Mapping[str, Any]]:
-    """Every relation reference below `node`.
-
-    In pglast's JSON a field typed RangeVar appears without its type wrapper
-    (`"relation": {"relname": ...}`), so any object with a `relname` counts.
-    """
-    stack = [node]
-    while stack:
-        cur = stack.pop()
-        if isinstance(cur, dict):
-            if "relname" in cur:
-                yield cur
-            stack.extend(v for v in cur.values() if isinstance(v, (dict, list)))
-        elif isinstance(cur, list):
-            stack.extend(cur)
-
-
-def _walk(node: Any, wanted: str, skip: frozenset[str] = frozenset()) -> Iterator[Mapping[str, Any]]:
-    """Every node of type `wanted` below `node` in a JSON parse tree, not entering `skip` types."""
-    stack = [node]
-    while stack:
-        cur = stack.pop()
-        if isinstance(cur, dict):
-            for k, v in cur.items():
-                if k in skip:
-                    continue
-                if k == wanted and isinstance(v, dict):
-                    yield v
-                if isinstance(v, (dict, list)):
-                    stack.append(v)
-        elif isinstance(cur, list):
-            stack.extend(cur)
-
-
 _SESSION_WORDS = ("standard_conforming_strings", "client_encoding", "names", "set_config",
                   "pg_settings", "reset", "discard", "deallocate", "savepoint", "release",
                   "rollback", "chain")
@@ -516,28 +484,6 @@ _TRUE = frozenset({"on", "1", "t", "tr", "tru", "true", "y", "ye", "yes"})
 
 def _utf8(value: str) -> bool:
     return re.sub(r"[^0-9a-z]", "", value.lower()) in ("utf8", "unicode")
-
-
-def const_value(node: Any) -> str | float | int | None:
-    """A constant of a JSON parse tree (string, integer or float); None for anything else."""
-    const = node.get("A_Const") if isinstance(node, dict) else None
-    if const is None:
-        return None
-    if "ival" in const:
-        return int(const["ival"].get("ival", 0))  # protobuf omits zero
-    if "fval" in const:
-        return float(const["fval"].get("fval", "0"))
-    if "sval" in const:
-        return str(const["sval"].get("sval", ""))
-    return None
-
-
-def _literal(node: Any) -> str | int | None:
-    """A string or integer constant, also cast (`'x'::text`); None for anything else."""
-    if isinstance(node, dict) and "TypeCast" in node:
-        node = node["TypeCast"].get("arg")
-    value = const_value(node)
-    return None if isinstance(value, float) else value
 
 
 def _effect(ntype: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -564,46 +510,19 @@ _SAVEPOINT_KINDS = {"TRANS_STMT_SAVEPOINT": Effect.SAVEPOINT, "TRANS_STMT_RELEAS
                     "TRANS_STMT_ROLLBACK_TO": Effect.ROLLBACK_TO}
 
 
-def highest_parameter(tree: Any) -> int:
-    """The highest $n in a statement's JSON parse tree (0 when there is none)."""
-    highest, stack = 0, [tree]
-    while stack:
-        cur = stack.pop()
-        if isinstance(cur, dict):
-            ref = cur.get("ParamRef")
-            if isinstance(ref, dict):
-                highest = max(highest, int(ref.get("number", 0)))
-            stack.extend(v for v in cur.values() if isinstance(v, (dict, list)))
-        elif isinstance(cur, list):
-            stack.extend(cur)
-    return highest
-
-
-def _funcname(fc: Mapping[str, Any]) -> str:
-    parts = [p.get("String", {}).get("sval", "") for p in fc.get("funcname", [])]
-    return parts[-1].lower() if parts else ""
-
-
 def _local_function(body: Any) -> str | None:
-    for fc in _walk(body, "FuncCall"):
-        name = _funcname(fc)
+    for fc in walk(body, "FuncCall"):
+        name = func_name(fc)
         if name in LOCAL_FUNCTIONS:
             return name
     return None
-
-
-def _const_int(node: Any) -> int | None:
-    const = node.get("A_Const") if isinstance(node, dict) else None
-    if const is None or "ival" not in const:
-        return None
-    return int(const["ival"].get("ival", 0))  # protobuf omits zero
 
 
 def _is_schema_probe(select: Mapping[str, Any]) -> bool:
     """`SELECT ... LIMIT 0`: what BI tools send to learn a table's columns; it reads no row."""
     return (
         select.get("limitOption") == "LIMIT_OPTION_COUNT"
-        and _const_int(select.get("limitCount")) == 0
+        and const_int(select.get("limitCount")) == 0
         and "larg" not in select
         and "withClause" not in select
     )
@@ -620,186 +539,13 @@ def _is_aggregate_select(select: Mapping[str, Any]) -> bool:
         if sub is not None and _is_aggregate_select(sub):
             return True
     for target in select.get("targetList", []):
-        for fc in _walk(target, "FuncCall", skip=_SUBQUERIES):
-            if _funcname(fc) in AGGREGATE_NAMES or _funcname(fc).startswith("anon_"):
+        for fc in walk(target, "FuncCall", skip=_SUBQUERIES):
+            if func_name(fc) in AGGREGATE_NAMES or func_name(fc).startswith("anon_"):
                 return True
     return False
 
 
 _SUBQUERIES = frozenset({"SubLink", "SelectStmt"})
-
-
-# ------------------------------------------------------------------------ backend isolation
-# What Postgres cannot take away from a role, however restricted: reading the statistics and
-# activity of the whole database (the rows other analysts' queries, and the proxy's own, read),
-# watching and signalling sessions, large objects and notification channels that outlive or
-# cross sessions, the role's own settings; and code made in the database runs where the proxy
-# cannot see. The proxy refuses these wherever in a statement they appear.
-
-_OPAQUE_CODE = {
-    "DoStmt": "DO blocks", "CallStmt": "procedure calls (CALL)",
-    "CreateFunctionStmt": "functions and procedures (CREATE FUNCTION, CREATE PROCEDURE)",
-    "AlterFunctionStmt": "changes to functions and procedures (ALTER FUNCTION, ALTER PROCEDURE)",
-    "CreateTrigStmt": "triggers (CREATE TRIGGER)",
-    "CreateEventTrigStmt": "event triggers (CREATE EVENT TRIGGER)",
-    "RuleStmt": "rules (CREATE RULE)",
-    "CreateCastStmt": "casts (CREATE CAST)",
-    "CreatePLangStmt": "languages (CREATE LANGUAGE)",
-    "CreateExtensionStmt": "extensions (CREATE EXTENSION, CREATE LANGUAGE)",
-    "CreateTransformStmt": "transforms (CREATE TRANSFORM)",
-    "CreateOpClassStmt": "operator classes (CREATE OPERATOR CLASS)",
-    "CreateOpFamilyStmt": "operator families (CREATE OPERATOR FAMILY)",
-    "AlterOpFamilyStmt": "changes to operator families (ALTER OPERATOR FAMILY)",
-    "AlterOperatorStmt": "changes to operators (ALTER OPERATOR)",
-}
-"""Statements that run or make code the proxy cannot see into: refused whatever they name."""
-_DEFINED_CODE = {"OBJECT_AGGREGATE": "aggregates (CREATE AGGREGATE)",
-                 "OBJECT_OPERATOR": "operators (CREATE OPERATOR)"}
-"""The kinds of DefineStmt that attach functions to new objects (the others, collations,
-text search objects and types, run no code a non-superuser chooses)."""
-
-_STATISTICS = "statistics and activity views reveal what other analysts' queries read"
-_STATISTICS_FUNCTIONS = "statistics and activity functions reveal what other analysts' queries read"
-_SIZES = "relation and database sizes reveal how much protected tables hold and what other " \
-         "analysts' queries write"
-_SIGNALS = "it signals or watches other sessions of the database"
-_LARGE_OBJECTS = "large objects outlive the session and can be shared with other analysts"
-_COUNTERS = "transaction and WAL positions reveal other analysts' activity"
-_CHANNELS = "notification channels are shared by every session of the database: one analyst " \
-            "could signal another"
-_ROLE = "the proxy decides which backend role a session's statements run as"
-_QUERY_TEXT = "it runs SQL from text, hidden from the proxy's checks"
-
-_ISOLATION_RELATIONS = {
-    **dict.fromkeys(("pg_locks", "pg_prepared_xacts", "pg_backend_memory_contexts"), _STATISTICS),
-    **dict.fromkeys(("pg_largeobject", "pg_largeobject_metadata"), _LARGE_OBJECTS),
-}
-"""Relations refused besides `pg_stat_*` and `pg_statio_*` (pg_stats, pg_statistic stay:
-Postgres hides rows of tables under row-level security there, or all of it)."""
-_ISOLATION_FUNCTIONS = {
-    **dict.fromkeys(("pg_lock_status", "pg_prepared_xact", "pg_get_backend_memory_contexts"),
-                    _STATISTICS_FUNCTIONS),
-    **dict.fromkeys(("pg_relation_size", "pg_total_relation_size", "pg_table_size",
-                     "pg_indexes_size", "pg_database_size", "pg_tablespace_size"), _SIZES),
-    **dict.fromkeys(("pg_cancel_backend", "pg_terminate_backend", "pg_blocking_pids",
-                     "pg_safe_snapshot_blocking_pids", "pg_isolation_test_session_is_blocked",
-                     "pg_log_backend_memory_contexts"), _SIGNALS),
-    **dict.fromkeys(("loread", "lowrite"), _LARGE_OBJECTS),
-    **dict.fromkeys(("txid_current", "txid_current_if_assigned", "txid_current_snapshot",
-                     "pg_current_xact_id", "pg_current_xact_id_if_assigned", "pg_current_snapshot",
-                     "pg_current_wal_lsn", "pg_current_wal_insert_lsn", "pg_current_wal_flush_lsn",
-                     "pg_last_committed_xact", "pg_xact_commit_timestamp",
-                     "pg_xact_commit_timestamp_origin"), _COUNTERS),
-    "pg_notify": _CHANNELS,
-    **dict.fromkeys(("query_to_xml", "query_to_xmlschema", "query_to_xml_and_xmlschema",
-                     "ts_stat", "ts_rewrite"), _QUERY_TEXT),
-}
-"""Functions refused (by their last name, with any schema) besides `pg_stat_*` and `lo_*`
-ones: pg_column_size, pg_size_pretty, pg_backend_pid stay."""
-_ROLE_SETTINGS = frozenset({"role", "session_authorization"})
-_SHARED_STATEMENTS = {
-    "ListenStmt": ("LISTEN", _CHANNELS), "NotifyStmt": ("NOTIFY", _CHANNELS),
-    "AlterRoleStmt": ("ALTER ROLE", "backend roles are set up by dp-proxy init-backend"),
-    "AlterRoleSetStmt": ("ALTER ROLE ... SET", "backend roles are set up by dp-proxy init-backend"),
-}
-"""Statements reaching past the session: (what to call it, why it is refused)."""
-_WATCHED_KEYS = frozenset({*_OPAQUE_CODE, *_SHARED_STATEMENTS, "DefineStmt", "VariableSetStmt",
-                           "objtype", "objectType", "funcname", "relname"})
-
-_ISOLATION_WORDS = (
-    "pg_stat", "pg_lock", "pg_prepared_xact", "memory_contexts", "large", "relation_size",
-    "table_size", "indexes_size", "database_size", "tablespace_size", "pg_cancel_backend",
-    "pg_terminate_backend", "blocking_pids", "session_is_blocked", "lo_", "loread", "lowrite",
-    "txid_current", "pg_current_", "committed_xact", "commit_timestamp", "notify", "listen",
-    "function", "procedure", "rule", "aggregate", "operator", "inout", "language", "extension",
-    "role", "authorization", "alter", "query_to_xml", "ts_stat", "ts_rewrite")
-"""Words of everything `_isolation_refusal` refuses, each statement by a keyword it must
-have: CREATE TRIGGER and EVENT TRIGGER say EXECUTE FUNCTION or PROCEDURE, CREATE CAST says
-FUNCTION or INOUT, CREATE TRANSFORM says FUNCTION, every ALTER (ROUTINE, USER) says ALTER,
-SET SESSION AUTHORIZATION and session_authorization share AUTHORIZATION, `large` covers LARGE
-OBJECT and pg_largeobject*. None has a digit (lo_truncate64 is an lo_ word)."""
-
-
-def _isolation_refusal(tree: Any) -> InsufficientPrivilege | None:
-    """The refusal of a statement that reaches what the backend role cannot keep apart between
-    analysts, or makes code, anywhere in it: subqueries, CTEs, function arguments and FROM,
-    DECLARE, COPY, EXPLAIN, PREPARE, CREATE VIEW / TABLE AS, CREATE SCHEMA's parts."""
-    stack = [tree]
-    while stack:
-        cur = stack.pop()
-        if isinstance(cur, list):
-            stack.extend(cur)
-        elif isinstance(cur, dict):
-            for key in cur.keys() & _WATCHED_KEYS:
-                err = _watched_refusal(key, cur)
-                if err is not None:
-                    return err
-            stack.extend(v for v in cur.values() if isinstance(v, (dict, list)))
-    return None
-
-
-def _watched_refusal(key: str, node: Mapping[str, Any]) -> InsufficientPrivilege | None:
-    """The refusal for `node`'s field `key` (one of `_WATCHED_KEYS`), if any."""
-    value = node[key]
-    if key in _OPAQUE_CODE:
-        return _code_refusal(_OPAQUE_CODE[key])
-    if key == "DefineStmt" and value.get("kind") in _DEFINED_CODE:
-        return _code_refusal(_DEFINED_CODE[value["kind"]])
-    if key in _SHARED_STATEMENTS:
-        what, why = _SHARED_STATEMENTS[key]
-        return InsufficientPrivilege(f"{what} is not allowed through dp-proxy: {why}")
-    if key == "VariableSetStmt" and value.get("kind") == "VAR_SET_VALUE" \
-            and value.get("name", "").lower() in _ROLE_SETTINGS:
-        what = "SET ROLE" if value["name"].lower() == "role" else "SET SESSION AUTHORIZATION"
-        return InsufficientPrivilege(f"{what} is not allowed through dp-proxy: {_ROLE}")
-    if key in ("objtype", "objectType") and value == "OBJECT_LARGEOBJECT":
-        return InsufficientPrivilege(f"large objects are not available through dp-proxy: "
-                                     f"{_LARGE_OBJECTS}")
-    if key == "funcname" and isinstance(value, list):
-        return _function_refusal(node)
-    if key == "relname" and isinstance(value, str):
-        return _relation_refusal(value)
-    return None
-
-
-def _code_refusal(what: str) -> InsufficientPrivilege:
-    return InsufficientPrivilege(f"{what} are not allowed through dp-proxy: the code they run is "
-                                 "hidden from its checks")
-
-
-def _relation_refusal(relname: str) -> InsufficientPrivilege | None:
-    name = relname.lower()
-    if name.startswith(("pg_stat_", "pg_statio_")):
-        return InsufficientPrivilege(f"{relname} is not available through dp-proxy: {_STATISTICS}",
-                                     hint="column statistics are in pg_stats")
-    why = _ISOLATION_RELATIONS.get(name)
-    if why is None:
-        return None
-    return InsufficientPrivilege(f"{relname} is not available through dp-proxy: {why}")
-
-
-def _function_refusal(fc: Mapping[str, Any]) -> InsufficientPrivilege | None:
-    """The refusal of a call (or of a function named where one is attached) by its last name."""
-    name, args = _funcname(fc), fc.get("args", [])
-    if name == "set_config":
-        setting = _literal(args[0]) if args else None
-        if isinstance(setting, str) and setting.lower() in _ROLE_SETTINGS:
-            return InsufficientPrivilege(f"set_config('{setting}', ...) is not allowed through "
-                                         f"dp-proxy: {_ROLE}")
-        return None
-    if name.startswith("pg_stat_"):
-        why: str | None = _STATISTICS_FUNCTIONS
-    elif name.startswith("lo_"):
-        why = _LARGE_OBJECTS
-    else:
-        why = _ISOLATION_FUNCTIONS.get(name)
-    if why is None:
-        return None
-    return InsufficientPrivilege(f"{name}() is not available through dp-proxy: {why}",
-                                 hint=_HINTS.get(why))
-
-
-_HINTS = {_SIZES: "pg_column_size and pg_size_pretty stay available"}
 
 
 def _explain_analyze(body: Mapping[str, Any]) -> bool:

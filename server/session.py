@@ -29,8 +29,6 @@ from dp_core.classify import (
     Effect,
     Statement,
     StatementKind,
-    const_value,
-    highest_parameter,
 )
 from dp_core.errors import (
     BindMismatch,
@@ -48,6 +46,7 @@ from dp_core.errors import (
     SyntaxError_,
     TooManyConnections,
 )
+from dp_core.parsetree import const_value, highest_parameter
 from dp_core.rewrite import copy_result, set_transaction_sql
 from dp_core.settings import Caps, DPSettings
 from server import backend

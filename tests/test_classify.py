@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dp_core.classify import (
-    _ISOLATION_WORDS,
     _SESSION_WORDS,
     Classifier,
     Effect,
@@ -18,6 +17,7 @@ from dp_core.classify import (
     StatementKind,
 )
 from dp_core.errors import InvalidParameterValue, SyntaxError_, UndefinedObject
+from dp_core.reach import REACH_WORDS
 from dp_core.settings import Caps, DPSettings, check_finite_normal, validate
 from dp_core.syntax import strip_dp_clauses
 
@@ -267,7 +267,7 @@ def _needs_parse_reference(c: Classifier, sql: bytes) -> bool:
     """The fast path's rule, written plainly: a policy, session or isolation word anywhere, or
     DO/CALL as a word."""
     text = sql.lower()
-    words = [w.lower().encode() for w in [*c.policy.names, *_SESSION_WORDS, *_ISOLATION_WORDS]] + [
+    words = [w.lower().encode() for w in [*c.policy.names, *_SESSION_WORDS, *REACH_WORDS]] + [
         b"u&", b"dp.", b'"dp"', b"dp_", b"anonymization", b"differential_privacy"]
     return any(w in text for w in words) or re.search(rb"\bdo\b|\bcall\b", text) is not None
 

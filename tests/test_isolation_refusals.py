@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dp_core import classify
+from dp_core import reach
 from dp_core.classify import Classifier, ProtectionPolicy, StatementKind
 
 K = StatementKind
@@ -310,9 +310,9 @@ def test_still_pass_through(classifier: Classifier, sql: str) -> None:
 
 
 # every name of the tables, in every place a call or read can be, in any case
-_FUNCTIONS = [*sorted(classify._ISOLATION_FUNCTIONS), "pg_stat_get_xact_blocks_hit",
+_FUNCTIONS = [*sorted(reach._ISOLATION_FUNCTIONS), "pg_stat_get_xact_blocks_hit",
               "pg_stat_reset_shared", "lo_truncate64", "lo_tell64", "lo_open"]
-_RELATIONS = [*sorted(classify._ISOLATION_RELATIONS), "pg_stat_replication",
+_RELATIONS = [*sorted(reach._ISOLATION_RELATIONS), "pg_stat_replication",
               "pg_statio_all_sequences", "pg_stat_wal", "pg_stat_io"]
 _PLACES = [
     "SELECT {}", "SELECT * FROM countries WHERE code = {}", "SELECT * FROM {} AS f",
@@ -340,7 +340,7 @@ def test_every_refused_relation_anywhere(classifier: Classifier, name: str) -> N
 def test_every_refused_statement_type_has_a_case(classifier: Classifier) -> None:
     refused = {s.node_type for sql in REFUSED for s in classifier.classify(sql)
                if s.kind is K.REFUSED}
-    assert {*classify._OPAQUE_CODE, *classify._SHARED_STATEMENTS, "DefineStmt",
+    assert {*reach._OPAQUE_CODE, *reach._SHARED_STATEMENTS, "DefineStmt",
             "VariableSetStmt", "GrantStmt", "AlterOwnerStmt", "CommentStmt"} <= refused
 
 
@@ -383,7 +383,7 @@ def test_a_dp_query_is_refused_before_the_engine(classifier: Classifier) -> None
     assert st.kind is K.REFUSED and st.refusal is not None and st.refusal.sqlstate == "42501"
 
 
-@pytest.mark.parametrize("word", classify._ISOLATION_WORDS)
+@pytest.mark.parametrize("word", reach.REACH_WORDS)
 def test_every_word_reaches_the_parser(classifier: Classifier, word: str) -> None:
     for text in (f"SELECT x{word}y FROM t", f"select {word.upper()}"):
         assert not classifier.is_plain_pass_through(text)

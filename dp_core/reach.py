@@ -1,0 +1,181 @@
+"""Statements that reach past the analyst's own session, refused wherever they appear.
+
+What Postgres cannot take away from a role, however restricted: reading the statistics and
+activity of the whole database (the rows other analysts' queries, and the proxy's own, read),
+watching and signalling sessions, large objects and notification channels that outlive or cross
+sessions, the role's own settings; and code made in the database runs where the proxy cannot
+see. `init-backend --harden` closes the same in Postgres (docs/isolation.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dp_core.errors import InsufficientPrivilege
+from dp_core.parsetree import func_name, literal
+
+_OPAQUE_CODE = {
+    "DoStmt": "DO blocks", "CallStmt": "procedure calls (CALL)",
+    "CreateFunctionStmt": "functions and procedures (CREATE FUNCTION, CREATE PROCEDURE)",
+    "AlterFunctionStmt": "changes to functions and procedures (ALTER FUNCTION, ALTER PROCEDURE)",
+    "CreateTrigStmt": "triggers (CREATE TRIGGER)",
+    "CreateEventTrigStmt": "event triggers (CREATE EVENT TRIGGER)",
+    "RuleStmt": "rules (CREATE RULE)",
+    "CreateCastStmt": "casts (CREATE CAST)",
+    "CreatePLangStmt": "languages (CREATE LANGUAGE)",
+    "CreateExtensionStmt": "extensions (CREATE EXTENSION, CREATE LANGUAGE)",
+    "CreateTransformStmt": "transforms (CREATE TRANSFORM)",
+    "CreateOpClassStmt": "operator classes (CREATE OPERATOR CLASS)",
+    "CreateOpFamilyStmt": "operator families (CREATE OPERATOR FAMILY)",
+    "AlterOpFamilyStmt": "changes to operator families (ALTER OPERATOR FAMILY)",
+    "AlterOperatorStmt": "changes to operators (ALTER OPERATOR)",
+}
+"""Statements that run or make code the proxy cannot see into: refused whatever they name."""
+_DEFINED_CODE = {"OBJECT_AGGREGATE": "aggregates (CREATE AGGREGATE)",
+                 "OBJECT_OPERATOR": "operators (CREATE OPERATOR)"}
+"""The kinds of DefineStmt that attach functions to new objects (the others, collations,
+text search objects and types, run no code a non-superuser chooses)."""
+
+_STATISTICS = "statistics and activity views reveal what other analysts' queries read"
+_STATISTICS_FUNCTIONS = "statistics and activity functions reveal what other analysts' queries read"
+_SIZES = "relation and database sizes reveal how much protected tables hold and what other " \
+         "analysts' queries write"
+_SIGNALS = "it signals or watches other sessions of the database"
+_LARGE_OBJECTS = "large objects outlive the session and can be shared with other analysts"
+_COUNTERS = "transaction and WAL positions reveal other analysts' activity"
+_CHANNELS = "notification channels are shared by every session of the database: one analyst " \
+            "could signal another"
+_ROLE = "the proxy decides which backend role a session's statements run as"
+_QUERY_TEXT = "it runs SQL from text, hidden from the proxy's checks"
+
+_ISOLATION_RELATIONS = {
+    **dict.fromkeys(("pg_locks", "pg_prepared_xacts", "pg_backend_memory_contexts"), _STATISTICS),
+    **dict.fromkeys(("pg_largeobject", "pg_largeobject_metadata"), _LARGE_OBJECTS),
+}
+"""Relations refused besides `pg_stat_*` and `pg_statio_*` (pg_stats, pg_statistic stay:
+Postgres hides rows of tables under row-level security there, or all of it)."""
+_ISOLATION_FUNCTIONS = {
+    **dict.fromkeys(("pg_lock_status", "pg_prepared_xact", "pg_get_backend_memory_contexts"),
+                    _STATISTICS_FUNCTIONS),
+    **dict.fromkeys(("pg_relation_size", "pg_total_relation_size", "pg_table_size",
+                     "pg_indexes_size", "pg_database_size", "pg_tablespace_size"), _SIZES),
+    **dict.fromkeys(("pg_cancel_backend", "pg_terminate_backend", "pg_blocking_pids",
+                     "pg_safe_snapshot_blocking_pids", "pg_isolation_test_session_is_blocked",
+                     "pg_log_backend_memory_contexts"), _SIGNALS),
+    **dict.fromkeys(("loread", "lowrite"), _LARGE_OBJECTS),
+    **dict.fromkeys(("txid_current", "txid_current_if_assigned", "txid_current_snapshot",
+                     "pg_current_xact_id", "pg_current_xact_id_if_assigned", "pg_current_snapshot",
+                     "pg_current_wal_lsn", "pg_current_wal_insert_lsn", "pg_current_wal_flush_lsn",
+                     "pg_last_committed_xact", "pg_xact_commit_timestamp",
+                     "pg_xact_commit_timestamp_origin"), _COUNTERS),
+    "pg_notify": _CHANNELS,
+    **dict.fromkeys(("query_to_xml", "query_to_xmlschema", "query_to_xml_and_xmlschema",
+                     "ts_stat", "ts_rewrite"), _QUERY_TEXT),
+}
+"""Functions refused (by their last name, with any schema) besides `pg_stat_*` and `lo_*`
+ones: pg_column_size, pg_size_pretty, pg_backend_pid stay."""
+_ROLE_SETTINGS = frozenset({"role", "session_authorization"})
+_SHARED_STATEMENTS = {
+    "ListenStmt": ("LISTEN", _CHANNELS), "NotifyStmt": ("NOTIFY", _CHANNELS),
+    "AlterRoleStmt": ("ALTER ROLE", "backend roles are set up by dp-proxy init-backend"),
+    "AlterRoleSetStmt": ("ALTER ROLE ... SET", "backend roles are set up by dp-proxy init-backend"),
+}
+"""Statements reaching past the session: (what to call it, why it is refused)."""
+_WATCHED_KEYS = frozenset({*_OPAQUE_CODE, *_SHARED_STATEMENTS, "DefineStmt", "VariableSetStmt",
+                           "objtype", "objectType", "funcname", "relname"})
+
+REACH_WORDS = (
+    "pg_stat", "pg_lock", "pg_prepared_xact", "memory_contexts", "large", "relation_size",
+    "table_size", "indexes_size", "database_size", "tablespace_size", "pg_cancel_backend",
+    "pg_terminate_backend", "blocking_pids", "session_is_blocked", "lo_", "loread", "lowrite",
+    "txid_current", "pg_current_", "committed_xact", "commit_timestamp", "notify", "listen",
+    "function", "procedure", "rule", "aggregate", "operator", "inout", "language", "extension",
+    "role", "authorization", "alter", "query_to_xml", "ts_stat", "ts_rewrite")
+"""Words of everything `reach_refusal` refuses, each statement by a keyword it must
+have: CREATE TRIGGER and EVENT TRIGGER say EXECUTE FUNCTION or PROCEDURE, CREATE CAST says
+FUNCTION or INOUT, CREATE TRANSFORM says FUNCTION, every ALTER (ROUTINE, USER) says ALTER,
+SET SESSION AUTHORIZATION and session_authorization share AUTHORIZATION, `large` covers LARGE
+OBJECT and pg_largeobject*. None has a digit (lo_truncate64 is an lo_ word)."""
+
+
+def reach_refusal(tree: Any) -> InsufficientPrivilege | None:
+    """The refusal of a statement that reaches what the backend role cannot keep apart between
+    analysts, or makes code, anywhere in it: subqueries, CTEs, function arguments and FROM,
+    DECLARE, COPY, EXPLAIN, PREPARE, CREATE VIEW / TABLE AS, CREATE SCHEMA's parts."""
+    stack = [tree]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, list):
+            stack.extend(cur)
+        elif isinstance(cur, dict):
+            for key in cur.keys() & _WATCHED_KEYS:
+                err = _watched_refusal(key, cur)
+                if err is not None:
+                    return err
+            stack.extend(v for v in cur.values() if isinstance(v, (dict, list)))
+    return None
+
+
+def _watched_refusal(key: str, node: Mapping[str, Any]) -> InsufficientPrivilege | None:
+    """The refusal for `node`'s field `key` (one of `_WATCHED_KEYS`), if any."""
+    value = node[key]
+    if key in _OPAQUE_CODE:
+        return _code_refusal(_OPAQUE_CODE[key])
+    if key == "DefineStmt" and value.get("kind") in _DEFINED_CODE:
+        return _code_refusal(_DEFINED_CODE[value["kind"]])
+    if key in _SHARED_STATEMENTS:
+        what, why = _SHARED_STATEMENTS[key]
+        return InsufficientPrivilege(f"{what} is not allowed through dp-proxy: {why}")
+    if key == "VariableSetStmt" and value.get("kind") == "VAR_SET_VALUE" \
+            and value.get("name", "").lower() in _ROLE_SETTINGS:
+        what = "SET ROLE" if value["name"].lower() == "role" else "SET SESSION AUTHORIZATION"
+        return InsufficientPrivilege(f"{what} is not allowed through dp-proxy: {_ROLE}")
+    if key in ("objtype", "objectType") and value == "OBJECT_LARGEOBJECT":
+        return InsufficientPrivilege(f"large objects are not available through dp-proxy: "
+                                     f"{_LARGE_OBJECTS}")
+    if key == "funcname" and isinstance(value, list):
+        return _function_refusal(node)
+    if key == "relname" and isinstance(value, str):
+        return _relation_refusal(value)
+    return None
+
+
+def _code_refusal(what: str) -> InsufficientPrivilege:
+    return InsufficientPrivilege(f"{what} are not allowed through dp-proxy: the code they run is "
+                                 "hidden from its checks")
+
+
+def _relation_refusal(relname: str) -> InsufficientPrivilege | None:
+    name = relname.lower()
+    if name.startswith(("pg_stat_", "pg_statio_")):
+        return InsufficientPrivilege(f"{relname} is not available through dp-proxy: {_STATISTICS}",
+                                     hint="column statistics are in pg_stats")
+    why = _ISOLATION_RELATIONS.get(name)
+    if why is None:
+        return None
+    return InsufficientPrivilege(f"{relname} is not available through dp-proxy: {why}")
+
+
+def _function_refusal(fc: Mapping[str, Any]) -> InsufficientPrivilege | None:
+    """The refusal of a call (or of a function named where one is attached) by its last name."""
+    name, args = func_name(fc), fc.get("args", [])
+    if name == "set_config":
+        setting = literal(args[0]) if args else None
+        if isinstance(setting, str) and setting.lower() in _ROLE_SETTINGS:
+            return InsufficientPrivilege(f"set_config('{setting}', ...) is not allowed through "
+                                         f"dp-proxy: {_ROLE}")
+        return None
+    if name.startswith("pg_stat_"):
+        why: str | None = _STATISTICS_FUNCTIONS
+    elif name.startswith("lo_"):
+        why = _LARGE_OBJECTS
+    else:
+        why = _ISOLATION_FUNCTIONS.get(name)
+    if why is None:
+        return None
+    return InsufficientPrivilege(f"{name}() is not available through dp-proxy: {why}",
+                                 hint=_HINTS.get(why))
+
+
+_HINTS = {_SIZES: "pg_column_size and pg_size_pretty stay available"}
