@@ -22,13 +22,11 @@ import struct
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
-from decimal import Decimal
 from typing import TYPE_CHECKING, Any, Protocol
 
 import asyncpg
 from pglast import ast
 from pglast.stream import RawStream
-from pglast.visitors import Visitor
 
 from config import Accountant, Config
 from dp_core.accounting import AnswerCost
@@ -45,11 +43,11 @@ from dp_core.errors import (
     InvalidBinaryRepresentation,
     InvalidParameterValue,
 )
+from dp_core.explain import Split, explain_lines, fmt, notice_text
 from dp_core.kinds import SelectionKind
-from dp_core.mechanisms import NoiseKind, secure_rng, users_kept_with
-from dp_core.ownership import JOIN_ROWS_PER_USER
-from dp_core.plan import Component, DPQueryPlan, check_noise_scales, make_plan
-from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, choose_bounds
+from dp_core.mechanisms import NoiseKind, secure_rng
+from dp_core.plan import DPQueryPlan, check_noise_scales, make_plan
+from dp_core.quantiles import FoundBounds, choose_bounds
 from dp_core.query import AggKind, AnalyzedQuery, Bounds, TablePolicy, TableRef
 from dp_core.release import (
     GroupKey,
@@ -87,13 +85,11 @@ from server import protocol as p
 from server.backend_setup import quote_ident
 from server.encodings import invalid_text
 from server.ledger import (
-    BUDGET_COLUMNS,
-    LEDGER_COLUMNS,
     Ledger,
     check_affordable,
-    require_admin,
     to_numeric,
 )
+from server.local_functions import LocalFunctions
 from server.replies import notice_response
 
 if TYPE_CHECKING:
@@ -199,20 +195,6 @@ def _planning_error(e: asyncpg.PostgresError) -> DPError:
     err = DPError(message.replace("dp_result", "the result"))
     err.sqlstate = e.sqlstate or "XX000"
     return err
-
-
-def _visible_name(query: AnalyzedQuery, aggregate: int) -> str:
-    """An aggregate's output name, or for one released hidden (an expression's, HAVING's or
-    ORDER BY's) its SQL as written."""
-    name = query.aggregates[aggregate].output_name
-    if not name.startswith("dp_hidden"):
-        return name
-    source = next((o.source for o in query.outputs if o.aggregate == aggregate), None)
-    return str(RawStream()(source)) if source is not None else "an expression's aggregate"
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.2g}%"
 
 
 @dataclass(frozen=True)
@@ -778,7 +760,7 @@ class DPService:
         try:
             conn = await self.pool.acquire(timeout=wait)
         except TimeoutError:
-            err = DPError(f"no connection for DP queries became free within {_g(wait)} s: "
+            err = DPError(f"no connection for DP queries became free within {fmt(wait)} s: "
                           "other DP queries hold them all",
                           hint="try again; an operator can raise pushdown_pool_size")
             err.sqlstate = "53300"
@@ -808,7 +790,7 @@ class DPService:
             await asyncio.wait_for(turns[1].acquire(), wait)
         except TimeoutError:
             err = DPError(f'analyst "{analyst}" has {limit} DP queries running (max_dp_queries) '
-                          f"and none ended within {_g(wait)} s",
+                          f"and none ended within {fmt(wait)} s",
                           hint="run fewer at once; nothing was charged")
             err.sqlstate = "53300"
             raise err from None
@@ -887,7 +869,9 @@ class DPService:
             if candidate is not None:
                 prepared.split = candidate
                 prepared.split_ranges = self.config.backend.pushdown_split
-            lines = explain_lines(prepared)
+            lines = explain_lines(prepared.query, plan, prepared.sql, None if prepared.split is None
+                                  else Split(prepared.split_ranges, prepared.split.table,
+                                             prepared.split.uid_column, prepared.split.rows))
             return result_sql(["QUERY PLAN"], [(PG, "text")], [(ln,) for ln in lines]), []
         mechanisms = plan.mechanisms()
         accountant = self.config.analysts[session.user].accountant
@@ -1076,12 +1060,12 @@ class DPService:
         caps = session.caps
         if float(plan.epsilon) > caps.max_epsilon:
             raise InvalidParameterValue(
-                f"epsilon {_g(float(plan.epsilon))} is above this proxy's per-query limit "
-                f"{_g(caps.max_epsilon)}")
+                f"epsilon {fmt(float(plan.epsilon))} is above this proxy's per-query limit "
+                f"{fmt(caps.max_epsilon)}")
         if float(plan.delta) > caps.max_delta:
             raise InvalidParameterValue(
-                f"delta {_g(float(plan.delta))} is above this proxy's per-query limit "
-                f"{_g(caps.max_delta)}")
+                f"delta {fmt(float(plan.delta))} is above this proxy's per-query limit "
+                f"{fmt(caps.max_delta)}")
         if plan.max_groups_contributed > caps.max_groups_contributed:
             raise InvalidParameterValue(
                 f"max_groups_contributed {plan.max_groups_contributed} is above this proxy's "
@@ -1100,38 +1084,10 @@ class DPService:
 
     def _notice(self, prepared: Prepared, run: _Run, released: Released,
                 budget: Any) -> p.NoticeResponse:
-        plan = run.plan
-        widths = []
-        for col in prepared.query.outputs:
-            if col.aggregate is None:
-                continue
-            name = _visible_name(prepared.query, col.aggregate)
-            if prepared.query.aggregates[col.aggregate].kind is AggKind.QUANTILE:
-                continue  # its noise is on counts of the tree, not on the value
-            if col.aggregate in released.spread:  # AVG, VAR, STDDEV: depends on the count
-                low, high = released.spread[col.aggregate]
-                widths.append(f"{name} ±{_g(low)}" if _g(low) == _g(high)
-                              else f"{name} ±{_g(low)} to ±{_g(high)} (by group count)")
-                continue
-            qs = [q for q in plan.quantities if q.aggregate == col.aggregate]
-            if not qs and plan.threshold is not None:
-                qs = [plan.threshold]
-            elif not qs:
-                qs = [q for q in plan.quantities if q.name == "dp_users"]
-            if qs:
-                widths.append(f"{name} ±{_g(qs[-1].spec.half_width_95)}")
-        message = (f"DP answer: spent epsilon {_g(float(plan.cost.epsilon))}, delta "
-                   f"{_g(float(plan.cost.delta))}; budget left epsilon "
-                   f"{_g(float(budget.epsilon_remaining))}, delta {_g(float(budget.delta_remaining))}")
-        details = ["95% noise half-width: " + ", ".join(widths)] if widths else []
-        for q in plan.approx_bounds:
-            assert q.aggregate is not None
-            f = run.bounds[q.aggregate]
-            details.append(
-                f"APPROX_BOUNDS chose [{_g(f.lower)}, {_g(f.upper)}] for "
-                f"{_visible_name(prepared.query, q.aggregate)} (epsilon {_g(float(q.epsilon))}); "
-                f"about {_pct(f.clamped_fraction)} of its per-user values were clamped")
-        return notice_response(message, "; ".join(details) if details else None)
+        message, detail = notice_text(prepared.query, run.plan, released.spread, run.bounds,
+                                      float(budget.epsilon_remaining),
+                                      float(budget.delta_remaining))
+        return notice_response(message, detail)
 
     # ------------------------------------------------------------------ dp_budget() and friends
 
@@ -1152,187 +1108,11 @@ class DPService:
             params = await self._bind_params(bind, param_types, link.codec, link.encoding)
         stmt = parse_select(st.stripped_sql, params)
         is_admin = session.config.analysts[session.user].admin
-        replacer = _LocalFunctions(self, session.user, is_admin, dry_run)
+        replacer = LocalFunctions(self.ledger, session.user, is_admin, dry_run)
         await replacer.resolve(stmt)
         replacer(stmt)
         return str(RawStream()(stmt))
 
-
-class _LocalFunctions(Visitor):
-    """Replaces dp_budget() / dp_ledger(a) in FROM with VALUES, and calls in expressions with text."""
-
-    def __init__(self, service: DPService, user: str, is_admin: bool, dry_run: bool) -> None:
-        super().__init__()
-        self.service = service
-        self.user = user
-        self.is_admin = is_admin
-        self.dry_run = dry_run
-        self.results: dict[int, Any] = {}
-
-    async def resolve(self, stmt: Any) -> None:
-        """Run the functions (admin checks first) and keep their results for the rewrite."""
-        from dp_core.sqlnodes import const_string
-
-        calls = [n for n in _walk(stmt) if isinstance(n, ast.FuncCall)
-                 and str(n.funcname[-1].sval).lower() in ("dp_budget", "dp_ledger", "dp_reset_budget")]
-        for fc in calls:
-            name = str(fc.funcname[-1].sval).lower()
-            args = list(fc.args or ())
-            target = self.user
-            if name != "dp_budget" or args:
-                arg = args[0] if len(args) == 1 else None
-                if isinstance(arg, ast.TypeCast):  # a typed parameter, bound
-                    arg = arg.arg
-                if self.dry_run and isinstance(arg, ast.ParamRef):
-                    arg = ast.A_Const(val=ast.String(sval=self.user))  # (for the columns)
-                if const_string(arg) is None:
-                    raise FeatureNotSupported(f"{name}() takes one analyst name: a string "
-                                              "literal or a parameter")
-                target = str(const_string(arg))
-            if name == "dp_budget":
-                if target != self.user:
-                    require_admin(self.is_admin, "dp_budget(analyst)")
-                self.results[id(fc)] = [(await self.service.ledger.budget(target)).row()]
-            elif name == "dp_ledger":
-                require_admin(self.is_admin, name)
-                self.results[id(fc)] = await self.service.ledger.entries(target)
-            else:
-                require_admin(self.is_admin, name)
-                if self.dry_run:
-                    self.results[id(fc)] = [("",)]
-                else:
-                    b = await self.service.ledger.reset(target, self.user)
-                    self.results[id(fc)] = [(f"budget of {b.analyst} reset: epsilon "
-                                             f"{_g(float(b.epsilon_total))}, delta "
-                                             f"{_g(float(b.delta_total))} available",)]
-
-    def visit_RangeFunction(self, ancestors: Any, node: Any) -> Any:
-        fc = node.functions[0][0] if node.functions else None
-        if not isinstance(fc, ast.FuncCall) or id(fc) not in self.results:
-            return None
-        name = str(fc.funcname[-1].sval).lower()
-        cols, types = ((BUDGET_COLUMNS, ["text"] + ["numeric"] * 6) if name == "dp_budget" else
-                       (LEDGER_COLUMNS, ["int8", "timestamptz", "text", "numeric", "numeric", "text",
-                                         "text", "text", "text", "text"]) if name == "dp_ledger" else
-                       ([name], ["text"]))
-        rows = self.results[id(fc)]
-        alias = str(node.alias.aliasname) if node.alias else name
-        inner_sql = result_sql(cols, [(PG, t) for t in types], [tuple(_plain(v) for v in r) for r in rows])
-        from pglast import parse_sql
-
-        sub = parse_sql(inner_sql)[0].stmt
-        return ast.RangeSubselect(subquery=sub, alias=ast.Alias(aliasname=alias))
-
-    def visit_FuncCall(self, ancestors: Any, node: Any) -> Any:
-        if id(node) not in self.results:
-            return None
-        rows = self.results[id(node)]
-        text = rows[0][0] if len(rows[0]) == 1 else "(" + ",".join(str(_plain(v)) for v in rows[0]) + ")"
-        return ast.A_Const(val=ast.String(sval=str(text)))
-
-
-def _walk(node: Any) -> list[Any]:
-    out, stack = [], [node]
-    while stack:
-        cur = stack.pop()
-        if isinstance(cur, ast.Node):
-            out.append(cur)
-            stack.extend(getattr(cur, n) for n in cur)
-        elif isinstance(cur, (tuple, list)):
-            stack.extend(cur)
-    return out
-
-
-def _plain(v: Any) -> str | int | float | None:
-    if v is None or isinstance(v, (int, float, str)):
-        return v
-    if isinstance(v, Decimal):
-        return str(v)
-    return str(v)
-
-
-def _g(x: float) -> str:
-    return f"{x:.6g}"
-
-
-def explain_lines(prepared: Prepared) -> list[str]:
-    plan = prepared.plan
-    lines = [
-        f"DP query: epsilon {_g(float(plan.epsilon))}, delta {_g(float(plan.delta))}, "
-        f"max_groups_contributed {plan.max_groups_contributed}, noise {plan.noise_kind.value}",
-        f"Cost charged when run: epsilon {_g(float(plan.cost.epsilon))}, "
-        f"delta {_g(float(plan.cost.delta))}",
-    ]
-    if plan.groups_per_user < plan.max_groups_contributed:
-        lines.append("No GROUP BY: each user is in the one group, so the noise is calibrated "
-                     "for 1 group per user")
-    if plan.threshold is not None and plan.tau is not None:
-        t = plan.threshold
-        lines.append(f"Partition selection: noisy user count >= tau {_g(plan.tau)} "
-                     f"(laplace scale {_g(t.spec.scale)}, epsilon {_g(float(t.epsilon))}, "
-                     f"delta {_g(float(t.delta))})")
-        if plan.selection_asked is not plan.selection:
-            lines.append("  (not truncated_geometric: the noisy user count is released as a "
-                         "count, and thresholding it costs nothing more)")
-    elif plan.threshold is not None:
-        t = plan.threshold
-        args = (plan.max_groups_contributed, float(t.epsilon), float(t.delta))
-        lines.append(f"Partition selection: truncated geometric (Desfontaines et al. 2022), "
-                     f"epsilon {_g(float(t.epsilon))}, delta {_g(float(t.delta))}: a group of n "
-                     f"users is kept with probability pi(n), at least 0.5 from "
-                     f"{users_kept_with(0.5, *args)} users and 1 from "
-                     f"{users_kept_with(1.0, *args)}")
-    if prepared.query.joins_capped:
-        lines.append(f"Protected tables joined row by row: each reads at most "
-                     f"{JOIN_ROWS_PER_USER} rows of a user (chosen by a hash of each row's "
-                     "place), so one user's rows cannot multiply the work past their square")
-    for q in plan.approx_bounds:
-        assert q.aggregate is not None
-        lines.append(f"APPROX_BOUNDS for {_visible_name(prepared.query, q.aggregate)}: log-scale "
-                     f"histogram of per-user values, laplace scale {_g(q.spec.scale)}, epsilon "
-                     f"{_g(float(q.epsilon))}; bounds = outermost bins with noisy count > "
-                     f"{_g(bounds_threshold(q.spec.scale))}")
-    for q in plan.quantities:
-        owner = (_visible_name(prepared.query, q.aggregate)
-                 if q.aggregate is not None else "user count")
-        if q.noise is None:
-            noise = f"{plan.noise_kind.value} noise scaled to the bounds APPROX_BOUNDS finds"
-        else:
-            noise = (f"{q.noise.kind.value} scale {_g(q.noise.scale)}, 95% half-width "
-                     f"{_g(q.noise.half_width_95)}")
-        if q.component == Component.TREE:
-            noise = f"{noise} on each node's user count ({DEPTH} levels of {BRANCHING} children)"
-        sensitivity = "?" if q.sensitivity is None else _g(q.sensitivity)
-        lines.append(f"  {owner}: {q.component}, sensitivity {sensitivity}, epsilon "
-                     f"{_g(float(q.epsilon))}, delta {_g(float(q.delta))}, {noise}")
-    if prepared.split is not None:
-        sp = prepared.split
-        lines.append(f"Split: up to {prepared.split_ranges} pushdowns at once over ranges of "
-                     f"{sp.table}.{sp.uid_column} (about {sp.rows} rows), on free pool connections "
-                     "in one snapshot; their rows and quantile trees add up")
-        if prepared.query.keys:
-            lines.append("  where users have many groups each, the ranges may pick each user's "
-                         "groups from its rows before aggregating them (the same choice of "
-                         "groups; chosen when the query runs, on a sample of the users)")
-    if prepared.query.outer is not None:
-        lines.append("Post-processing: the query around the DP subquery runs over its released "
-                     "rows only")
-    lines.append("Pushdown SQL (run as the pushdown role):")
-    for sql in prepared.sql:  # (a statement's first row indented by two, the rest by four)
-        first, *rest = _pretty(sql)
-        lines.append("  " + first)
-        lines.extend("    " + line for line in rest)
-    return lines
-
-
-def _pretty(sql: str) -> list[str]:
-    """`sql` on several lines (pglast's pretty printer), for EXPLAIN's rows in psql."""
-    from pglast import prettify
-
-    try:
-        return [line for line in prettify(sql).splitlines() if line.strip()]
-    except Exception:  # (a printer's gap must not fail EXPLAIN: the one-line form)
-        return [sql]
 
 
 def _param_text(raw: bytes, fmt: int, oid: int, codec: str, encoding: str) -> str:

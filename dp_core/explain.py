@@ -1,0 +1,163 @@
+"""EXPLAIN and notice text of a DP query: its plan, cost and noise in words (never a value that
+depends on the data, but the bounds APPROX_BOUNDS chose with DP in an answer's notice)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pglast import prettify
+from pglast.stream import RawStream
+
+from dp_core.mechanisms import users_kept_with
+from dp_core.ownership import JOIN_ROWS_PER_USER
+from dp_core.plan import Component, DPQueryPlan
+from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold
+from dp_core.query import AggKind, AnalyzedQuery
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a pushdown may split by uid ranges, as EXPLAIN says it."""
+
+    ranges: int
+    table: str
+    uid_column: str
+    rows: int
+
+
+def fmt(x: float) -> str:
+    """A number as the text shows it: six significant digits."""
+    return f"{x:.6g}"
+
+
+def visible_name(query: AnalyzedQuery, aggregate: int) -> str:
+    """An aggregate's output name, or for one released hidden (an expression's, HAVING's or
+    ORDER BY's) its SQL as written."""
+    name = query.aggregates[aggregate].output_name
+    if not name.startswith("dp_hidden"):
+        return name
+    source = next((o.source for o in query.outputs if o.aggregate == aggregate), None)
+    return str(RawStream()(source)) if source is not None else "an expression's aggregate"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2g}%"
+
+
+def explain_lines(query: AnalyzedQuery, plan: DPQueryPlan, sql: Sequence[str],
+                  split: Split | None = None) -> list[str]:
+    """EXPLAIN's rows for a DP query: its parameters and cost, partition selection, each
+    noisy quantity, the split, the pushdown SQL pretty-printed (a statement's first row
+    indented by two, the rest by four). Nothing here depends on the data."""
+    lines = [
+        f"DP query: epsilon {fmt(float(plan.epsilon))}, delta {fmt(float(plan.delta))}, "
+        f"max_groups_contributed {plan.max_groups_contributed}, noise {plan.noise_kind.value}",
+        f"Cost charged when run: epsilon {fmt(float(plan.cost.epsilon))}, "
+        f"delta {fmt(float(plan.cost.delta))}",
+    ]
+    if plan.groups_per_user < plan.max_groups_contributed:
+        lines.append("No GROUP BY: each user is in the one group, so the noise is calibrated "
+                     "for 1 group per user")
+    if plan.threshold is not None and plan.tau is not None:
+        t = plan.threshold
+        lines.append(f"Partition selection: noisy user count >= tau {fmt(plan.tau)} "
+                     f"(laplace scale {fmt(t.spec.scale)}, epsilon {fmt(float(t.epsilon))}, "
+                     f"delta {fmt(float(t.delta))})")
+        if plan.selection_asked is not plan.selection:
+            lines.append("  (not truncated_geometric: the noisy user count is released as a "
+                         "count, and thresholding it costs nothing more)")
+    elif plan.threshold is not None:
+        t = plan.threshold
+        args = (plan.max_groups_contributed, float(t.epsilon), float(t.delta))
+        lines.append(f"Partition selection: truncated geometric (Desfontaines et al. 2022), "
+                     f"epsilon {fmt(float(t.epsilon))}, delta {fmt(float(t.delta))}: a group of n "
+                     f"users is kept with probability pi(n), at least 0.5 from "
+                     f"{users_kept_with(0.5, *args)} users and 1 from "
+                     f"{users_kept_with(1.0, *args)}")
+    if query.joins_capped:
+        lines.append(f"Protected tables joined row by row: each reads at most "
+                     f"{JOIN_ROWS_PER_USER} rows of a user (chosen by a hash of each row's "
+                     "place), so one user's rows cannot multiply the work past their square")
+    for q in plan.approx_bounds:
+        assert q.aggregate is not None
+        lines.append(f"APPROX_BOUNDS for {visible_name(query, q.aggregate)}: log-scale "
+                     f"histogram of per-user values, laplace scale {fmt(q.spec.scale)}, epsilon "
+                     f"{fmt(float(q.epsilon))}; bounds = outermost bins with noisy count > "
+                     f"{fmt(bounds_threshold(q.spec.scale))}")
+    for q in plan.quantities:
+        owner = (visible_name(query, q.aggregate)
+                 if q.aggregate is not None else "user count")
+        if q.noise is None:
+            noise = f"{plan.noise_kind.value} noise scaled to the bounds APPROX_BOUNDS finds"
+        else:
+            noise = (f"{q.noise.kind.value} scale {fmt(q.noise.scale)}, 95% half-width "
+                     f"{fmt(q.noise.half_width_95)}")
+        if q.component == Component.TREE:
+            noise = f"{noise} on each node's user count ({DEPTH} levels of {BRANCHING} children)"
+        sensitivity = "?" if q.sensitivity is None else fmt(q.sensitivity)
+        lines.append(f"  {owner}: {q.component}, sensitivity {sensitivity}, epsilon "
+                     f"{fmt(float(q.epsilon))}, delta {fmt(float(q.delta))}, {noise}")
+    if split is not None:
+        lines.append(f"Split: up to {split.ranges} pushdowns at once over ranges of "
+                     f"{split.table}.{split.uid_column} (about {split.rows} rows), on free pool connections "
+                     "in one snapshot; their rows and quantile trees add up")
+        if query.keys:
+            lines.append("  where users have many groups each, the ranges may pick each user's "
+                         "groups from its rows before aggregating them (the same choice of "
+                         "groups; chosen when the query runs, on a sample of the users)")
+    if query.outer is not None:
+        lines.append("Post-processing: the query around the DP subquery runs over its released "
+                     "rows only")
+    lines.append("Pushdown SQL (run as the pushdown role):")
+    for statement in sql:
+        first, *rest = _pretty(statement)
+        lines.append("  " + first)
+        lines.extend("    " + line for line in rest)
+    return lines
+
+
+def _pretty(sql: str) -> list[str]:
+    """`sql` on several lines (pglast's pretty printer), for EXPLAIN's rows in psql."""
+    try:
+        return [line for line in prettify(sql).splitlines() if line.strip()]
+    except Exception:  # (a printer's gap must not fail EXPLAIN: the one-line form)
+        return [sql]
+
+
+def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
+                spread: Mapping[int, tuple[float, float]], bounds: Mapping[int, FoundBounds],
+                epsilon_left: float, delta_left: float) -> tuple[str, str | None]:
+    """A DP answer's notice (message, detail): what it spent and what is left, each released
+    aggregate's 95% noise half-width, the bounds APPROX_BOUNDS chose (released with DP)."""
+    widths = []
+    for col in query.outputs:
+        if col.aggregate is None:
+            continue
+        name = visible_name(query, col.aggregate)
+        if query.aggregates[col.aggregate].kind is AggKind.QUANTILE:
+            continue  # its noise is on counts of the tree, not on the value
+        if col.aggregate in spread:  # AVG, VAR, STDDEV: depends on the count
+            low, high = spread[col.aggregate]
+            widths.append(f"{name} ±{fmt(low)}" if fmt(low) == fmt(high)
+                          else f"{name} ±{fmt(low)} to ±{fmt(high)} (by group count)")
+            continue
+        qs = [q for q in plan.quantities if q.aggregate == col.aggregate]
+        if not qs and plan.threshold is not None:
+            qs = [plan.threshold]
+        elif not qs:
+            qs = [q for q in plan.quantities if q.name == "dp_users"]
+        if qs:
+            widths.append(f"{name} ±{fmt(qs[-1].spec.half_width_95)}")
+    message = (f"DP answer: spent epsilon {fmt(float(plan.cost.epsilon))}, delta "
+               f"{fmt(float(plan.cost.delta))}; budget left epsilon "
+               f"{fmt(epsilon_left)}, delta {fmt(delta_left)}")
+    details = ["95% noise half-width: " + ", ".join(widths)] if widths else []
+    for q in plan.approx_bounds:
+        assert q.aggregate is not None
+        f = bounds[q.aggregate]
+        details.append(
+            f"APPROX_BOUNDS chose [{fmt(f.lower)}, {fmt(f.upper)}] for "
+            f"{visible_name(query, q.aggregate)} (epsilon {fmt(float(q.epsilon))}); "
+            f"about {_pct(f.clamped_fraction)} of its per-user values were clamped")
+    return message, "; ".join(details) if details else None

@@ -1,0 +1,108 @@
+"""dp_budget(), dp_ledger() and dp_reset_budget(): the proxy's own functions, answered from the
+ledger in place of their calls (admins only, but an analyst's own dp_budget())."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+from pglast import ast, parse_sql
+from pglast.visitors import Visitor
+
+from dp_core.errors import FeatureNotSupported
+from dp_core.explain import fmt
+from dp_core.rewrite import result_sql
+from dp_core.sqlnodes import const_string
+from server.ledger import BUDGET_COLUMNS, LEDGER_COLUMNS, Ledger, require_admin
+
+PG = "pg_catalog"
+
+
+class LocalFunctions(Visitor):
+    """Replaces dp_budget() / dp_ledger(a) in FROM with VALUES, and calls in expressions with text."""
+
+    def __init__(self, ledger: Ledger, user: str, is_admin: bool, dry_run: bool) -> None:
+        super().__init__()
+        self.ledger = ledger
+        self.user = user
+        self.is_admin = is_admin
+        self.dry_run = dry_run
+        self.results: dict[int, Any] = {}
+
+    async def resolve(self, stmt: Any) -> None:
+        """Run the functions (admin checks first) and keep their results for the rewrite."""
+        calls = [n for n in _walk(stmt) if isinstance(n, ast.FuncCall)
+                 and str(n.funcname[-1].sval).lower() in ("dp_budget", "dp_ledger", "dp_reset_budget")]
+        for fc in calls:
+            name = str(fc.funcname[-1].sval).lower()
+            args = list(fc.args or ())
+            target = self.user
+            if name != "dp_budget" or args:
+                arg = args[0] if len(args) == 1 else None
+                if isinstance(arg, ast.TypeCast):  # a typed parameter, bound
+                    arg = arg.arg
+                if self.dry_run and isinstance(arg, ast.ParamRef):
+                    arg = ast.A_Const(val=ast.String(sval=self.user))  # (for the columns)
+                if const_string(arg) is None:
+                    raise FeatureNotSupported(f"{name}() takes one analyst name: a string "
+                                              "literal or a parameter")
+                target = str(const_string(arg))
+            if name == "dp_budget":
+                if target != self.user:
+                    require_admin(self.is_admin, "dp_budget(analyst)")
+                self.results[id(fc)] = [(await self.ledger.budget(target)).row()]
+            elif name == "dp_ledger":
+                require_admin(self.is_admin, name)
+                self.results[id(fc)] = await self.ledger.entries(target)
+            else:
+                require_admin(self.is_admin, name)
+                if self.dry_run:
+                    self.results[id(fc)] = [("",)]
+                else:
+                    b = await self.ledger.reset(target, self.user)
+                    self.results[id(fc)] = [(f"budget of {b.analyst} reset: epsilon "
+                                             f"{fmt(float(b.epsilon_total))}, delta "
+                                             f"{fmt(float(b.delta_total))} available",)]
+
+    def visit_RangeFunction(self, ancestors: Any, node: Any) -> Any:
+        fc = node.functions[0][0] if node.functions else None
+        if not isinstance(fc, ast.FuncCall) or id(fc) not in self.results:
+            return None
+        name = str(fc.funcname[-1].sval).lower()
+        cols, types = ((BUDGET_COLUMNS, ["text"] + ["numeric"] * 6) if name == "dp_budget" else
+                       (LEDGER_COLUMNS, ["int8", "timestamptz", "text", "numeric", "numeric", "text",
+                                         "text", "text", "text", "text"]) if name == "dp_ledger" else
+                       ([name], ["text"]))
+        rows = self.results[id(fc)]
+        alias = str(node.alias.aliasname) if node.alias else name
+        inner_sql = result_sql(cols, [(PG, t) for t in types], [tuple(_plain(v) for v in r) for r in rows])
+        sub = parse_sql(inner_sql)[0].stmt
+        return ast.RangeSubselect(subquery=sub, alias=ast.Alias(aliasname=alias))
+
+    def visit_FuncCall(self, ancestors: Any, node: Any) -> Any:
+        if id(node) not in self.results:
+            return None
+        rows = self.results[id(node)]
+        text = rows[0][0] if len(rows[0]) == 1 else "(" + ",".join(str(_plain(v)) for v in rows[0]) + ")"
+        return ast.A_Const(val=ast.String(sval=str(text)))
+
+
+def _walk(node: Any) -> list[Any]:
+    out, stack = [], [node]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, ast.Node):
+            out.append(cur)
+            stack.extend(getattr(cur, n) for n in cur)
+        elif isinstance(cur, (tuple, list)):
+            stack.extend(cur)
+    return out
+
+
+def _plain(v: Any) -> str | int | float | None:
+    if v is None or isinstance(v, (int, float, str)):
+        return v
+    if isinstance(v, Decimal):
+        return str(v)
+    return str(v)
+
