@@ -64,19 +64,18 @@ from dp_core.release import (
     tree_nodes,
     tree_order,
 )
+from dp_core.result import TypeRef, result_sql
 from dp_core.rewrite import (
     Prefilter,
     Pushdown,
     PushdownCache,
     RangedPushdown,
-    TypeRef,
     UidRange,
     argument_probe_sql,
     groups_sql,
     prefilter_types,
     pushdown,
     ranged_pushdown,
-    result_sql,
     standalone_subqueries,
     uid_ranges,
 )

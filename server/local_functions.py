@@ -11,7 +11,7 @@ from pglast.visitors import Visitor
 
 from dp_core.errors import FeatureNotSupported
 from dp_core.explain import fmt
-from dp_core.rewrite import result_sql
+from dp_core.result import result_sql
 from dp_core.sqlnodes import const_string
 from server.ledger import BUDGET_COLUMNS, LEDGER_COLUMNS, Ledger, require_admin
 

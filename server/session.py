@@ -47,7 +47,7 @@ from dp_core.errors import (
     TooManyConnections,
 )
 from dp_core.parsetree import const_value, highest_parameter
-from dp_core.rewrite import copy_result, set_transaction_sql
+from dp_core.result import copy_result, set_transaction_sql
 from dp_core.settings import Caps, DPSettings
 from server import backend
 from server import protocol as p

@@ -22,7 +22,8 @@ from dp_core.mechanisms import NoiseKind, gaussian_sigma, granularity, threshold
 from dp_core.plan import make_plan
 from dp_core.query import AggKind, Bounds, TablePolicy
 from dp_core.release import SelectionStream, release, select
-from dp_core.rewrite import argument_probe_sql, pushdown, pushdown_sql, result_sql
+from dp_core.result import result_sql
+from dp_core.rewrite import argument_probe_sql, pushdown, pushdown_sql
 
 GOLDEN = Path(__file__).parent / "golden" / "rewrite"
 POLICY = {

@@ -46,7 +46,7 @@ def spent(conn: psycopg.Connection) -> tuple[float, float]:
 def test_result_values_round_trip_through_postgres(backend: Backend) -> None:
     """The result query gives back each released value, of its column's type, whatever the
     text: quotes, backslashes, NULLs, -0, huge floats, padded char(n)."""
-    from dp_core.rewrite import result_sql
+    from dp_core.result import result_sql
 
     types = [("pg_catalog", "text"), ("pg_catalog", "int8"), ("pg_catalog", "float8"),
              ("pg_catalog", "bpchar"), ("pg_catalog", "bool"), ("pg_catalog", "numeric")]

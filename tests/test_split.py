@@ -15,14 +15,7 @@ from pglast.stream import RawStream
 
 from config import Config
 from dp_core.release import add_rows, add_trees, tree_arrays, tree_order
-from dp_core.rewrite import (
-    Prefilter,
-    groups_sql,
-    prefilter_types,
-    pushdown,
-    ranged_pushdown,
-    uid_ranges,
-)
+from dp_core.rewrite import Prefilter, groups_sql, prefilter_types, pushdown, ranged_pushdown, uid_ranges
 from server.backend_setup import DEFAULT_ROLES
 
 from .conftest import Backend, LoopThread, running_proxy

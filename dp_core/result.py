@@ -1,0 +1,165 @@
+"""The result query: released rows as SQL that the session's own backend answers with (so
+that the client sees Postgres's types and formats), with the post-processing written around a
+DP subquery; and the COPY and SET TRANSACTION forms of it."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+from pglast import ast, parse_sql
+from pglast.enums import (
+    VariableSetKind,
+)
+from pglast.stream import RawStream
+from pglast.visitors import Visitor
+
+from dp_core.errors import FeatureNotSupported, InternalError
+
+TypeRef = tuple[str, str]
+"""(schema, type name) of a result column, e.g. ("pg_catalog", "int8")."""
+
+
+_COPY_PLACEHOLDER = "COPY (SELECT 1)"
+
+
+def copy_result(copy_sql: str, query: str) -> str:
+    """`COPY (query) TO STDOUT` with the options of the client's `copy_sql` (a COPY of a DP
+    query or local function to the client, its DP clause blanked)."""
+    stmt = parse_sql(copy_sql)[0].stmt
+    assert isinstance(stmt, ast.CopyStmt) and stmt.filename is None and not stmt.is_program
+    stmt.query = parse_sql("SELECT 1")[0].stmt
+    text = RawStream()(stmt)
+    assert text.startswith(_COPY_PLACEHOLDER), text
+    return f"COPY ({query}){text[len(_COPY_PLACEHOLDER):]}"
+
+
+def set_transaction_sql(begin_sql: str) -> str:
+    """`SET TRANSACTION` with the modes of `begin_sql` (BEGIN or START TRANSACTION with
+    ISOLATION LEVEL, READ ONLY...): what such a BEGIN does inside a block already open."""
+    stmt = parse_sql(begin_sql)[0].stmt
+    assert isinstance(stmt, ast.TransactionStmt) and stmt.options
+    return RawStream()(ast.VariableSetStmt(kind=VariableSetKind.VAR_SET_MULTI,
+                                           name="TRANSACTION", args=stmt.options))
+
+
+def quoted(text: str) -> str:
+    """A string constant as pglast prints one (the proxy keeps standard_conforming_strings on
+    in every session it relays)."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _value_sql(value: str | int | float | None, t: TypeRef) -> str:
+    """A released value as a constant of its column's type, for the result's VALUES list
+    (printed directly: building and printing an AST for each value took most of an answer's
+    Python time for a few hundred groups)."""
+    typ = ".".join('"' + part.replace('"', '""') + '"' for part in t)
+    if value is None:
+        return f"CAST(NULL AS {typ})"
+    if isinstance(value, float) and not isinstance(value, bool):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise InternalError()
+        return f"CAST({quoted(repr(value))} AS {typ})"
+    return f"CAST({quoted(str(value))} AS {typ})"
+
+
+def _result_ref(i: int) -> Any:
+    return ast.ColumnRef(fields=(ast.String(sval=f"dp_c{i}"),))
+
+
+class _ToResultColumns(Visitor):
+    """Rewrites HAVING / ORDER BY over the select list into references to result columns."""
+
+    def __init__(self, sources: list[Any], names: list[str]) -> None:
+        super().__init__()
+        self.sources = sources
+        self.names = names
+
+    def visit(self, ancestors: Any, node: Any) -> Any:
+        for i, src in enumerate(self.sources):
+            if node == src:
+                return _result_ref(i)
+        if (isinstance(node, ast.ColumnRef) and len(node.fields) == 1
+                and isinstance(node.fields[0], ast.String)):
+            name = node.fields[0].sval
+            if name in self.names:
+                return _result_ref(self.names.index(name))
+            if not name.startswith("dp_c"):
+                raise FeatureNotSupported(
+                    f"HAVING and ORDER BY may only use the query's output columns, not {name}")
+        elif isinstance(node, (ast.ColumnRef, ast.SubLink)):
+            raise FeatureNotSupported(
+                "HAVING and ORDER BY may only use the query's output columns")
+        return None
+
+
+def result_sql(names: list[str], types: list[TypeRef],
+               rows: Sequence[Sequence[str | int | float | None]], *,
+               sources: list[Any] | None = None, having: Any = None,
+               order_by: Sequence[Any] = (), limit: Any = None, offset: Any = None,
+               visible: Sequence[tuple[str, int | Any]] | None = None,
+               outer: ast.SelectStmt | None = None) -> str:
+    """A query that returns `rows` with the given column names and types.
+
+    HAVING and ORDER BY, written over the select list (`sources`) or the output
+    names, are applied to the (already noisy) values by Postgres, which also
+    encodes the result in whatever format the client asked for. With `outer` (a query
+    whose one FROM item is a subquery), that query is run over these rows.
+    """
+    import secrets
+
+    cols = tuple(ast.String(sval=f"dp_c{i}") for i in range(len(names)))
+    empty = not rows
+    # the VALUES list is printed directly and put in place of a one-value list that nothing
+    # else in the statement can print as (a fresh mark)
+    mark = f"dp_values_{secrets.token_hex(8)}"
+    inner = ast.SelectStmt(valuesLists=((ast.A_Const(val=ast.String(sval=mark)),),))
+    values = ", ".join(
+        "(" + ", ".join(_value_sql(v, t) for v, t in zip(row, types, strict=True)) + ")"
+        for row in rows) or "(" + ", ".join(_value_sql(None, t) for t in types) + ")"
+    mapper = _ToResultColumns(list(sources or []), names)
+    targets = []
+    for name, what in visible or [(n, i) for i, n in enumerate(names)]:
+        if isinstance(what, int):
+            targets.append(ast.ResTarget(name=name, val=_result_ref(what)))
+        else:  # an expression over released values (post-processing)
+            holder = ast.ResTarget(name=name, val=copy.deepcopy(what))
+            mapper(holder)
+            targets.append(holder)
+    stmt = ast.SelectStmt(
+        targetList=tuple(targets),
+        fromClause=(ast.RangeSubselect(subquery=inner,
+                                       alias=ast.Alias(aliasname="dp_result", colnames=cols)),),
+    )
+    where = None
+    if having is not None:
+        holder = ast.ResTarget(val=copy.deepcopy(having))
+        mapper(holder)
+        where = holder.val
+    if empty:
+        false = ast.A_Const(val=ast.Boolean(boolval=False))
+        where = false if where is None else ast.BoolExpr(boolop=0, args=(false, where))
+    stmt.whereClause = where
+    if order_by:
+        sorts = copy.deepcopy(tuple(order_by))
+        # a bare name of a select-list expression is Postgres's to resolve (ORDER BY pct)
+        aliases = {n for n, what in visible or () if not isinstance(what, int)} - set(names)
+        mapper(ast.SelectStmt(sortClause=tuple(s for s in sorts if not (
+            isinstance(s.node, ast.ColumnRef) and len(s.node.fields) == 1
+            and str(getattr(s.node.fields[0], "sval", "")) in aliases))))
+        stmt.sortClause = sorts
+    stmt.limitCount = copy.deepcopy(limit)
+    stmt.limitOffset = copy.deepcopy(offset)
+    if limit is not None or offset is not None:
+        stmt.limitOption = 1  # LIMIT_OPTION_COUNT
+    if outer is not None:
+        item = outer.fromClause[0]
+        outer = copy.deepcopy(outer)
+        outer.fromClause = (ast.RangeSubselect(subquery=stmt, alias=copy.deepcopy(item.alias)),)
+        stmt = outer
+    printed = str(RawStream()(stmt))
+    placeholder = f"(VALUES ('{mark}'))"
+    if printed.count(placeholder) != 1:
+        raise InternalError("the result's VALUES list has no single place")
+    return printed.replace(placeholder, f"(VALUES {values})")
