@@ -204,7 +204,7 @@ def hardening_statements(roles: BackendRoles = DEFAULT_ROLES) -> list[str]:
     statements, 42501): executing the functions of HARDENED_FUNCTIONS (monitoring roles keep
     them through pg_read_all_stats and pg_signal_backend), and creating functions and
     procedures in SQL or PL/pgSQL, temporary ones included (the ledger role keeps PL/pgSQL for
-    its append-only trigger)."""
+    its append-only trigger), and creating tables in the schema public."""
     return [
         "DO $$ DECLARE r record; BEGIN FOR r IN SELECT oid::regprocedure AS fn, proname "
         f"FROM pg_proc WHERE pronamespace = 'pg_catalog'::regnamespace AND ({HARDENED_FUNCTIONS}) "
@@ -213,6 +213,9 @@ def hardening_statements(roles: BackendRoles = DEFAULT_ROLES) -> list[str]:
         "('pg_cancel_backend', 'pg_terminate_backend') THEN 'pg_signal_backend' "
         "ELSE 'pg_read_all_stats' END); END LOOP; END $$",
         "REVOKE USAGE ON LANGUAGE sql, plpgsql FROM PUBLIC",
+        # (Postgres 15 creates databases so; one made earlier lets every role create tables
+        # in public, which analysts could share with each other)
+        "REVOKE CREATE ON SCHEMA public FROM PUBLIC",
         f"GRANT USAGE ON LANGUAGE plpgsql TO {quote_ident(roles.ledger)}",
     ]
 

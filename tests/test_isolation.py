@@ -377,3 +377,13 @@ def test_a_worker_holds_the_answer_not_every_group(proxy: Proxy) -> None:
             tracemalloc.stop()
     assert len(rows) < 1000
     assert peak < 16 * 2**20, f"{peak / 2**20:.0f} MiB"  # (3.6 MiB; 47 MiB before)
+
+
+def test_analysts_cannot_share_tables_through_a_schema(proxy: Proxy, backend: Backend) -> None:
+    """An analyst cannot create a table others could read: no CREATE on any schema (a database
+    made before Postgres 15 grants it on public to every role; --harden takes it back)."""
+    sql = "CREATE TABLE public.shared_by_alice (x int)"
+    with psycopg.connect(proxy.dsn("alice"), autocommit=True) as alice, \
+            pytest.raises(psycopg.errors.InsufficientPrivilege):
+        alice.execute(sql)
+    asyncio.run(_denied_in_postgres(_as_role(backend, "alice"), sql))
