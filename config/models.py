@@ -45,7 +45,7 @@ class ListenConfig(_Strict):
     port: int = Field(default=6432, ge=0, le=65535)
     max_connections: int = Field(default=200, ge=1, description=(
         "sessions that have logged in, all analysts together (53300 beyond it)"))
-    max_unauthenticated: int = Field(default=16, ge=1, le=10_000, description=(
+    max_unauthenticated: int = Field(default=64, ge=1, le=10_000, description=(
         "connections still in their start-up or login, on top of max_connections: sockets "
         "that never log in cannot take the slots of those who do"))
     max_message_size: int = Field(default=64 * 1024 * 1024, ge=1024)
