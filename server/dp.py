@@ -20,7 +20,7 @@ import math
 import re
 import struct
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -241,44 +241,38 @@ async def _row_stream(cursor: Any, timeout: float, streams: int = 1) -> AsyncIte
             yield r
 
 
-async def _merged_rows(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIterator[Any]:
-    """The main rows of several ranges of users, each stream in `row_order`, merged: one row
-    per group (`add_rows` of its ranges' rows), holding one batch per range at a time."""
-    by, keep = [f"dp_t{i}" for i in range(keys)], [f"dp_k{i}" for i in range(keys)]
-    heads = list(await asyncio.gather(*(anext(s, None) for s in streams)))
-    while True:
-        live = [row_order(h, keys) for h in heads if h is not None]
-        if not live:
-            return
-        first = min(live)
-        parts = []
-        for i, head in enumerate(heads):
-            if head is not None and row_order(head, keys) == first:
-                parts.append(head)
-                heads[i] = nxt = await anext(streams[i], None)
-                if nxt is not None and row_order(nxt, keys) <= first:
-                    raise InternalError("pushdown rows out of order")
-        yield parts[0] if len(parts) == 1 else add_rows([parts], by, keep)[0]
-
-
-async def _merged_trees(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIterator[Any]:
-    """The trees of several ranges of users, each stream in `tree_order`, merged: one row per
-    group and aggregate, holding one batch per range at a time."""
+async def _merged(streams: list[AsyncIterator[Any]], order: Callable[[Any], tuple[Any, ...]],
+                  combine: Callable[[list[Any]], Any], what: str) -> AsyncIterator[Any]:
+    """Rows of several ranges of users, each stream sorted by `order`, merged: `combine` of
+    the rows that sort alike (one group's), holding one batch per range at a time."""
     # the first fetch runs each range's statement (to its sort): at once, not one by one
     heads = list(await asyncio.gather(*(anext(s, None) for s in streams)))
     while True:
-        live = [tree_order(h, keys) for h in heads if h is not None]
+        live = [order(h) for h in heads if h is not None]
         if not live:
             return
         first = min(live)
         parts = []
         for i, head in enumerate(heads):
-            if head is not None and tree_order(head, keys) == first:
+            if head is not None and order(head) == first:
                 parts.append(head)
                 heads[i] = nxt = await anext(streams[i], None)
-                if nxt is not None and tree_order(nxt, keys) <= first:
-                    raise InternalError("quantile-tree rows out of order")
-        yield add_trees(parts)
+                if nxt is not None and order(nxt) <= first:
+                    raise InternalError(f"{what} out of order")
+        yield combine(parts)
+
+
+def _merged_rows(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIterator[Any]:
+    """The main rows of several ranges (`row_order`): one row per group (`add_rows`)."""
+    by, keep = [f"dp_t{i}" for i in range(keys)], [f"dp_k{i}" for i in range(keys)]
+    return _merged(streams, lambda r: row_order(r, keys),
+                   lambda parts: parts[0] if len(parts) == 1 else add_rows([parts], by, keep)[0],
+                   "pushdown rows")
+
+
+def _merged_trees(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIterator[Any]:
+    """The trees of several ranges (`tree_order`): one per group and aggregate (`add_trees`)."""
+    return _merged(streams, lambda r: tree_order(r, keys), add_trees, "quantile-tree rows")
 
 
 def _uid_table(query: AnalyzedQuery) -> TableRef | None:
