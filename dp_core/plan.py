@@ -7,6 +7,7 @@ the quantities' shares (exact fractions) is asserted equal to it.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -279,3 +280,16 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     if tau is not None and not math.isfinite(tau):
         raise InternalError()
     return plan
+
+
+def replan_with_bounds(query: AnalyzedQuery, plan: DPQueryPlan,
+                       found: Mapping[int, Bounds]) -> tuple[AnalyzedQuery, DPQueryPlan]:
+    """The second planning stage, after APPROX_BOUNDS: the query with the bounds it found
+    filled in and its plan for them, the same split of ε/δ (the noise of the aggregates
+    that had none is now calibrated). Its cost must be the charged plan's."""
+    query = query.with_bounds(found)
+    again = make_plan(query, float(plan.epsilon), float(plan.delta), plan.max_groups_contributed,
+                      plan.noise_kind, plan.auto_bounds, plan.selection_asked)
+    if again.cost != plan.cost:
+        raise InternalError("the plan's cost changed with its bounds (this is a bug)")
+    return query, again

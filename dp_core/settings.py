@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dp_core.errors import InvalidParameterValue, UndefinedObject
+from dp_core.errors import FeatureNotSupported, InvalidParameterValue, UndefinedObject
 from dp_core.kinds import NoiseKind, SelectionKind
 
 SETTING_NAMES = ("epsilon", "delta", "max_groups_contributed", "noise", "partition_selection")
@@ -100,6 +101,60 @@ def validate(key: str, value: object, caps: Caps) -> float | int | str:
             )
         return check_finite_normal(number, "delta")
     raise UndefinedObject(f'unrecognized DP parameter "{key}"')  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class QuerySettings:
+    """What one DP query runs with: the session's settings, its OPTIONS over them."""
+
+    epsilon: float
+    delta: float
+    max_groups_contributed: int
+    noise: NoiseKind
+    selection: SelectionKind
+
+
+def query_settings(settings: DPSettings, caps: Caps,
+                   options: Iterable[tuple[str, object]] = ()) -> QuerySettings:
+    """The query's settings: the session's `settings` with its OPTIONS(...) over them, each
+    validated. The per-query caps are checked against the plan's cost, after the budget
+    (`check_caps`); the least ε is checked here, before anything runs, wherever it was set."""
+    values: dict[str, Any] = {"epsilon": settings.epsilon, "delta": settings.delta,
+                              "max_groups_contributed": settings.max_groups_contributed,
+                              "noise": settings.noise,
+                              "partition_selection": settings.partition_selection}
+    unlimited = Caps(math.inf, 1.0 - 1e-12, 10_000, caps.min_epsilon)
+    for name, value in options:
+        if name == "max_rows_contributed":
+            raise FeatureNotSupported(
+                "max_rows_contributed is not supported: dp-proxy bounds each user's "
+                "groups (max_groups_contributed) and each user's value in a group (the "
+                "aggregates' bounds)", hint="use max_groups_contributed")
+        if name != "privacy_unit_column":  # (checked by the analysis)
+            values[name] = validate(name, value, unlimited)
+    values["epsilon"] = validate("epsilon", values["epsilon"], unlimited)
+    return QuerySettings(float(values["epsilon"]), float(values["delta"]),
+                         int(values["max_groups_contributed"]), NoiseKind(values["noise"]),
+                         SelectionKind(values["partition_selection"]))
+
+
+def check_caps(epsilon: float, delta: float, max_groups: int, caps: Caps) -> None:
+    """22023 for a query (its plan's ε, δ and C_u) beyond this proxy's per-query caps."""
+    if epsilon > caps.max_epsilon:
+        raise InvalidParameterValue(
+            f"epsilon {_fmt(epsilon)} is above this proxy's per-query limit "
+            f"{_fmt(caps.max_epsilon)}")
+    if delta > caps.max_delta:
+        raise InvalidParameterValue(
+            f"delta {_fmt(delta)} is above this proxy's per-query limit {_fmt(caps.max_delta)}")
+    if max_groups > caps.max_groups_contributed:
+        raise InvalidParameterValue(
+            f"max_groups_contributed {max_groups} is above this proxy's "
+            f"limit {caps.max_groups_contributed}")
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}"
 
 
 def check_finite_normal(value: float, what: str) -> float:

@@ -24,7 +24,7 @@ from server.replies import Refuse
 from server.session import ClientProtocol
 
 if TYPE_CHECKING:
-    from server.session import Session
+    from server.session import SessionCore
     from server.workers import WorkerLink
 
 log = logging.getLogger("dp_proxy.server")
@@ -55,10 +55,10 @@ class ProxyServer:
         self.pool: Any = None
         self.ledger_pool: Any = None
         self.dp: Any = None
-        self.sessions: dict[int, Session] = {}
+        self.sessions: dict[int, SessionCore] = {}
         self._logged_in: set[int] = set()
         """Sessions past their login."""
-        self._starting: weakref.WeakSet[ClientProtocol] = weakref.WeakSet()
+        self._starting: weakref.WeakSet[asyncio.Protocol] = weakref.WeakSet()
         """Connections taken and not logged in yet (counted from the moment they are taken,
         before their session exists; one asyncio dropped unopened leaves with the object)."""
         self.metrics = Metrics(lambda: len(self.sessions))
@@ -156,7 +156,7 @@ class ProxyServer:
         self._starting.add(proto)
         return proto
 
-    def logged_in(self, session: Session) -> None:
+    def logged_in(self, session: SessionCore) -> None:
         """`session` has logged in: it counts against max_connections (53300 beyond it)."""
         if self.worker is None and len(self._logged_in) >= self.config.listen.max_connections:
             raise TooManyConnections("sorry, too many clients already")
@@ -236,7 +236,7 @@ class ProxyServer:
 
     # ------------------------------------------------------------------ sessions
 
-    def register_key(self, session: Session) -> tuple[int, int]:
+    def register_key(self, session: SessionCore) -> tuple[int, int]:
         while True:
             pid = secrets.randbelow(2**31 - 1) + 1
             if pid not in self.sessions and (self.worker is None or self.worker.owns(pid)):
@@ -244,7 +244,7 @@ class ProxyServer:
         self.sessions[pid] = session
         return pid, secrets.randbits(31)
 
-    def unregister(self, session: Session) -> None:
+    def unregister(self, session: SessionCore) -> None:
         if self.sessions.get(session.process_id) is session:
             del self.sessions[session.process_id]
             logged_in = session.process_id in self._logged_in

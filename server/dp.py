@@ -18,7 +18,6 @@ import contextlib
 import logging
 import math
 import re
-import struct
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -31,6 +30,8 @@ from pglast.stream import RawStream
 from config import Accountant, Config
 from dp_core.accounting import AnswerCost
 from dp_core.analysis import analyze, parse_select
+from dp_core.bounding import Prefilter, prefilter_types
+from dp_core.budget import check_affordable, to_numeric
 from dp_core.catalogue import INTEGER_TYPES, NUMBER_TYPES, check_casts
 from dp_core.classify import Statement, StatementKind
 from dp_core.cost import RowWorkBudget
@@ -40,13 +41,14 @@ from dp_core.errors import (
     FeatureNotSupported,
     InsufficientPrivilege,
     InternalError,
-    InvalidBinaryRepresentation,
     InvalidParameterValue,
 )
 from dp_core.explain import Split, explain_lines, fmt, notice_text
 from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import NoiseKind, secure_rng
 from dp_core.plan import DPQueryPlan, check_noise_scales, make_plan
+from dp_core.probes import argument_probe_sql, standalone_subqueries
+from dp_core.pushdown_cache import PushdownCache
 from dp_core.quantiles import FoundBounds, choose_bounds
 from dp_core.query import AggKind, AnalyzedQuery, Bounds, TablePolicy, TableRef
 from dp_core.release import (
@@ -65,31 +67,15 @@ from dp_core.release import (
     tree_order,
 )
 from dp_core.result import TypeRef, result_sql
-from dp_core.rewrite import (
-    Prefilter,
-    Pushdown,
-    PushdownCache,
-    RangedPushdown,
-    UidRange,
-    argument_probe_sql,
-    groups_sql,
-    prefilter_types,
-    pushdown,
-    ranged_pushdown,
-    standalone_subqueries,
-    uid_ranges,
-)
+from dp_core.rewrite import Pushdown, RangedPushdown, groups_sql, pushdown, ranged_pushdown
 from dp_core.settings import Caps, DPSettings, validate
-from server import protocol as p
+from dp_core.uid_ranges import UidRange, uid_ranges
+from server import wire as p
 from server.backend_setup import quote_ident
-from server.encodings import invalid_text
-from server.ledger import (
-    Ledger,
-    check_affordable,
-    to_numeric,
-)
+from server.ledger import Ledger
 from server.local_functions import LocalFunctions
 from server.replies import notice_response
+from server.wire.params import param_text
 
 if TYPE_CHECKING:
     from server.metrics import Metrics
@@ -717,7 +703,7 @@ class DPService:
         for i, raw in enumerate(bind.params):
             oid = param_types[i] if i < len(param_types) and param_types[i] else 0
             text = None if raw is None else \
-                _param_text(raw, bind.param_format(i), oid, codec, encoding)
+                param_text(raw, bind.param_format(i), oid, codec, encoding)
             const: Any = ast.A_Const(isnull=True) if text is None else ast.A_Const(
                 val=ast.String(sval=text))
             if oid:
@@ -1105,36 +1091,6 @@ class DPService:
         await replacer.resolve(stmt)
         replacer(stmt)
         return str(RawStream()(stmt))
-
-
-
-def _param_text(raw: bytes, fmt: int, oid: int, codec: str, encoding: str) -> str:
-    """A parameter's value as text, decoding binary for the common scalar types; text (and the
-    binary form of text types) is in the client encoding (`codec`, named `encoding`)."""
-    if fmt == 0:
-        try:
-            return raw.decode(codec)
-        except UnicodeDecodeError as e:
-            raise invalid_text(e.object[e.start : e.end], encoding) from None
-    try:
-        if oid == 21:
-            return str(struct.unpack("!h", raw)[0])
-        if oid == 23:
-            return str(struct.unpack("!i", raw)[0])
-        if oid == 20:
-            return str(struct.unpack("!q", raw)[0])
-        if oid == 700:
-            return repr(struct.unpack("!f", raw)[0])
-        if oid == 701:
-            return repr(struct.unpack("!d", raw)[0])
-        if oid == 16:
-            return "true" if raw == b"\x01" else "false"
-        if oid in (25, 1043, 1042, 19, 0):
-            return raw.decode(codec)
-    except (struct.error, UnicodeDecodeError):
-        raise InvalidBinaryRepresentation("incorrect binary data format in a bind parameter") from None
-    raise FeatureNotSupported(f"binary parameters of type oid {oid} are not supported in DP "
-                              "queries; send them in text format")
 
 
 __all__ = ["DPService", "InternalError", "QueryFailed"]

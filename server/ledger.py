@@ -14,54 +14,17 @@ import decimal
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import asyncpg
 
 from config import Accountant, Config
 from dp_core.accounting import AnswerCost, rdp_total
-from dp_core.errors import BudgetExhausted, InsufficientPrivilege, UndefinedObject
+from dp_core.budget import Budget, check_affordable, to_numeric
+from dp_core.errors import InsufficientPrivilege, UndefinedObject
 from server.backend_setup import quote_ident
 
 SCHEMA_VERSION = 1
-_EXACT = decimal.Context(prec=400)
-
-
-def to_numeric(x: Fraction) -> decimal.Decimal:
-    """The exact decimal value of `x`; its denominator must be of the form 2^a·5^b."""
-    d = x.denominator
-    for prime in (2, 5):
-        while d % prime == 0:
-            d //= prime
-    if d != 1:
-        raise ValueError(f"{x} has no exact decimal expansion")
-    exact = _EXACT.divide(decimal.Decimal(x.numerator), decimal.Decimal(x.denominator))
-    return exact.normalize(_EXACT)
-
-
-@dataclass(frozen=True)
-class Budget:
-    analyst: str
-    epsilon_total: decimal.Decimal
-    epsilon_spent: decimal.Decimal
-    delta_total: decimal.Decimal
-    delta_spent: decimal.Decimal
-
-    @property
-    def epsilon_remaining(self) -> decimal.Decimal:
-        return max(self.epsilon_total - self.epsilon_spent, decimal.Decimal(0))
-
-    @property
-    def delta_remaining(self) -> decimal.Decimal:
-        return max(self.delta_total - self.delta_spent, decimal.Decimal(0))
-
-    def row(self) -> tuple[Any, ...]:
-        return (self.analyst, self.epsilon_total, self.epsilon_spent, self.epsilon_remaining,
-                self.delta_total, self.delta_spent, self.delta_remaining)
-
-
 BUDGET_COLUMNS = ["analyst", "epsilon_total", "epsilon_spent", "epsilon_remaining", "delta_total",
                   "delta_spent", "delta_remaining"]
 LEDGER_COLUMNS = ["id", "at", "kind", "epsilon", "delta", "outcome", "fingerprint", "query",
@@ -269,25 +232,6 @@ class Ledger:
         return [tuple(r) for r in rows]
 
 
-def check_affordable(budget: Budget, epsilon: decimal.Decimal, delta: decimal.Decimal) -> None:
-    """Raise BudgetExhausted (53400) if (ε, δ) does not fit in what is left."""
-    for what, spent, total, cost in (("epsilon", budget.epsilon_spent, budget.epsilon_total, epsilon),
-                                     ("delta", budget.delta_spent, budget.delta_total, delta)):
-        if spent + cost > total:
-            left = total - spent
-            hint = (f"nothing is left of this {what} budget: an admin can reset it "
-                    f"(SELECT dp_reset_budget('{budget.analyst}'))" if left <= 0 else
-                    f"{_fmt(left)} is left: ask for at most that (SET dp.{what} or "
-                    f"OPTIONS({what}=...)), or an admin can reset the budget")
-            raise BudgetExhausted(
-                f"privacy budget exhausted: {what} spent {_fmt(spent)} of {_fmt(total)}, "
-                f"this query costs {_fmt(cost)}", hint=hint)
-
-
 def require_admin(is_admin: bool, function: str) -> None:
     if not is_admin:
         raise InsufficientPrivilege(f"{function}() is for admins only")
-
-
-def _fmt(x: decimal.Decimal) -> str:
-    return format(x.normalize(), "f") if x == x.to_integral() else format(x.normalize())

@@ -8,7 +8,7 @@ import asyncio
 from typing import cast
 
 from dp_core.errors import DPError
-from server import protocol as p
+from server import wire as p
 
 
 def error_response(err: DPError) -> p.ErrorResponse:

@@ -6,7 +6,7 @@ import contextlib
 import socket
 import struct
 
-from server import protocol as p
+from server import wire as p
 from server.scram import MECHANISM, ScramClient
 
 OPEN: list[RawClient] = []

@@ -113,8 +113,8 @@ def test_an_exhausted_budget_hints_at_what_fits() -> None:
     cannot help and the hint says who can reset it."""
     from decimal import Decimal
 
+    from dp_core.budget import Budget, check_affordable
     from dp_core.errors import BudgetExhausted
-    from server.ledger import Budget, check_affordable
 
     some = Budget("alice", Decimal(1), Decimal("0.75"), Decimal("1e-5"), Decimal(0))
     with pytest.raises(BudgetExhausted) as info:

@@ -11,11 +11,7 @@ ROOT = Path(__file__).parent.parent
 PACKAGES = ("server", "dp_core", "config")
 MAX_LINES = 600
 OVERSIZE = {
-    "server/session.py": 1450,
     "server/dp.py": 1150,
-    "dp_core/rewrite.py": 840,
-    "server/protocol.py": 820,
-    "server/backend.py": 735,
 }
 """Modules still over MAX_LINES, each at most its size today: they may only shrink (issue 28
 splits them)."""

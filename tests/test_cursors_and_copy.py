@@ -18,7 +18,7 @@ import pytest
 from pglast import parser
 
 from dp_core.classify import Cursor, Statement, StatementKind
-from server import protocol as p
+from server import wire as p
 from server.embedded import find_bindir
 
 from .conftest import TEST_DATABASE, Proxy

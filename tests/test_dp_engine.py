@@ -20,10 +20,11 @@ from dp_core.errors import FeatureNotSupported, InvalidParameterValue, SyntaxErr
 from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import NoiseKind, gaussian_sigma, granularity, threshold_tau
 from dp_core.plan import make_plan
+from dp_core.probes import argument_probe_sql
 from dp_core.query import AggKind, Bounds, TablePolicy
 from dp_core.release import SelectionStream, release, select
 from dp_core.result import result_sql
-from dp_core.rewrite import argument_probe_sql, pushdown, pushdown_sql
+from dp_core.rewrite import pushdown, pushdown_sql
 
 GOLDEN = Path(__file__).parent / "golden" / "rewrite"
 POLICY = {
@@ -965,7 +966,8 @@ def test_configured_bounds_are_the_tables_not_an_inner_querys() -> None:
 
 
 def test_cached_pushdowns_are_the_built_ones_with_a_fresh_seed() -> None:
-    from dp_core.rewrite import PushdownCache, ranged_pushdown
+    from dp_core.pushdown_cache import PushdownCache
+    from dp_core.rewrite import ranged_pushdown
 
     cache = PushdownCache(size=2)
     seeds = set()
@@ -990,7 +992,7 @@ def test_a_query_with_the_sentinels_digits_is_built_afresh(monkeypatch: pytest.M
     too, the statements are not cached (the query's own literal stays as it was)."""
     import secrets
 
-    from dp_core.rewrite import PushdownCache
+    from dp_core.pushdown_cache import PushdownCache
 
     monkeypatch.setattr(secrets, "randbits", lambda n: 1)  # the sentinel is 2^62 + 1
     sentinel = str((1 << 62) + 1)

@@ -15,7 +15,7 @@ import asyncpg
 import psycopg
 import pytest
 
-from server import protocol as p
+from server import wire as p
 from server.embedded import find_bindir
 from server.encodings import ALIASES, CLIENT_ONLY, CODECS, codec, encoding_named
 

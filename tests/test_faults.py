@@ -61,7 +61,7 @@ def _wait_for(condition: object, seconds: float = 10.0) -> bool:
 
 
 def test_client_gone_mid_query_charges_once_and_leaks_nothing(proxy: Proxy, backend: Backend) -> None:
-    from server import protocol as p
+    from server import wire as p
 
     _reset(proxy, "alice")
     before = _charges(backend, "alice")
@@ -102,7 +102,7 @@ def test_pushdown_timeout_is_a_generic_charged_error(loop_thread: LoopThread, de
 
 def test_a_client_that_never_reads_does_not_fill_the_proxy(proxy: Proxy) -> None:
     """Backpressure: the proxy stops reading the backend when the client stops reading."""
-    from server import protocol as p
+    from server import wire as p
 
     c = RawClient(proxy.host, proxy.port)
     c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)

@@ -15,7 +15,7 @@ import time
 
 import psycopg
 
-from server import protocol as p
+from server import wire as p
 
 from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, process_rss_mib
 from .rawclient import RawClient

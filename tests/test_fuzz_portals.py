@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import psycopg
 import pytest
 
-from server import protocol as p
+from server import wire as p
 
 from .conftest import TEST_DATABASE, Proxy
 from .rawclient import RawClient, errors

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server import protocol as p
+from server import wire as p
 
 
 def frame(tag: bytes, body: bytes) -> bytes:

@@ -224,7 +224,8 @@ def test_hashed_keys_match_trees_by_hash_and_never_share_a_tree() -> None:
 
 
 def test_hashed_keys_have_a_hash_column_in_main_and_trees() -> None:
-    from dp_core.rewrite import argument_probe_sql, pushdown
+    from dp_core.probes import argument_probe_sql
+    from dp_core.rewrite import pushdown
 
     query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_MEDIAN(duration, 0, 100) AS m "
                            "FROM visits GROUP BY browser")

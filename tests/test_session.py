@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from config import Config
-from server import protocol as p
+from server import wire as p
 
 from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, running_proxy
 from .rawclient import RawClient, close_all, errors, tags

@@ -11,7 +11,7 @@ import asyncpg
 import psycopg
 import pytest
 
-from server import protocol as p
+from server import wire as p
 
 from .conftest import TEST_DATABASE, Proxy, show
 from .rawclient import RawClient, close_all, errors

@@ -14,8 +14,10 @@ from pglast import ast, parse_sql
 from pglast.stream import RawStream
 
 from config import Config
+from dp_core.bounding import Prefilter, prefilter_types
 from dp_core.release import add_rows, add_trees, tree_arrays, tree_order
-from dp_core.rewrite import Prefilter, groups_sql, prefilter_types, pushdown, ranged_pushdown, uid_ranges
+from dp_core.rewrite import groups_sql, pushdown, ranged_pushdown
+from dp_core.uid_ranges import uid_ranges
 from server.backend_setup import DEFAULT_ROLES
 
 from .conftest import Backend, LoopThread, running_proxy

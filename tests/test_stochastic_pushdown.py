@@ -34,7 +34,8 @@ from dp_core.plan import DPQueryPlan, make_plan
 from dp_core.quantiles import NoBoundsFound, choose_bounds, walk
 from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
 from dp_core.release import add_rows, release, tree_arrays
-from dp_core.rewrite import UidRange, pushdown, ranged_pushdown
+from dp_core.rewrite import pushdown, ranged_pushdown
+from dp_core.uid_ranges import UidRange
 
 from .conftest import Backend
 from .dp_tester import Mechanism, test_mechanism

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from server import protocol as p
+from server import wire as p
 
 from .conftest import TEST_DATABASE, Backend, Proxy, show
 from .rawclient import RawClient, errors

@@ -1,4 +1,4 @@
-"""A session's own connection to the backend Postgres, as the restricted role: login, then relay.
+"""A session's own link to the backend Postgres: relays its bytes, tracking what each reply ends.
 
 After login the link relays the backend's bytes to the client unchanged. It
 splits them into frames only to know which forwarded client message each
@@ -11,20 +11,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import struct
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol, cast
 
-from server import protocol as p
-from server.backend_setup import quote_ident
-from server.dsn import DSN
+from server import wire as p
+from server.backend.own_statements import OwnStatements
+from server.backend.pending import (
+    COMPLETES,
+    CYCLE_TRACKED_INT,
+    ENDS_INT,
+    EXTENDED_TAGS,
+    FAILS,
+    INTERNAL_COMPLETES,
+    SIMPLE,
+    SYNCS,
+    TRACKED_INT,
+    UNRELAYED_READY,
+    Pending,
+)
 from server.encodings import UnsupportedEncoding, codec
-from server.scram import MECHANISM, ScramClient, ScramError
 
 
 class BackendError(Exception):
@@ -45,73 +54,9 @@ class NonStandardStrings(Exception):
         super().__init__("standard_conforming_strings was turned off")
 
 
-class Pending(Enum):
-    """What a forwarded client message is waiting for."""
-
-    QUERY = "Q"  # simple query: ends with ReadyForQuery, relayed
-    QUERY_SPLIT = "q"  # one statement of a split simple query: ReadyForQuery swallowed
-    INTERNAL_QUERY = "iQ"  # the proxy's own BEGIN / COMMIT around one: all but errors swallowed
-    PARSE = "P"
-    BIND = "B"
-    DESCRIBE = "D"  # ends with RowDescription or NoData
-    EXECUTE = "E"  # ends with CommandComplete, EmptyQueryResponse or PortalSuspended
-    CLOSE = "C"
-    SYNC = "S"
-    # the proxy's own statements (DP results): their replies are swallowed, rows relayed
-    INTERNAL_PARSE = "iP"
-    INTERNAL_BIND = "iB"
-    INTERNAL_CLOSE = "iC"
-    INTERNAL_EXECUTE = "iE"  # a statement of the proxy's own without rows (CommandComplete)
-    # the proxy's own failing statement (`fail_transaction`): its error is swallowed, uncounted
-    INTERNAL_FAIL = "iF"
-    INTERNAL_FAIL_QUERY = "iFQ"  # (as a Query: its ReadyForQuery swallowed too)
-
-
-_EXTENDED_TAGS = {
-    b"P": Pending.PARSE,
-    b"B": Pending.BIND,
-    b"D": Pending.DESCRIBE,
-    b"E": Pending.EXECUTE,
-    b"C": Pending.CLOSE,
-    b"S": Pending.SYNC,
-}
-_COMPLETES = {
-    b"1": (Pending.PARSE,),
-    b"2": (Pending.BIND,),
-    b"3": (Pending.CLOSE,),
-    b"T": (Pending.DESCRIBE,),
-    b"n": (Pending.DESCRIBE,),
-    b"C": (Pending.EXECUTE,),
-    b"I": (Pending.EXECUTE,),
-    b"s": (Pending.EXECUTE,),
-}
-_SIMPLE = (Pending.QUERY, Pending.QUERY_SPLIT, Pending.INTERNAL_QUERY,
-           Pending.INTERNAL_FAIL_QUERY)
-_UNRELAYED_READY = (Pending.QUERY_SPLIT, Pending.INTERNAL_QUERY, Pending.INTERNAL_FAIL_QUERY)
-"""Cycles whose ReadyForQuery the client does not see: the proxy's own."""
-_FAILS = (Pending.INTERNAL_FAIL, Pending.INTERNAL_FAIL_QUERY)
-_FAILING_SQL = "dp-proxy: a local error aborts the transaction, as in Postgres"
-"""Not SQL: the backend's syntax error is the point (and reads plainly in its log)."""
 _QUERY, _SYNC = Pending.QUERY, Pending.SYNC
 """For the relay loop (an Enum member is a slow class attribute on Python 3.11)."""
-_INTERNAL_COMPLETES = {
-    b"1": Pending.INTERNAL_PARSE,
-    b"2": Pending.INTERNAL_BIND,
-    b"3": Pending.INTERNAL_CLOSE,
-    b"C": Pending.INTERNAL_EXECUTE,
-}
-_SYNCS = (Pending.SYNC,)
-_NOT_ENDING_A_QUERY = frozenset(_COMPLETES) - {b"Z", b"E"}
-INTERNAL_NAME = "dp_proxy_internal"
-SHADOW_NAME = "dp_proxy_shadow"
-_TRACKED = frozenset({b"Z", b"E", b"S", *_COMPLETES})
 _LENGTH = struct.Struct("!i")
-# the same sets keyed by the tag's byte value, for the relay loop
-_TRACKED_INT = frozenset(t[0] for t in _TRACKED)
-_CYCLE_TRACKED_INT = frozenset(t[0] for t in _TRACKED - _NOT_ENDING_A_QUERY)
-_ENDS_INT = {t[0]: kinds[0] for t, kinds in _COMPLETES.items()}
-"""The one pending kind each tracked reply ends, by tag byte (every tuple of _COMPLETES has one)."""
-assert all(len(kinds) == 1 for kinds in _COMPLETES.values())
 _BYTES = [bytes((i,)) for i in range(256)]
 _Q, _E, _S, _Z, _C, _I = ord("Q"), ord("E"), ord("S"), ord("Z"), ord("C"), ord("I")
 
@@ -130,7 +75,7 @@ class RelayTarget:
     lost: Callable[[Exception | None], None]
 
 
-class BackendLink(asyncio.Protocol):
+class BackendLink(OwnStatements, asyncio.Protocol):
     # slots: more than 30 instance attributes in a dict would cost every attribute read on
     # the relay's path (CPython 3.11 stops sharing the keys and inlining the values)
     __slots__ = ("_began_after_end", "_corked", "_drained", "_end_tag", "_frames", "_handshake",
@@ -236,12 +181,12 @@ class BackendLink(asyncio.Protocol):
         self._partial = b""
         n = len(buf)
         pos = keep_from = 0
-        unpack, tracked, pending = _LENGTH.unpack_from, _TRACKED_INT, self.pending
-        ends, query, sync = _ENDS_INT, _QUERY, _SYNC
+        unpack, tracked, pending = _LENGTH.unpack_from, TRACKED_INT, self.pending
+        ends, query, sync = ENDS_INT, _QUERY, _SYNC
         watch = self.watch_tx
         head = pending[0] if pending else None
         # before the ReadyForQuery that ends a client cycle only errors and parameters matter
-        look = _CYCLE_TRACKED_INT if (head is query or head is sync) and not watch else tracked
+        look = CYCLE_TRACKED_INT if (head is query or head is sync) and not watch else tracked
         while pos + 5 <= n:
             tag = buf[pos]  # an int: cheaper than a one-byte slice on this hot path
             length = unpack(buf, pos + 1)[0]
@@ -279,7 +224,7 @@ class BackendLink(asyncio.Protocol):
                     if self.closed:
                         return  # (nothing more goes to the client)
                     head = pending[0] if pending else None
-                look = _CYCLE_TRACKED_INT if (head is query or head is sync) and not watch \
+                look = CYCLE_TRACKED_INT if (head is query or head is sync) and not watch \
                     else tracked
             pos = end
         if head is None and self._drained is not None:
@@ -326,17 +271,17 @@ class BackendLink(asyncio.Protocol):
                 self.idle_readies += 1
             failed = self.errors > self.errors_at_ready
             self.errors_at_ready = self.errors
-            if head in _SIMPLE or head in _SYNCS:
+            if head in SIMPLE or head in SYNCS:
                 pending.popleft()
-                relay = head not in _UNRELAYED_READY
+                relay = head not in UNRELAYED_READY
                 if relay and self.cycles:
                     started = self.cycles.popleft()
                     if started is not None:
                         self._cycle_done(started, self.last_sqlstate if failed else None)
-        elif tag == b"E" and head in _FAILS:
+        elif tag == b"E" and head in FAILS:
             relay = False  # (the client has the proxy's own error)
             if head is Pending.INTERNAL_FAIL:
-                while pending and pending[0] not in _SYNCS:  # the backend skips to Sync
+                while pending and pending[0] not in SYNCS:  # the backend skips to Sync
                     pending.popleft()
                 if not pending:
                     self.skipping = True
@@ -347,9 +292,9 @@ class BackendLink(asyncio.Protocol):
                 if code >= 0 else "XX000"
             if head is Pending.QUERY_SPLIT:
                 self.last_split_failed = True
-            if head is not None and head not in _SIMPLE:
+            if head is not None and head not in SIMPLE:
                 # the backend now skips everything up to the next Sync
-                while pending and pending[0] not in _SYNCS:
+                while pending and pending[0] not in SYNCS:
                     pending.popleft()
                 if not pending:
                     self.skipping = True  # (the error came before the Sync was forwarded)
@@ -361,19 +306,19 @@ class BackendLink(asyncio.Protocol):
                 if msg.name == "standard_conforming_strings" and msg.value != "on":
                     self._lose(NonStandardStrings())
                     return False
-                if msg.name == "client_encoding" and not self._client_encoding(msg.value):
+                if msg.name == "client_encoding" and not self.client_encoding(msg.value):
                     self._lose(UnsupportedEncoding(msg.value))
                     return False
         elif head is Pending.INTERNAL_QUERY:
             relay = False  # (its CommandComplete)
-        elif head is not None and head is _INTERNAL_COMPLETES.get(tag):
+        elif head is not None and head is INTERNAL_COMPLETES.get(tag):
             pending.popleft()
             relay = False
-        elif head is not None and head in _COMPLETES.get(tag, ()):
+        elif head is not None and head in COMPLETES.get(tag, ()):
             pending.popleft()
         return relay
 
-    def _client_encoding(self, name: str) -> bool:
+    def client_encoding(self, name: str) -> bool:
         """The backend reported client_encoding `name`; False: the proxy has no codec for it
         (the encoding in use stays as it was)."""
         py = codec(name)
@@ -427,7 +372,7 @@ class BackendLink(asyncio.Protocol):
     def forward(self, raw: bytes, tag: bytes) -> None:
         """Send one raw client frame to the backend and note the reply it awaits."""
         assert self.transport is not None
-        kind = Pending.QUERY if tag == b"Q" else _EXTENDED_TAGS.get(tag)
+        kind = Pending.QUERY if tag == b"Q" else EXTENDED_TAGS.get(tag)
         if kind is _SYNC:
             self.skipping = False
         if kind is not None:
@@ -478,116 +423,12 @@ class BackendLink(asyncio.Protocol):
         self.uncork()
         self.transport.write(frame)
 
-    def run_quietly(self, sql: str) -> None:
-        """Send a transaction command of the proxy's own (BEGIN, COMMIT, ROLLBACK) whose
-        replies the client does not see but for an error; await `drain()` for it."""
-        self._send_own([p.Query(sql)], [Pending.INTERNAL_QUERY])
-
-    def run_internal(self, sql: str, result_formats: tuple[int, ...], portal: str = INTERNAL_NAME,
-                     max_rows: int = 0) -> None:
-        """Run one statement of the proxy's own in the client's result formats.
-
-        Only its rows and CommandComplete (or its error) reach the client; await
-        `drain()` for it to finish. No Sync is sent: it runs in the client's
-        transaction, and after an error the backend skips to the client's Sync as
-        the client does. With a client's `portal` and a row limit, it runs as that
-        portal to its first `max_rows` rows (then PortalSuspended) and the portal
-        stays open for the client's further Executes, until the transaction ends.
-        Raises UnicodeEncodeError, having sent nothing, when `sql` has a character
-        the client encoding lacks.
-        """
-        assert self.transport is not None
-        n = INTERNAL_NAME
-        # the statement is closed first too: after an error the backend skipped the last one's
-        # Close, and a named statement outlives the transaction
-        messages: list[p.FrontendMessage] = [
-            p.Close(b"P", portal), p.Close(b"S", n), p.Parse(n, sql),
-            p.Bind(portal, n, (), (), result_formats), p.Close(b"S", n),
-            p.Execute(portal, max_rows)]
-        kinds = [Pending.INTERNAL_CLOSE, Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE,
-                 Pending.INTERNAL_BIND, Pending.INTERNAL_CLOSE, Pending.EXECUTE]
-        if portal == INTERNAL_NAME:
-            messages.append(p.Close(b"P", portal))
-            kinds.append(Pending.INTERNAL_CLOSE)
-        self._send_own(messages, kinds)
-
-    def shadow_statement(self, name: str) -> None:
-        """Prepare a placeholder statement of the name of one the proxy holds, so that the
-        backend refuses the name as in use (42P05) until it is closed or deallocated; an error
-        (the name is in use) is relayed. Await `drain()` for it."""
-        self._send_own([p.Parse(name, "SELECT")], [Pending.INTERNAL_PARSE])
-
-    def shadow_portal(self, name: str) -> None:
-        """Bind a placeholder portal of the name of one the proxy holds (see
-        `shadow_statement`; 42P03 for a portal)."""
-        n = SHADOW_NAME
-        self._send_own([p.Close(b"S", n), p.Parse(n, "SELECT"), p.Bind(name, n, (), (), ()),
-                        p.Close(b"S", n)],
-                       [Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND,
-                        Pending.INTERNAL_CLOSE])
-
-    def try_declare(self, declare: str, name: str, extended: bool) -> None:
-        """Declare a cursor for nothing and close it again, the client told only of an error:
-        whether the backend accepts the DECLARE (the name not in use) before the proxy
-        answers the query it is for. `extended`: in the client's extended batch (Parse /
-        Bind / Execute, no Sync, the portal closed as a cursor is); else one Query. Await
-        `drain()` for it."""
-        if not extended:
-            self.run_quietly(f"{declare}; CLOSE {quote_ident(name)}")
-            return
-        self._run_shadow(declare, [p.Close(b"P", name)])
-
-    def pipeline_step(self) -> None:
-        """Run a statement of the proxy's own that does nothing, its replies swallowed, where
-        the proxy answered a client's Execute itself (SET or SHOW dp.*): the backend then sees
-        the client's extended batch as Postgres would have, a pipeline in a transaction,
-        so that a DISCARD ALL or VACUUM after it fails (25001) as it would there. Nothing is
-        sent while the backend skips to the client's Sync."""
-        if not (self.skipping or self.closed):
-            self._run_shadow("SELECT WHERE false")
-
-    def _run_shadow(self, sql: str, closes: list[p.FrontendMessage] | None = None) -> None:
-        """Run `sql` (no rows) as the shadow statement and portal in the client's batch, its
-        replies swallowed but an error, then `closes` (Close messages, their replies
-        swallowed too)."""
-        n = SHADOW_NAME
-        after = closes or []
-        self._send_own([p.Close(b"S", n), p.Parse(n, sql), p.Bind(n, n, (), (), ()),
-                        p.Close(b"S", n), p.Execute(n, 0), p.Close(b"P", n), *after],
-                       [Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND,
-                        Pending.INTERNAL_CLOSE, Pending.INTERNAL_EXECUTE, Pending.INTERNAL_CLOSE,
-                        *[Pending.INTERNAL_CLOSE] * len(after)])
-
-    def fail_transaction(self, extended: bool) -> None:
-        """After an error of the proxy's own, have the backend fail too, as Postgres fails on
-        any error: an open block is aborted (25P02 until ROLLBACK), and an extended batch's
-        implicit transaction is rolled back at its Sync (with what ran before the error).
-        `extended`: a Parse that fails inside the client's batch (the backend then skips to
-        its Sync); else a Query. Its error is not relayed; await `drain()` for it."""
-        if extended:
-            self._send_own([p.Parse(SHADOW_NAME, _FAILING_SQL)], [Pending.INTERNAL_FAIL])
-        else:
-            self._send_own([p.Query(_FAILING_SQL)], [Pending.INTERNAL_FAIL_QUERY])
-
-    def _send_own(self, messages: list[p.FrontendMessage], kinds: list[Pending]) -> None:
-        """Send messages of the proxy's own, awaiting `kinds` of replies; encoded first, so
-        that a UnicodeEncodeError leaves nothing sent nor awaited."""
-        assert self.transport is not None
-        frames = b"".join(m.encode(self.codec) for m in messages)
-        self.uncork()
-        self.pending.extend(kinds)
-        self.transport.write(frames)
-
-    def close_quietly(self, kind: bytes, name: str) -> None:
-        """Close a statement (b"S") or portal (b"P") of the backend's, the client not told."""
-        self._send_own([p.Close(kind, name)], [Pending.INTERNAL_CLOSE])
-
     async def drain(self) -> None:
         """Wait until every forwarded message has its reply relayed (sending Flush if needed)."""
         self.uncork()
         if not self.pending:
             return
-        if self.pending[-1] not in _SIMPLE and self.pending[-1] not in _SYNCS:
+        if self.pending[-1] not in SIMPLE and self.pending[-1] not in SYNCS:
             assert self.transport is not None
             self.transport.write(p.Flush().encode())
         if self._drained is None:
@@ -625,106 +466,9 @@ class BackendLink(asyncio.Protocol):
         except p.ProtocolViolation as e:
             self._handshake.put_nowait(BackendError(f"backend sent an invalid message: {e}"))
 
-    async def _next(self) -> p.BackendMessage:
+    async def next_login_message(self) -> p.BackendMessage:
         item = await self._handshake.get()
         if isinstance(item, BaseException):
             raise item
         return item
 
-    async def login(self, dsn: DSN, parameters: dict[str, str]) -> None:
-        """Send the startup packet and authenticate; returns at the first ReadyForQuery."""
-        assert self.transport is not None
-        params = {"user": dsn.user, "database": dsn.database, **parameters}
-        self.transport.write(p.StartupMessage(params).encode())
-        scram: ScramClient | None = None
-        while True:
-            msg = await self._next()
-            if isinstance(msg, p.Authentication):
-                scram = self._answer_auth(msg, dsn, scram)
-            elif isinstance(msg, p.ParameterStatus):
-                self.parameters[msg.name] = msg.value
-                if msg.name == "client_encoding":
-                    # the session refuses an encoding without a codec once logged in
-                    self._client_encoding(msg.value)
-            elif isinstance(msg, p.BackendKeyData):
-                self.key = (msg.process_id, msg.secret_key)
-            elif isinstance(msg, p.ReadyForQuery):
-                self.tx_status = msg.status
-                return
-            elif isinstance(msg, p.ErrorResponse) and not isinstance(msg, p.NoticeResponse):
-                raise BackendError(msg.message or "backend login failed", msg.fields)
-
-    def _answer_auth(
-        self, msg: p.Authentication, dsn: DSN, scram: ScramClient | None
-    ) -> ScramClient | None:
-        assert self.transport is not None
-        if msg.code == p.AUTH_OK:
-            return scram
-        if msg.code in (p.AUTH_CLEARTEXT, p.AUTH_MD5, p.AUTH_SASL) and dsn.password is None:
-            raise BackendError(f"the backend asks for a password for role {dsn.user!r}; none is configured")
-        assert dsn.password is not None
-        if msg.code == p.AUTH_CLEARTEXT:
-            self.transport.write(p.PasswordMessage(dsn.password.encode() + b"\0").encode())
-        elif msg.code == p.AUTH_MD5:
-            inner = hashlib.md5((dsn.password + dsn.user).encode()).hexdigest()
-            outer = hashlib.md5(inner.encode() + msg.data[:4]).hexdigest()
-            self.transport.write(p.PasswordMessage(f"md5{outer}".encode() + b"\0").encode())
-        elif msg.code == p.AUTH_SASL:
-            if MECHANISM not in msg.mechanisms():
-                raise BackendError(f"backend offers no supported SASL mechanism: {msg.mechanisms()}")
-            scram = ScramClient(dsn.password)
-            self.transport.write(p.SASLInitialResponse(MECHANISM, scram.client_first()).encode())
-        elif msg.code == p.AUTH_SASL_CONTINUE and scram is not None:
-            try:
-                self.transport.write(p.PasswordMessage(scram.client_final(msg.data)).encode())
-            except ScramError as e:
-                raise BackendError(str(e)) from None
-        elif msg.code == p.AUTH_SASL_FINAL and scram is not None:
-            try:
-                scram.verify_server_final(msg.data)
-            except ScramError as e:
-                raise BackendError(str(e)) from None
-        else:
-            raise BackendError(f"unsupported authentication request {msg.code} from the backend")
-        return scram
-
-
-async def open_transport(
-    dsn: DSN, factory: Callable[[], asyncio.Protocol]
-) -> tuple[asyncio.Transport, asyncio.Protocol]:
-    loop = asyncio.get_running_loop()
-    if dsn.is_unix:
-        transport, proto = await loop.create_unix_connection(factory, dsn.socket_path)
-    else:
-        transport, proto = await loop.create_connection(factory, dsn.host, dsn.port)
-    return transport, proto
-
-
-async def connect(dsn: DSN, parameters: dict[str, str], timeout: float = 30.0) -> BackendLink:
-    """Open and log in a backend connection; raises BackendError or OSError."""
-    link = BackendLink()
-    try:
-        async with asyncio.timeout(timeout):
-            await open_transport(dsn, lambda: link)
-            await link.login(dsn, parameters)
-    except BaseException:
-        link.close()
-        raise
-    return link
-
-
-async def send_cancel(dsn: DSN, key: tuple[int, int]) -> None:
-    """Ask the backend to cancel the query running under `key` (pid, secret)."""
-    loop = asyncio.get_running_loop()
-    if dsn.is_unix:
-        reader, writer = await asyncio.open_unix_connection(dsn.socket_path)
-    else:
-        reader, writer = await asyncio.open_connection(dsn.host, dsn.port)
-    try:
-        writer.write(p.CancelRequest(*key).encode())
-        await writer.drain()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(reader.read(1), 2.0)
-    finally:
-        writer.close()
-        del loop

@@ -1,0 +1,125 @@
+"""Per-user partial aggregates in SQL, and the clamping of their values to finite bounds.
+
+Clamping `LEAST(GREATEST(v, L), U)` maps NaN to U (Postgres orders NaN above
+every number) and ±Infinity to U and L, so none survives to the output.
+Per-user partials are computed in `numeric`, which neither overflows nor
+fails on NaN or infinities.
+"""
+
+from __future__ import annotations
+
+from dp_core.errors import FeatureNotSupported, InternalError
+from dp_core.query import AggKind, Aggregate
+from dp_core.splice import PH
+
+
+def num(x: float) -> str:
+    """A numeric literal for one of our own (finite) constants."""
+    if x != x or x in (float("inf"), float("-inf")):
+        raise InternalError()
+    text = repr(float(x))  # our own constants only: never user text
+    return f"({text})::numeric" if text.startswith("-") else f"{text}::numeric"
+
+
+def clamp(col: str, lower: float, upper: float) -> str:
+    """A per-user partial clamped to [lower, upper], in numeric: what is computed from it
+    (centred sums, squares) cannot overflow, whatever the bounds (float8 squares could)."""
+    return (f"CASE WHEN {col} IS NULL THEN NULL ELSE "
+            f"LEAST(GREATEST(({col})::numeric, {num(lower)}), {num(upper)}) END")
+
+
+def f8(x: float) -> str:
+    """A float8 literal for one of our own (finite) constants."""
+    if x != x or x in (float("inf"), float("-inf")):
+        raise InternalError()
+    return f"({float(x)!r})::float8"
+
+
+_EXACT_INTEGERS = frozenset({"int2", "int4", "int8"})
+"""sum/avg of these accumulate exactly in int8/numeric: no overflow, no NaN."""
+_FLOATS = frozenset({"float4", "float8"})
+NUMERIC_TYPES = _EXACT_INTEGERS | _FLOATS | {"numeric"}
+FLOAT_ROW_CLAMP = 1e290
+"""Float rows are clamped to ±1e290 first, so a sum of up to 10^18 of them cannot overflow."""
+QUANTILE_ROW_CLAMP = 1e300
+"""Numeric rows are clamped to ±1e300 before they become float8 for a quantile."""
+
+
+def _clamp_row(expr: str, limit: float, cast: str) -> str:
+    """`expr` clamped to ±limit with NULL kept (LEAST/GREATEST alone ignore NULLs) and NaN
+    mapped to +limit (NaN sorts above every number)."""
+    return (f"CASE WHEN {expr} IS NULL THEN NULL ELSE LEAST(GREATEST({expr}, ({-limit!r})::{cast}), "
+            f"({limit!r})::{cast}) END")
+
+
+def _arg(i: int, arg_type: str | None) -> str:
+    """The per-row argument of aggregate i, in a form whose sum cannot fail."""
+    if arg_type in _EXACT_INTEGERS or arg_type == "numeric":
+        return f"{PH}a{i}"
+    if arg_type in _FLOATS:
+        # NaN becomes +1e290, then the per-user clamp to U
+        return _clamp_row(f"({PH}a{i})::float8", FLOAT_ROW_CLAMP, "float8")
+    return f"({PH}a{i})::numeric"
+
+
+def _float_arg(i: int, arg_type: str | None) -> str:
+    """The per-row argument of a quantile as a finite float8 (NaN becomes the upper clamp)."""
+    if arg_type in _EXACT_INTEGERS:
+        return f"({PH}a{i})::float8"
+    if arg_type in _FLOATS:
+        return _arg(i, arg_type)
+    return f"({_clamp_row(f'({PH}a{i})::numeric', QUANTILE_ROW_CLAMP, 'numeric')})::float8"
+
+
+def partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
+    """Aggregate i's per-user partial columns (one row per user and group); `value(i, ...)`
+    is its value over them."""
+    if agg.kind is AggKind.COUNT:
+        return f"count({PH}a{i}) AS dp_p{i}" if agg.arg is not None else f"count(*) AS dp_p{i}"
+    if agg.kind is AggKind.COUNT_DISTINCT:
+        if arg_type is not None and arg_type.endswith("[]"):
+            # an array (as the probe names it): arrays of arrays must have one shape, so the
+            # pushdown would fail on the data, after the charge
+            raise FeatureNotSupported(
+                f"{agg.output_name}: COUNT(DISTINCT x) of an array (type {arg_type})",
+                hint="count a scalar, e.g. the array's text: x::text")
+        # the user's distinct values, at most k of them: a fixed choice among its own values
+        # (by a hash of their text, so that users with many values do not all keep the same
+        # smallest ones, which would make the count smaller than it need be)
+        return (f"(SELECT array_agg(dp_v) FROM (SELECT dp_v FROM unnest(array_agg(DISTINCT "
+                f"{PH}a{i})) AS dp_v WHERE dp_v IS NOT NULL ORDER BY hashtext(dp_v::text) "
+                f"LIMIT {int(agg.known_bounds.upper)}) AS dp_d) AS dp_p{i}")
+    if agg.arg is not None and arg_type is not None and arg_type not in NUMERIC_TYPES:
+        raise FeatureNotSupported(
+            f"{agg.output_name}: the argument of {agg.kind.value} must be a number, not {arg_type}",
+            hint="cast it in the query, e.g. x::numeric, where every value converts")
+    if agg.kind is AggKind.SUM:
+        return f"sum({_arg(i, arg_type)}) AS dp_p{i}"
+    if agg.kind is AggKind.QUANTILE:
+        assert agg.quantile is not None
+        return (f"percentile_cont({float(agg.quantile)!r}::float8) WITHIN GROUP "
+                f"(ORDER BY {_float_arg(i, arg_type)}) AS dp_p{i}")
+    # AVG, VAR, STDDEV: the user's mean, divided only for the rows a user keeps (avg() would
+    # divide in numeric for every user and group). For floats, avg() would also accumulate
+    # the sum of squares, which overflows (an error) above ~1e154; the row clamp keeps the
+    # sum finite.
+    arg = _arg(i, arg_type)
+    return f"sum({arg}) AS dp_s{i}, count({arg}) AS dp_n{i}"
+
+
+MEANS = frozenset({AggKind.AVG, AggKind.VAR, AggKind.STDDEV})
+"""Aggregates whose per-user value is a mean: `partial` makes a sum and a count."""
+
+
+def value(i: int, agg: Aggregate, arg_type: str | None) -> str:
+    """Aggregate i's per-user value, over the columns `partial` made."""
+    if agg.kind not in MEANS:
+        return f"dp_p{i}"
+    total = f"dp_s{i}" if arg_type in _FLOATS else f"(dp_s{i})::numeric"
+    return f"({total} / NULLIF(dp_n{i}, 0))"
+
+
+def present(i: int, agg: Aggregate) -> str:
+    """A column `partial` made that is NULL exactly when aggregate i's per-user value is (a
+    mean's sum is NULL iff its count is 0): cheaper to test than the value, a division."""
+    return f"dp_s{i}" if agg.kind in MEANS else f"dp_p{i}"

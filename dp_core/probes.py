@@ -1,0 +1,68 @@
+"""Statements only prepared, never run: the types of the query's expressions, its subqueries."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pglast import ast, parse_sql
+from pglast.enums import LimitOption, SetOperation
+from pglast.stream import RawStream
+
+from dp_core.query import AggKind, AnalyzedQuery
+from dp_core.splice import PH, Splice
+
+
+def _probe_sql(query: AnalyzedQuery, exprs: dict[str, Any],
+               inner: dict[str, tuple[Any, Any]] | None = None) -> str | None:
+    """`SELECT expr AS name, ... FROM <the query's FROM> WHERE FALSE`: prepared, never run,
+    so that Postgres reports the expressions' types. `inner` maps more names to an expression
+    and the inner query whose FROM it reads, probed as `(SELECT expr FROM <its FROM> WHERE
+    FALSE)`: a scalar subquery has its column's type."""
+    inner = inner or {}
+    if not exprs and not inner:
+        return None
+    cols = [f"{PH}{name} AS {name}" for name in exprs]
+    cols += [f"(SELECT {PH}{name} FROM {PH}from_{name} WHERE FALSE) AS {name}" for name in inner]
+    stmt = parse_sql(f"SELECT {', '.join(cols)} FROM {PH}from WHERE FALSE")[0].stmt
+    nodes = {f"{PH}{name}": node for name, node in exprs.items()}
+    nodes.update((f"{PH}{name}", arg) for name, (arg, _) in inner.items())
+    froms = {f"{PH}from_{name}": tuple(scope.fromClause) for name, (_, scope) in inner.items()}
+    Splice(nodes, query.from_clause, froms)(stmt)
+    if query.ctes:
+        stmt.withClause = ast.WithClause(ctes=tuple(copy.deepcopy(query.ctes)))
+    return str(RawStream()(stmt))
+
+
+def argument_probe_sql(query: AnalyzedQuery) -> str | None:
+    """A query whose result columns have the types of the aggregates' arguments (a{i}), of
+    the deferred casts' arguments (c{i}, for `check_casts`), of the arithmetic operators as
+    written (t{i}, for their integer semantics) and, for queries with quantiles,
+    of the keys (k{i}): one statement to prepare."""
+    exprs = {f"a{i}": a.arg for i, a in enumerate(query.aggregates)
+             if a.arg is not None and a.kind is not AggKind.COUNT}
+    exprs.update((f"c{i}", c.arg) for i, c in enumerate(query.casts) if c.scope is None)
+    exprs.update((f"t{i}", c.arg) for i, c in enumerate(query.arithmetic) if c.scope is None)
+    if query.has_quantiles:  # (k{i}): whether trees and rows can be matched by key text
+        exprs.update((f"k{i}", k.expr) for i, k in enumerate(query.keys))
+    inner = {f"c{i}": (c.arg, c.scope) for i, c in enumerate(query.casts) if c.scope is not None}
+    inner.update((f"t{i}", (c.arg, c.scope)) for i, c in enumerate(query.arithmetic)
+                 if c.scope is not None)
+    return _probe_sql(query, exprs, inner)
+
+
+def standalone_subqueries(query: AnalyzedQuery) -> list[str]:
+    """Each IN or EXISTS subquery of `query` as a statement of its own (with the query's WITH
+    list): it plans only if it reads nothing of the DP query's row, i.e. is not correlated."""
+    out = []
+    for sub in query.sublinks:
+        outer = ast.SelectStmt(
+            targetList=(ast.ResTarget(val=ast.A_Const(val=ast.Integer(ival=1))),),
+            fromClause=(ast.RangeSubselect(lateral=False, subquery=copy.deepcopy(sub),
+                                           alias=ast.Alias(aliasname="dp_s")),),
+            limitOption=LimitOption.LIMIT_OPTION_DEFAULT, op=SetOperation.SETOP_NONE)
+        if query.ctes:
+            outer.withClause = ast.WithClause(ctes=tuple(copy.deepcopy(query.ctes)),
+                                              recursive=False)
+        out.append(str(RawStream()(outer)))
+    return out
