@@ -76,7 +76,7 @@ class ProxyServer:
     async def start(self) -> None:
         import asyncpg
 
-        from server.dp import DPService
+        from server.dp_query import DPService
         from server.ledger import Ledger
 
         b = self.config.backend

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from config import Config
-from server import dp
+from server.dp_query import uid_split
 
 from .conftest import Backend, LoopThread, Proxy, running_proxy
 from .test_dp_queries import reset, spent  # noqa: F401  (reset is a fixture)
@@ -162,8 +162,8 @@ def proxy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, loop_
     so that the fuzzer runs that path too; "prefiltered": every split pushdown whose types
     allow it picks users' groups from their rows (whatever the groups per user)."""
     if request.param == "prefiltered":
-        monkeypatch.setattr(dp, "_PREFILTER_GROUPS_PER_USER", 0.0)
-        monkeypatch.setattr(dp, "_PREFILTER_KEPT_SHARE", float("inf"))
+        monkeypatch.setattr(uid_split, "_PREFILTER_GROUPS_PER_USER", 0.0)
+        monkeypatch.setattr(uid_split, "_PREFILTER_KEPT_SHARE", float("inf"))
     b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0})
     with running_proxy(loop_thread, demo_config.model_copy(update={"backend": b}), backend) as px:
         yield px
@@ -218,7 +218,7 @@ def _paths_taken(proxy: Proxy) -> bool:
     pushdown prefilter) some was prefiltered."""
     split = [x for x in proxy.server.metrics.pushdown_split.collect()[0].samples
              if x.name.endswith("_total")]
-    if dp._PREFILTER_GROUPS_PER_USER == 0:
+    if uid_split._PREFILTER_GROUPS_PER_USER == 0:
         return sum(x.value for x in split if x.labels["prefiltered"] == "yes") > 0
     return sum(x.value for x in split) > 0
 

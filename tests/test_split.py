@@ -98,7 +98,7 @@ def test_trees_add_up_node_by_node_and_merge_as_streams() -> None:
     assert list(merged["dp_codes"]) == [0, 3, 4, 17] and list(merged["dp_counts"]) == [6, 2, 1, 5]
     assert add_trees([a]) is a
 
-    from server.dp import _merged_trees
+    from server.dp_query.run import merged_trees
 
     def row(key: str | None, agg: int, n: int) -> dict[str, Any]:
         return {"dp_t0": key, "dp_agg": agg, "dp_codes": [0], "dp_counts": [n]}
@@ -115,7 +115,7 @@ def test_trees_add_up_node_by_node_and_merge_as_streams() -> None:
 
     async def merge(parts: list[list[dict[str, Any]]]) -> list[tuple[Any, ...]]:
         return [(r["dp_t0"], r["dp_agg"], int(r["dp_counts"][0]))
-                async for r in _merged_trees([stream(p) for p in parts], 1)]
+                async for r in merged_trees([stream(p) for p in parts], 1)]
 
     assert asyncio.run(merge(ranges)) == [("B", 0, 2), ("a", 0, 1), ("a", 1, 3), ("é", 0, 1),
                                           (None, 0, 3)]

@@ -18,6 +18,7 @@ from dp_core.errors import (
 from dp_core.result import copy_result
 from server import wire as p
 from server.backend_setup import quote_ident
+from server.dp_query.request import DPRequest
 from server.encodings import untranslatable
 from server.session.base import AlreadyReported, State, log
 from server.session.startup import WithStartup
@@ -47,6 +48,14 @@ def _wrapped(st: Statement, sql: str) -> str:
 
 class WithLocalAnswers(WithStartup):
     __slots__ = ()
+
+    def dp_request(self) -> DPRequest:
+        """What the DP path needs of this session for one statement, as things stand now."""
+        link = self.link
+        assert link is not None
+        analyst = self.config.analysts.get(self.user)
+        return DPRequest(self.user, analyst is not None and analyst.admin, self.process_id,
+                         self.settings, self.caps, link.codec, link.encoding, self.dp_charged)
 
     def _backend_failed_batch(self) -> bool:
         """True when the backend reported an error since its last ReadyForQuery."""
@@ -126,7 +135,8 @@ class WithLocalAnswers(WithStartup):
             return
         if st.kind is StatementKind.LOCAL_FUNCTION:
             self._check_cursor_block(st)
-            sql = await self.server.dp.local_function(self, st, bind=bind, param_types=param_types)
+            sql = await self.server.dp.local_function(self.dp_request(), st, bind=bind,
+                                                      param_types=param_types)
             await self.relay_result(_wrapped(st, sql), bind, execute=execute)
             return
         if st.kind is StatementKind.PASS_THROUGH:  # one with an effect on the proxy's state
@@ -146,7 +156,7 @@ class WithLocalAnswers(WithStartup):
             # its own task, so that a CancelRequest can stop it (and its pushdown) alone
             self._dp_charged = False
             self._dp_task = asyncio.get_running_loop().create_task(
-                self.server.dp.answer(self, st, bind, param_types))
+                self.server.dp.answer(self.dp_request(), st, bind, param_types))
             try:
                 sql, notices = await self._dp_task
             except asyncio.CancelledError:

@@ -31,6 +31,7 @@ from server.replies import error_response
 if TYPE_CHECKING:
     from config import Config
     from dp_core.classify import Classifier
+    from server.dp_query import DPService
     from server.logs import StatementLogger
     from server.metrics import Metrics
 
@@ -42,8 +43,7 @@ class SessionHost(Protocol):
     database: str
     classifier: Classifier
     caps: Caps
-    dp: Any
-    """The DP path (server.dp.DPService)."""
+    dp: DPService
     metrics: Metrics
     statement_log: StatementLogger
     mock_secret: bytes

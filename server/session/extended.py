@@ -188,7 +188,7 @@ class WithLocalExtended(WithLocalAnswers):
             types = tuple(local.param_types)
             if st.kind in DP_KINDS:
                 declared = types + (0,) * (local.n_params - len(types))
-                types = await self.server.dp.parameter_types(self, st, declared)
+                types = await self.server.dp.parameter_types(self.dp_request(), st, declared)
             self.send(p.ParameterDescription(types))
             self.send(await self._row_description(st, None, local.param_types, ()))
         else:
@@ -207,7 +207,8 @@ class WithLocalExtended(WithLocalAnswers):
         if st.kind in (StatementKind.LOCAL_SET, StatementKind.PASS_THROUGH) or st.wraps_result:
             # (a forwarded statement the proxy follows returns no rows, nor DECLARE or COPY)
             return p.NoData()
-        desc: p.RowDescription = await self.server.dp.describe(self, st, bind, param_types, formats)
+        desc: p.RowDescription = await self.server.dp.describe(
+            self.dp_request(), st, bind, param_types, formats)
         return desc
 
     async def _local_execute(self, ex: p.Execute, portal: LocalPortal) -> None:

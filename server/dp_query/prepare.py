@@ -1,0 +1,233 @@
+"""Preparing a DP query before any charge: analysis, plan, pushdown statements planned by Postgres."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import asyncpg
+from pglast import ast
+
+from config import Config
+from dp_core.analysis import analyze, parse_select
+from dp_core.catalogue import INTEGER_TYPES, NUMBER_TYPES, check_casts
+from dp_core.classify import Statement
+from dp_core.cost import RowWorkBudget
+from dp_core.errors import (
+    DPError,
+    FeatureNotSupported,
+    InsufficientPrivilege,
+    InvalidParameterValue,
+)
+from dp_core.plan import make_plan
+from dp_core.probes import argument_probe_sql, standalone_subqueries
+from dp_core.pushdown_cache import PushdownCache
+from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
+from dp_core.result import TypeRef
+from dp_core.settings import query_settings
+from server import wire as p
+from server.backend_setup import quote_ident
+from server.dp_query.prepared import Prepared, answer_sql
+from server.dp_query.request import DPRequest
+from server.wire.params import param_text
+
+TEXT_KEY_OIDS = frozenset({18, 19, 25, 1042, 1043})
+HASHED_KEY_OIDS = frozenset({700, 701, 1021, 1022, 1186, 1187, 1231, 1700, 3802, 3807, 3906,
+                              3907, 4532, 6151})
+"""Group-key types whose equal values can print differently and that have a hash function
+(float4/8, interval ('1 day' = '24 hours'), numeric, jsonb, numrange, nummultirange and their
+arrays): a group's row and its quantile trees are matched by the hash (`Key.hashed`)."""
+
+
+def _planning_error(e: asyncpg.PostgresError) -> DPError:
+    """Postgres's error on preparing a generated statement, as the analyst's: planning reads
+    no rows, so its errors (unknown column, type mismatch) are safe to show."""
+    message = str(e).replace("dp_per_user", "the query").replace("dp_result.", "")
+    err = DPError(message.replace("dp_result", "the result"))
+    err.sqlstate = e.sqlstate or "XX000"
+    return err
+
+
+class Preparer:
+    """Analyses, plans and prepares DP queries on pushdown connections, reading no row."""
+
+    def __init__(self, config: Config, pool: asyncpg.Pool, restricted_role: str) -> None:
+        self.config = config
+        self.pool = pool
+        self.policy = {
+            name: TablePolicy(t.schema_, t.uid_column,
+                              {c: Bounds(b.lower, b.upper) for c, b in t.columns.items()})
+            for name, t in config.tables.items()
+        }
+        self.pushdowns = PushdownCache()
+        self._type_names: dict[int, TypeRef] = {}
+        self._nondeterministic: bool | None = None
+        self._restricted_role = restricted_role
+        """The role analysts' own SQL runs as: a DP query reads no table it cannot."""
+        d = config.defaults
+        self._row_work = RowWorkBudget(d.max_row_work_passes, d.max_row_work_bytes)
+
+    @staticmethod
+    async def _probe(query: AnalyzedQuery, conn: Any) -> list[Any]:
+        """The result attributes of `argument_probe_sql(query)` (none when it has nothing to
+        ask), which Postgres reports when the statement is prepared (never run)."""
+        probe = argument_probe_sql(query)
+        return [] if probe is None else list((await conn.prepare(probe)).get_attributes())
+
+    async def prepare(self, request: DPRequest, st: Statement, bind: p.Bind | None,
+                      param_types: Sequence[int] = (), conn: Any = None) -> Prepared:
+        """Analyse and plan `st` and prepare its pushdown; raises DPError on refusal.
+
+        With `conn` (a pushdown connection the caller holds) the prepared statement
+        stays usable for running the pushdown without planning it again.
+        """
+        if conn is None:
+            async with self.pool.acquire() as own:
+                return await self.prepare(request, st, bind, param_types, own)
+        params = None if bind is None else \
+            await self.bind_params(bind, param_types, request.codec, request.encoding)
+        unit = st.dp_clause.option("privacy_unit_column") if st.dp_clause is not None else None
+
+        def analysis(integer_types: dict[int, str] | None = None) -> AnalyzedQuery:
+            return analyze(parse_select(st.stripped_sql, params), self.policy,
+                           plain_form=st.dp_clause is None,
+                           privacy_unit=None if unit is None else str(unit),
+                           integer_types=integer_types, row_work=self._row_work)
+
+        query = analysis()
+        settings = query_settings(request.settings, request.caps,
+                                  st.dp_clause.options if st.dp_clause is not None else ())
+        try:
+            await self._check_relations(query, conn)
+            attrs = await self._probe(query, conn)
+            types = {a.name: a.type.name for a in attrs}
+            for i in range(len(query.arithmetic)):
+                if types[f"t{i}"] not in NUMBER_TYPES:
+                    # (the total form computes in numeric: a cast of jsonb, say, that fails on
+                    # some values)
+                    raise FeatureNotSupported(
+                        f"not allowed in a DP query (arithmetic on {types[f't{i}']}: only on "
+                        "numbers)")
+            integers = {c.location: types[f"t{i}"] for i, c in enumerate(query.arithmetic)
+                        if types[f"t{i}"] in INTEGER_TYPES}
+            if integers:
+                # integer arithmetic as Postgres types it: analysed again with that known,
+                # so that `duration / 60` truncates and keeps its type (`_as_integer`)
+                query = analysis(integers)
+                attrs = await self._probe(query, conn)
+                types = {a.name: a.type.name for a in attrs}
+            arg_types = {int(name[1:]): t for name, t in types.items() if name[0] == "a"}
+            check_casts(query.casts, [types[f"c{i}"] for i in range(len(query.casts))])
+            if attrs:
+                query = query.with_hashed_keys(await self._hashed_keys(
+                    [a.type.oid for a in attrs if a.name[0] == "k"], conn))
+            # what the statements depend on but the order seed (`PushdownCache`)
+            cache_key = (st.sql, bind.param_formats if bind else None,
+                         bind.params if bind else None, tuple(param_types), settings,
+                         tuple(sorted(arg_types.items())),
+                         tuple(k.hashed for k in query.keys), tuple(sorted(integers.items())))
+            plan = make_plan(query, settings.epsilon, settings.delta,
+                             settings.max_groups_contributed, settings.noise,
+                             selection=settings.selection)
+            pd = self.pushdowns.pushdown(cache_key, query, plan, arg_types)
+            statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
+        except asyncpg.PostgresError as e:
+            raise _planning_error(e) from None
+        key_types: list[TypeRef] = []
+        key_oids: list[int] = []
+        if query.keys:  # grouped: the main statement has the keys (it counts the users)
+            main = {a.name: a.type for a in statements["main"].get_attributes()}
+            key_types = [(main[f"dp_k{i}"].schema, main[f"dp_k{i}"].name)
+                         for i in range(len(query.keys))]
+            key_oids = [main[f"dp_k{i}"].oid for i in range(len(query.keys))]
+        param_oids: list[int] = []
+        for stmt in statements.values():
+            found = [t.oid for t in stmt.get_parameters()]
+            param_oids = found if len(found) > len(param_oids) else param_oids
+        prepared = Prepared(query, plan, pd, statements, arg_types, key_types, key_oids,
+                            param_oids, cache_key=cache_key)
+        # The result query (HAVING, ORDER BY and expressions over the released values), with
+        # no rows: what it cannot use is refused here, before any charge, not after the run.
+        try:
+            result = await conn.prepare(answer_sql(prepared, []))
+        except asyncpg.PostgresError as e:
+            raise _planning_error(e) from None
+        prepared.columns = list(result.get_attributes())
+        return prepared
+
+    async def _check_relations(self, query: AnalyzedQuery, conn: Any) -> None:
+        """Refuse (42501) a DP query that reads by name a table the analysts may not read
+        themselves: the ledger's schema, a system schema, or one the restricted role has no
+        SELECT on. The pushdown role reads more (the ledger, protected rows): a DP query
+        reads nothing through it that is not protected (and so bounded) or public. A name
+        that resolves to nothing is left to Postgres (42P01 when the pushdown is prepared)."""
+        closed = {self.config.backend.ledger_schema, "information_schema"}
+        for schema, name in query.relations:
+            qualified = quote_ident(name) if schema is None \
+                else f"{quote_ident(schema)}.{quote_ident(name)}"
+            row = await conn.fetchrow(
+                "SELECT n.nspname, has_table_privilege($2::text, c.oid, 'SELECT') AS readable, "
+                "c.relrowsecurity FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+                "ON n.oid = c.relnamespace WHERE c.oid = pg_catalog.to_regclass($1)",
+                qualified, self._restricted_role)
+            if row is None:
+                continue
+            namespace = str(row["nspname"])
+            # (a table under row-level security shows the pushdown role other rows than the
+            # analysts: unless protected, it is not public)
+            if namespace in closed or namespace.startswith("pg_") or not row["readable"] \
+                    or row["relrowsecurity"]:
+                raise InsufficientPrivilege(
+                    f"a DP query reads only protected tables and tables the analysts may read, "
+                    f"not {qualified}")
+        for sql in standalone_subqueries(query):
+            try:
+                await conn.prepare(sql)
+            except (asyncpg.UndefinedColumnError, asyncpg.UndefinedTableError):
+                raise FeatureNotSupported(
+                    "not allowed in a DP query (IN and EXISTS subqueries that read the DP "
+                    "query's row: they would run once per row; write a join instead)") from None
+
+    async def _hashed_keys(self, key_oids: list[int], conn: Any) -> list[int]:
+        """Which keys (of a query with quantiles, by type) match a group's row with its trees
+        by hash rather than text (`Key.hashed`)."""
+        if any(o in TEXT_KEY_OIDS for o in key_oids) and await self.has_nondeterministic(conn):
+            hashed = HASHED_KEY_OIDS | TEXT_KEY_OIDS  # 'a' = 'A' may be a group
+        else:
+            hashed = HASHED_KEY_OIDS
+        return [i for i, o in enumerate(key_oids) if o in hashed]
+
+    async def has_nondeterministic(self, conn: Any) -> bool:
+        """Whether the database has a nondeterministic collation (read once)."""
+        if self._nondeterministic is None:
+            self._nondeterministic = bool(await conn.fetchval(
+                "SELECT EXISTS (SELECT FROM pg_collation WHERE NOT collisdeterministic)"))
+        return self._nondeterministic
+
+    async def _type_name(self, oid: int) -> TypeRef:
+        if oid not in self._type_names:
+            row = await self.pool.fetchrow(
+                "SELECT n.nspname, t.typname FROM pg_type t JOIN pg_namespace n "
+                "ON n.oid = t.typnamespace WHERE t.oid = $1", oid)
+            if row is None:
+                raise InvalidParameterValue(f"unknown parameter type oid {oid}")
+            self._type_names[oid] = (row[0], row[1])
+        return self._type_names[oid]
+
+    async def bind_params(self, bind: p.Bind, param_types: Sequence[int], codec: str,
+                           encoding: str) -> dict[int, Any]:
+        """The Bind's parameter values (text in the client encoding: its Python codec and
+        name) as typed constants for the analysis."""
+        out: dict[int, Any] = {}
+        for i, raw in enumerate(bind.params):
+            oid = param_types[i] if i < len(param_types) and param_types[i] else 0
+            text = None if raw is None else \
+                param_text(raw, bind.param_format(i), oid, codec, encoding)
+            const: Any = ast.A_Const(isnull=True) if text is None else ast.A_Const(
+                val=ast.String(sval=text))
+            if oid:
+                schema, name = await self._type_name(oid)
+                const = ast.TypeCast(arg=const, typeName=ast.TypeName(
+                    names=(ast.String(sval=schema), ast.String(sval=name))))
+            out[i + 1] = const
+        return out

@@ -1,0 +1,267 @@
+"""Running a charged pushdown: APPROX_BOUNDS, then partition selection and quantile trees, streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+
+from config import Config
+from dp_core.errors import InternalError
+from dp_core.mechanisms import secure_rng
+from dp_core.plan import DPQueryPlan, replan_with_bounds
+from dp_core.quantiles import FoundBounds, choose_bounds
+from dp_core.query import AnalyzedQuery, Bounds
+from dp_core.release import (
+    GroupKey,
+    Selection,
+    SelectionStream,
+    add_rows,
+    add_trees,
+    group_key,
+    row_order,
+    tree_answer,
+    tree_nodes,
+    tree_order,
+)
+from dp_core.rewrite import pushdown, ranged_pushdown
+from dp_core.uid_ranges import UidRange, uid_ranges
+
+if TYPE_CHECKING:
+    from server.metrics import Metrics
+from server.dp_query.prepared import Prepared
+
+_TREE_NODES_PER_FETCH = 1 << 16
+_TREE_ROWS_PER_FETCH = 1024
+"""Quantile-tree rows are fetched in batches of about this many nodes, at most this many rows."""
+_ROWS_PER_FETCH = 2048
+"""Main-statement rows per fetch (split among the ranges merged at once)."""
+_ROWS_PER_SELECTION = 4096
+"""Main-statement rows partition selection takes at a time (`SelectionStream`)."""
+_SNAPSHOT = re.compile(r"^[0-9A-Fa-f-]+$")
+
+
+@dataclass(frozen=True)
+class PushdownRun:
+    """What the pushdown returned, with the plan its bounds were found for."""
+
+    query: AnalyzedQuery
+    plan: DPQueryPlan
+    rows: Sequence[Any]
+    quantiles: dict[tuple[GroupKey, int], float]
+    bounds: dict[int, FoundBounds]
+    selection: Selection
+
+
+async def _tree_stream(cursor: Any, timeout: float, streams: int = 1) -> AsyncIterator[Any]:
+    """The rows of a tree statement's cursor; each fetch asks for about _TREE_NODES_PER_FETCH
+    nodes' worth of rows (shared by `streams` merged at once), judging by the last (few big
+    trees, or many small ones)."""
+    batch, nodes_per_fetch = 1, _TREE_NODES_PER_FETCH // streams
+    while rows := await cursor.fetch(batch, timeout=timeout + 5):
+        nodes = 0
+        for r in rows:
+            nodes += tree_nodes(r)
+            yield r
+        batch = max(1, min(_TREE_ROWS_PER_FETCH, nodes_per_fetch * len(rows) // max(nodes, 1)))
+
+
+async def _row_stream(cursor: Any, timeout: float, streams: int = 1) -> AsyncIterator[Any]:
+    """The rows of a main statement's cursor, fetched _ROWS_PER_FETCH at a time (shared by
+    `streams` merged at once)."""
+    batch = max(1, _ROWS_PER_FETCH // streams)
+    while rows := await cursor.fetch(batch, timeout=timeout + 5):
+        for r in rows:
+            yield r
+
+
+async def _merged(streams: list[AsyncIterator[Any]], order: Callable[[Any], tuple[Any, ...]],
+                  combine: Callable[[list[Any]], Any], what: str) -> AsyncIterator[Any]:
+    """Rows of several ranges of users, each stream sorted by `order`, merged: `combine` of
+    the rows that sort alike (one group's), holding one batch per range at a time."""
+    # the first fetch runs each range's statement (to its sort): at once, not one by one
+    heads = list(await asyncio.gather(*(anext(s, None) for s in streams)))
+    while True:
+        live = [order(h) for h in heads if h is not None]
+        if not live:
+            return
+        first = min(live)
+        parts = []
+        for i, head in enumerate(heads):
+            if head is not None and order(head) == first:
+                parts.append(head)
+                heads[i] = nxt = await anext(streams[i], None)
+                if nxt is not None and order(nxt) <= first:
+                    raise InternalError(f"{what} out of order")
+        yield combine(parts)
+
+
+def _merged_rows(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIterator[Any]:
+    """The main rows of several ranges (`row_order`): one row per group (`add_rows`)."""
+    by, keep = [f"dp_t{i}" for i in range(keys)], [f"dp_k{i}" for i in range(keys)]
+    return _merged(streams, lambda r: row_order(r, keys),
+                   lambda parts: parts[0] if len(parts) == 1 else add_rows([parts], by, keep)[0],
+                   "pushdown rows")
+
+
+def merged_trees(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIterator[Any]:
+    """The trees of several ranges (`tree_order`): one per group and aggregate (`add_trees`)."""
+    return _merged(streams, lambda r: tree_order(r, keys), add_trees, "quantile-tree rows")
+
+
+class PushdownRunner:
+    """Runs charged pushdowns on the pushdown pool, split over uid ranges where it may."""
+
+    def __init__(self, config: Config, pool: asyncpg.Pool, metrics: Metrics) -> None:
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+
+    async def run(self, prepared: Prepared, conn: Any) -> PushdownRun:
+        """Run the pushdown (after the charge): APPROX_BOUNDS first, then main and trees.
+
+        All statements see one snapshot and keep the same rows per user (one order seed).
+        Where the pushdown may be split (`UidSplit`) and the pool has connections free, each
+        statement runs as one per uid range, at once, on connections that share the snapshot,
+        and their rows (and trees) are added up.
+        """
+        timeout = self.config.backend.statement_timeout
+        started = time.perf_counter()
+        query, plan, statements = prepared.query, prepared.plan, dict(prepared.statements)
+        found: dict[int, FoundBounds] = {}
+        rng = secure_rng()
+        async with contextlib.AsyncExitStack() as stack:
+            # asyncpg prepares without a Sync, which leaves an implicit transaction open that
+            # BEGIN ISOLATION LEVEL could not start in: a simple query ends it
+            await conn.execute("SELECT")
+            await self._begin(conn, stack)
+            ranges, conns = await self._split_run(prepared, conn, stack)
+            ranged = prepared.ranged
+            shards = [ranged.of(r).statements() for r in ranges] if ranged else []
+
+            async def fetch_bounds() -> list[Any]:
+                """The APPROX_BOUNDS bins (a few hundred rows at most), added over ranges."""
+                if not ranges:
+                    return list(await statements["bounds"].fetch(timeout=timeout + 5))
+                parts = await asyncio.gather(*(c.fetch(sqls["bounds"], timeout=timeout + 5)
+                                               for c, sqls in zip(conns, shards, strict=True)),
+                                             return_exceptions=True)
+                for part in parts:
+                    if isinstance(part, BaseException):
+                        raise part
+                return add_rows(parts, ("dp_agg", "dp_bin"))
+
+            if "bounds" in statements:
+                bins: dict[int, dict[int, int]] = {i: {} for i in plan.auto_bounds}
+                for r in await fetch_bounds():
+                    bins[int(r["dp_agg"])][int(r["dp_bin"])] = int(r["dp_n"])
+                for q in plan.approx_bounds:
+                    assert q.aggregate is not None
+                    found[q.aggregate] = choose_bounds(
+                        bins[q.aggregate], q.spec, rng, query.aggregates[q.aggregate].output_name)
+                query, plan = replan_with_bounds(
+                    query, plan, {i: Bounds(f.lower, f.upper) for i, f in found.items()})
+                seed = prepared.pushdown.order_seed
+                if ranges:  # the ranges run every statement: their names are all that is used
+                    ranged = ranged_pushdown(query, plan, prepared.arg_types, seed,
+                                             prepared.prefilter,
+                                             prepared.split is not None
+                                             and prepared.split.uid_not_null)
+                    shards = [ranged.of(r).statements() for r in ranges]
+                    statements = dict.fromkeys(n for n in shards[0] if n != "bounds")
+                else:
+                    pd = pushdown(query, plan, prepared.arg_types, seed)
+                    statements = {name: await conn.prepare(sql)
+                                  for name, sql in pd.statements().items() if name != "bounds"}
+            # partition selection first (only the kept groups' trees are walked), over the
+            # rows as they stream: a worker holds one batch and the kept groups, not every group
+            chosen = SelectionStream(query, plan, rng)
+            if "main" in statements:
+                if ranges:
+                    streams = [_row_stream(await (await c.prepare(sqls["main"])).cursor(
+                        timeout=timeout + 5), timeout, len(conns))
+                        for c, sqls in zip(conns, shards, strict=True)]
+                    rows_in: AsyncIterator[Any] = _merged_rows(streams, len(query.keys))
+                else:
+                    rows_in = _row_stream(await statements["main"].cursor(timeout=timeout + 5),
+                                          timeout)
+                batch: list[Any] = []
+                async for r in rows_in:
+                    batch.append(r)
+                    if len(batch) >= _ROWS_PER_SELECTION:
+                        chosen.add(batch)
+                        batch = []
+                chosen.add(batch)
+            selection = chosen.done()
+            rows = selection.rows
+            quantiles: dict[tuple[GroupKey, int], float] = {}
+            if "trees" in statements:
+                wanted, keys = selection.matched, len(query.keys)
+                # streamed: each row is one group's whole tree (up to 69,904 nodes) and only
+                # its answer is kept; split, the ranges' streams are merged a group at a time
+                if ranges:
+                    streams = [_tree_stream(await (await c.prepare(sqls["trees"])).cursor(
+                        timeout=timeout + 5), timeout, len(conns))
+                        for c, sqls in zip(conns, shards, strict=True)]
+                    trees = merged_trees(streams, keys)
+                else:
+                    trees = _tree_stream(await statements["trees"].cursor(timeout=timeout + 5),
+                                         timeout)
+                async for r in trees:
+                    if group_key(r, query) in wanted:
+                        key, value = tree_answer(query, plan, r, rng)
+                        quantiles[key] = value
+        self.metrics.pushdown_seconds.observe(time.perf_counter() - started)
+        if ranges:
+            self.metrics.pushdown_split.labels(
+                str(len(ranges)), "yes" if prepared.prefilter else "no").inc()
+        return PushdownRun(query, plan, rows, quantiles, found, selection)
+
+    async def _begin(self, conn: Any, stack: contextlib.AsyncExitStack,
+                     snapshot: str | None = None) -> None:
+        """Start a pushdown's read-only transaction on `conn` (in `snapshot`, exported by the
+        first connection of a split run), ended by `stack`."""
+        await stack.enter_async_context(conn.transaction(readonly=True, isolation="repeatable_read"))
+        if snapshot is not None:
+            await conn.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
+        # enforced by Postgres for each statement (the ledger's have none)
+        timeout = self.config.backend.statement_timeout
+        await conn.execute(f"SET LOCAL statement_timeout = {int(timeout * 1000)}")
+
+    async def _split_run(self, prepared: Prepared, conn: Any,
+                         stack: contextlib.AsyncExitStack) -> tuple[list[UidRange], list[Any]]:
+        """The uid ranges this run splits into and a connection for each (`conn` first, the
+        others in its snapshot, released by `stack`); ([], [conn]) when it does not split."""
+        split, b = prepared.split, self.config.backend
+        if split is None:
+            return [], [conn]
+        pool = self.pool
+        # the free connections but one: a DP query arriving next finds one without waiting
+        free = pool.get_idle_size() + pool.get_max_size() - pool.get_size() - 1
+        ranges = uid_ranges(split.histogram, min(b.pushdown_split, 1 + max(0, free)))
+        if len(ranges) < 2:
+            return [], [conn]
+        snapshot = str(await conn.fetchval("SELECT pg_export_snapshot()"))
+        if not _SNAPSHOT.match(snapshot):
+            raise InternalError("unexpected snapshot name")
+        conns = [conn]
+        for _ in range(len(ranges) - 1):
+            try:
+                other = await pool.acquire(timeout=1.0)
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError):
+                break
+            stack.push_async_callback(pool.release, other)
+            await self._begin(other, stack, snapshot)
+            conns.append(other)
+        if len(conns) < len(ranges):
+            ranges = uid_ranges(split.histogram, len(conns))
+            conns = conns[:len(ranges)]
+            if len(ranges) < 2:
+                return [], [conn]
+        return ranges, conns

@@ -1,0 +1,324 @@
+"""The DP query path: analyse, plan, charge, run the pushdown, release, answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+from pglast.stream import RawStream
+
+from config import Accountant, Config
+from dp_core.accounting import AnswerCost
+from dp_core.analysis import parse_select
+from dp_core.budget import check_affordable, to_numeric
+from dp_core.classify import Statement, StatementKind
+from dp_core.errors import (
+    BindMismatch,
+    DPError,
+    FeatureNotSupported,
+)
+from dp_core.explain import Split, explain_lines, fmt, notice_text
+from dp_core.plan import DPQueryPlan, check_noise_scales
+from dp_core.query import AnalyzedQuery
+from dp_core.release import (
+    Released,
+    release,
+)
+from dp_core.result import result_sql
+from dp_core.settings import check_caps
+from server import wire as p
+from server.ledger import Ledger
+from server.local_functions import LocalFunctions
+from server.replies import notice_response
+
+if TYPE_CHECKING:
+    from server.metrics import Metrics
+from server.dp_query.prepare import Preparer
+from server.dp_query.prepared import PG, Prepared, answer_sql
+from server.dp_query.request import DPRequest
+from server.dp_query.run import PushdownRun, PushdownRunner
+from server.dp_query.uid_split import UidSplitter
+
+log = logging.getLogger("dp_proxy.dp")
+_OIDS = {"int8": 20, "float8": 701, "text": 25, "numeric": 1700, "timestamptz": 1184, "int4": 23}
+
+
+class QueryFailed(DPError):
+    """A charged DP query failed while running: one generic message, nothing about data."""
+
+    sqlstate = "XX000"
+
+    def __init__(self) -> None:
+        super().__init__("the DP query failed after its privacy cost was charged; the charge stands",
+                         hint="nothing about the data is revealed by this error")
+
+
+class LedgerUnavailable(DPError):
+    """The charge could not be recorded, so the query did not run."""
+
+    sqlstate = "58000"
+
+    def __init__(self) -> None:
+        super().__init__("the privacy budget ledger is unavailable: the query was not run",
+                         hint="try again; if it persists, tell the proxy's operator")
+
+
+def row_description(names: Sequence[str], oids: Sequence[int],
+                    formats: Sequence[int] = ()) -> p.RowDescription:
+    def fmt(i: int) -> int:
+        if not formats:
+            return 0
+        return formats[0] if len(formats) == 1 else formats[i]
+
+    return p.RowDescription(tuple(p.FieldDescription(n, type_oid=o, format=fmt(i))
+                                  for i, (n, o) in enumerate(zip(names, oids, strict=True))))
+
+
+class DPService:
+    """Answers a session's DP statements: each one prepared, charged, run and released.
+
+    Order of events for one DP answer: the pushdown is prepared (`Preparer`; planning
+    errors, which do not depend on data, are reported as they are and cost nothing); the
+    ledger is charged and committed; only then do statements read the analyst's tables: the
+    split's sample of the uid and the prefilter's count of groups per user
+    (`UidSplitter.split`), then the pushdown (`PushdownRunner`), as the pushdown role with a
+    statement timeout; noise and thresholding are applied; the released rows go back to the
+    client through the session's own backend connection as a small VALUES query, so
+    Postgres encodes them in the format the client asked for. A failure after the charge
+    returns one generic error that names no row or value.
+    """
+
+    def __init__(self, config: Config, pool: asyncpg.Pool, ledger: Ledger,
+                 metrics: Metrics, restricted_role: str) -> None:
+        self.pool = pool
+        self.ledger = ledger
+        self.metrics = metrics
+        self.preparer = Preparer(config, pool, restricted_role)
+        self.splitter = UidSplitter(config, self.preparer.policy, self.preparer.pushdowns,
+                                    self.preparer.has_nondeterministic)
+        self.runner = PushdownRunner(config, pool, metrics)
+        self._turns: dict[str, tuple[int, asyncio.Semaphore]] = {}
+        """Each analyst's limit of DP queries at once in this process, and its turns (`_turn`)."""
+        self.config = config
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @config.setter
+    def config(self, config: Config) -> None:
+        """The proxy's config, and its parts' (a reload replaces it)."""
+        self._config = config
+        self.preparer.config = self.splitter.config = self.runner.config = config
+        self._quantum = config.defaults.release_quantum_ms / 1000.0
+
+    async def describe(self, request: DPRequest, st: Statement, bind: p.Bind | None,
+                       param_types: Sequence[int], formats: Sequence[int]) -> p.RowDescription:
+        if st.kind is StatementKind.DP_EXPLAIN:
+            return row_description(["QUERY PLAN"], [_OIDS["text"]], formats)
+        if st.kind is StatementKind.LOCAL_FUNCTION:
+            # the rewritten query (with a reset not performed) tells its own columns
+            sql = await self.local_function(request, st, dry_run=True, bind=bind,
+                                            param_types=param_types)
+            async with self._acquire() as conn:
+                attrs = (await conn.prepare(sql)).get_attributes()
+            return row_description([a.name for a in attrs], [a.type.oid for a in attrs], formats)
+        async with self._acquire() as conn:
+            # the result query, with no rows, tells the columns (computed ones included)
+            attrs = (await self.preparer.prepare(request, st, bind, param_types, conn)).columns
+        return row_description([a.name for a in attrs], [a.type.oid for a in attrs], formats)
+
+    @contextlib.asynccontextmanager
+    async def _acquire(self) -> AsyncIterator[Any]:
+        """A pushdown connection, waited for at most `pushdown_wait` seconds; a pool or a
+        backend with no connection free is a clean 53300 (nothing charged), not a bug."""
+        wait = self.config.backend.pushdown_wait
+        try:
+            conn = await self.pool.acquire(timeout=wait)
+        except TimeoutError:
+            err = DPError(f"no connection for DP queries became free within {fmt(wait)} s: "
+                          "other DP queries hold them all",
+                          hint="try again; an operator can raise pushdown_pool_size")
+            err.sqlstate = "53300"
+            raise err from None
+        except (asyncpg.TooManyConnectionsError, asyncpg.CannotConnectNowError, OSError):
+            err = DPError("the backend database has no connection slot free for the DP engine",
+                          hint="try again; an operator can raise the backend's max_connections")
+            err.sqlstate = "53300"
+            raise err from None
+        try:
+            yield conn
+        finally:
+            await self.pool.release(conn)
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, analyst: str) -> AsyncIterator[None]:
+        """One of the analyst's `max_dp_queries` DP queries at once in this process: beyond it
+        a query waits for one of them to end, at most `pushdown_wait` seconds (then 53300,
+        before anything is charged), so that one analyst's burst (a dashboard's) queues
+        behind itself and never holds every pushdown connection while the others wait."""
+        limit = self.config.analysts[analyst].max_dp_queries
+        turns = self._turns.get(analyst)
+        if turns is None or turns[0] != limit:  # (a reload may change the limit)
+            turns = self._turns[analyst] = (limit, asyncio.Semaphore(limit))
+        wait = self.config.backend.pushdown_wait
+        try:
+            await asyncio.wait_for(turns[1].acquire(), wait)
+        except TimeoutError:
+            err = DPError(f'analyst "{analyst}" has {limit} DP queries running (max_dp_queries) '
+                          f"and none ended within {fmt(wait)} s",
+                          hint="run fewer at once; nothing was charged")
+            err.sqlstate = "53300"
+            raise err from None
+        try:
+            yield
+        finally:
+            turns[1].release()
+
+    async def parameter_types(self, request: DPRequest, st: Statement,
+                              declared: Sequence[int]) -> tuple[int, ...]:
+        if st.kind in (StatementKind.DP_QUERY, StatementKind.DP_EXPLAIN):
+            prepared = await self.preparer.prepare(request, st, None)
+            found = list(prepared.param_oids)
+            return tuple(d or f for d, f in zip(list(declared) + [0] * len(found), found,
+                                                strict=False))
+        if st.kind is StatementKind.LOCAL_FUNCTION:  # analyst names: text
+            return tuple(d or _OIDS["text"] for d in declared)
+        return tuple(declared)
+
+    async def answer(self, request: DPRequest, st: Statement, bind: p.Bind | None,
+                     param_types: Sequence[int]) -> tuple[str, list[p.NoticeResponse]]:
+        """Run a DP query or EXPLAIN; returns the result query to relay and notices to send.
+
+        Every attempt that does not end in an answer is appended to the ledger with
+        its outcome (the audit trail); answers are there as charges.
+        """
+        started = time.perf_counter()
+        async with self._turn(request.analyst) if st.kind is StatementKind.DP_QUERY else \
+                contextlib.nullcontext():
+            return await self._answer_turn(request, st, bind, param_types, started)
+
+    async def _answer_turn(self, request: DPRequest, st: Statement, bind: p.Bind | None,
+                           param_types: Sequence[int],
+                           started: float) -> tuple[str, list[p.NoticeResponse]]:
+        async with self._acquire() as conn:
+            try:
+                answer = await self._answer(request, st, bind, param_types, conn,
+                                            time.monotonic())
+                if st.kind is StatementKind.DP_QUERY:
+                    self.metrics.dp_seconds.observe(time.perf_counter() - started)
+                return answer
+            except DPError as e:
+                if st.kind is not StatementKind.DP_EXPLAIN:
+                    try:
+                        await self.ledger.record(request.analyst, f"{e.sqlstate}: {e.message}",
+                                                 st.sql)
+                    except (asyncpg.PostgresError, OSError):
+                        log.warning("session %s: could not audit a refused query", request.process_id)
+                raise
+
+    async def _release_on_quantum(self, arrived: float) -> None:
+        """Hold a charged outcome until the next multiple of the release quantum after the
+        query arrived (DESIGN §3.11): its time then tells only how many quanta the work took."""
+        if self._quantum <= 0:
+            return
+        elapsed = time.monotonic() - arrived
+        quanta = max(1, math.ceil(elapsed / self._quantum))
+        await asyncio.sleep(max(0.0, quanta * self._quantum - elapsed))
+
+    async def _answer(self, request: DPRequest, st: Statement, bind: p.Bind | None,
+                      param_types: Sequence[int], conn: Any,
+                      arrived: float) -> tuple[str, list[p.NoticeResponse]]:
+        prepared = await self.preparer.prepare(request, st, bind, param_types, conn)
+        if bind is not None and len(bind.result_formats) > 1:
+            # Postgres checks this at Bind; the proxy, before the charge
+            columns = 0 if st.wraps_result else 1 if st.kind is StatementKind.DP_EXPLAIN \
+                else len(prepared.columns)
+            if len(bind.result_formats) != columns:
+                raise BindMismatch(f"bind message has {len(bind.result_formats)} result formats "
+                                   f"but query has {columns} columns")
+        # whether the pushdown may be split: from the catalog, reading no row (the split's
+        # sample and the prefilter's choice read the analyst's tables, after the charge)
+        candidate = await self.splitter.candidate(prepared, conn)
+        plan = prepared.plan
+        if st.kind is StatementKind.DP_EXPLAIN:
+            if candidate is not None:
+                prepared.split = candidate
+                prepared.split_ranges = self.config.backend.pushdown_split
+            lines = explain_lines(prepared.query, plan, prepared.sql, None if prepared.split is None
+                                  else Split(prepared.split_ranges, prepared.split.table,
+                                             prepared.split.uid_column, prepared.split.rows))
+            return result_sql(["QUERY PLAN"], [(PG, "text")], [(ln,) for ln in lines]), []
+        mechanisms = plan.mechanisms()
+        accountant = self.config.analysts[request.analyst].accountant
+        try:
+            await self._check_affordable(request, prepared.query, plan, accountant)
+            await self.ledger.charge(request.analyst, AnswerCost.of(plan), st.sql, mechanisms,
+                                     accountant=accountant)
+            self.metrics.epsilon_spent.labels(request.analyst).inc(float(plan.cost.epsilon))
+            request.charged()
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
+            log.error("session %s: ledger unavailable: %s", request.process_id, e)
+            raise LedgerUnavailable() from None
+        try:
+            if candidate is not None:
+                await self.splitter.split(prepared, candidate, conn)
+            run = await self.runner.run(prepared, conn)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as e:
+            log.warning("session %s: charged DP query failed: %s", request.process_id,
+                        type(e).__name__)
+            await self._release_on_quantum(arrived)
+            raise QueryFailed() from None
+        released = release(run.query, run.plan, run.rows, quantiles=run.quantiles,
+                           selection=run.selection)
+        sql = answer_sql(prepared, released.rows)
+        budget = await self.ledger.budget(request.analyst)
+        await self._release_on_quantum(arrived)
+        return sql, [self._notice(prepared, run, released, budget)]
+
+    async def _check_affordable(self, request: DPRequest, query: AnalyzedQuery,
+                                plan: DPQueryPlan, accountant: Accountant) -> None:
+        """A query costing more than is left gets 53400; then the per-query caps and noise
+        too small for its grid (22023).
+
+        (With the RDP accountant an answer may cost less than its nominal ε: the charge decides.)
+        """
+        if accountant is Accountant.BASIC:
+            budget = await self.ledger.budget(request.analyst)
+            check_affordable(budget, to_numeric(plan.cost.epsilon), to_numeric(plan.cost.delta))
+        check_caps(float(plan.epsilon), float(plan.delta), plan.max_groups_contributed,
+                   request.caps)
+        check_noise_scales(query, plan)
+
+    def _notice(self, prepared: Prepared, run: PushdownRun, released: Released,
+                budget: Any) -> p.NoticeResponse:
+        message, detail = notice_text(prepared.query, run.plan, released.spread, run.bounds,
+                                      float(budget.epsilon_remaining),
+                                      float(budget.delta_remaining))
+        return notice_response(message, detail)
+
+    async def local_function(self, request: DPRequest, st: Statement, dry_run: bool = False,
+                             bind: p.Bind | None = None, param_types: Sequence[int] = ()) -> str:
+        """Rewrite the statement with the function's result in place; returns SQL to relay.
+
+        With `dry_run` nothing is changed (a reset is not done): the SQL only tells the
+        columns, and an analyst name still unbound (`$1` before Bind) stands for the caller.
+        """
+        if st.protected:
+            raise FeatureNotSupported("dp_budget(), dp_ledger() and dp_reset_budget() cannot be "
+                                      "combined with protected tables")
+        params = None
+        if bind is not None:
+            params = await self.preparer.bind_params(bind, param_types, request.codec,
+                                                     request.encoding)
+        stmt = parse_select(st.stripped_sql, params)
+        replacer = LocalFunctions(self.ledger, request.analyst, request.admin, dry_run)
+        await replacer.resolve(stmt)
+        replacer(stmt)
+        return str(RawStream()(stmt))

@@ -1,0 +1,245 @@
+"""Splitting a DP query's pushdown over uid ranges: whether it may, the ranges, the prefilter."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import asyncpg
+from pglast import ast
+
+from config import Config
+from dp_core.bounding import Prefilter, prefilter_types
+from dp_core.pushdown_cache import PushdownCache
+from dp_core.query import AggKind, AnalyzedQuery, TablePolicy, TableRef
+from dp_core.rewrite import groups_sql
+from dp_core.uid_ranges import uid_ranges
+from server.backend_setup import quote_ident
+from server.dp_query.prepare import TEXT_KEY_OIDS
+from server.dp_query.prepared import Prepared, UidSplit
+
+log = logging.getLogger("dp_proxy.dp")
+
+_SPLIT_KEY_OIDS = frozenset({16, 18, 19, 20, 21, 23, 25, 1042, 1043, 1082, 1083, 1114, 1184,
+                             2950})
+"""Group-key types whose text is one per value (bool, "char", name, integers, text, bpchar
+(its text drops the trailing blanks that equality ignores), varchar, date, time,
+timestamp(tz), uuid): the rows of several uid ranges add up by their key texts. Not numeric
+(1.0 = 1.00) nor floats (0 = -0), whose equal values can print differently."""
+_STATS_SECONDS = 300.0
+"""How long a uid column's histogram (for splitting pushdowns) is reused before it is read again."""
+_SAMPLE_ROWS = 20_000
+"""About this many rows are sampled (TABLESAMPLE SYSTEM) to find the uid's percentiles."""
+_PERCENTILES = [k / 100 for k in range(101)]
+_PREFILTER_GROUPS_PER_USER = 5.0
+_PREFILTER_KEPT_SHARE = 0.5
+"""Split pushdowns pick users' groups from their rows before aggregating them (`Prefilter`)
+where users have at least _PREFILTER_GROUPS_PER_USER groups on average and keep at most
+_PREFILTER_KEPT_SHARE of them (C_u): measured on the bench's visits with 4 ranges at once,
+the prefilter takes 0.79-0.82x the time at 6.6 groups per user (C_u 1; 0.9x at C_u 2),
+1.15x at 4.0, 1.2x at 3.1, 1.5x at 2.0 and 2.3x at 1.0 (its window reads every row)."""
+_GROUPS_SLICES = 25
+"""(user, group) pairs per user are counted in the middle one of this many uid ranges."""
+_GROUPS_TIMEOUT = 10.0
+_GROUPS_MIN_USERS = 100
+"""A sample of fewer users (the query's WHERE picks a few) chooses no prefilter."""
+_CODE_POINT_ORDER = frozenset({"UTF8", "SQL_ASCII", "LATIN1"})
+"""Server encodings whose byte order (COLLATE "C") is the code points' (Python's str order)."""
+
+
+
+def _uid_table(query: AnalyzedQuery) -> TableRef | None:
+    """The protected base table whose uid column is the query's uid, if it is one."""
+    uid = query.uid
+    if not isinstance(uid, ast.ColumnRef) or len(uid.fields) < 2:
+        return None
+    names = [getattr(f, "sval", None) for f in uid.fields]
+    for t in query.tables:
+        if not t.derived and names[-2] == t.alias and names[-1] == t.uid_column:
+            return t
+    return None
+
+
+class UidSplitter:
+    """Chooses how a prepared pushdown splits: from the catalog before the charge, a sample after."""
+
+    def __init__(self, config: Config, policy: dict[str, TablePolicy], pushdowns: PushdownCache,
+                 has_nondeterministic: Callable[[Any], Awaitable[bool]]) -> None:
+        self.config = config
+        self.policy = policy
+        self._pushdowns = pushdowns
+        self._has_nondeterministic = has_nondeterministic
+        """Whether the database has a nondeterministic collation ('a' = 'A' may be a group)."""
+        self._uid_columns: dict[str, tuple[float, UidSplit | None]] = {}
+        """(until when it holds, the table's size and uid type, or None) by table name."""
+        self._histograms: dict[str, tuple[float, tuple[str, ...] | None]] = {}
+        """(until when it holds, the uid's histogram in a sample, or None) by table name."""
+        self._groups_per_user: dict[Any, tuple[float, float | None]] = {}
+        """(until when it holds, groups per user) by query (`Prepared.cache_key`) and slice."""
+
+    async def candidate(self, prepared: Prepared, conn: Any) -> UidSplit | None:
+        """Whether the pushdown may be split by uid ranges, before any charge (and for
+        EXPLAIN): only over a large table (by the catalog's estimate of its rows), with group
+        keys whose texts rows can be added up by, no COUNT(DISTINCT x), and (grouped rows and
+        trees merge as streams in key order) a server encoding whose byte order is the
+        code points'. Reads the catalog only, never a row of a table: the uid's histogram,
+        which the ranges are cut from, is sampled after the charge (`split`), without
+        `histogram` here."""
+        b = self.config.backend
+        table = _uid_table(prepared.query)
+        if b.pushdown_split < 2 or table is None or any(
+                o not in _SPLIT_KEY_OIDS for o in prepared.key_oids):
+            return None
+        if any(a.kind is AggKind.COUNT_DISTINCT for a in prepared.query.aggregates):
+            return None  # (distinct values do not add up over ranges of users: one value, many)
+        if prepared.key_oids and conn.get_settings().server_encoding not in _CODE_POINT_ORDER:
+            return None
+        try:
+            # a nondeterministic collation makes 'a' = 'A' a group
+            if any(o in TEXT_KEY_OIDS for o in prepared.key_oids) and \
+                    await self._has_nondeterministic(conn):
+                return None
+            now = time.monotonic()
+            cached = self._uid_columns.get(table.name)
+            if cached is None or cached[0] < now:
+                cached = self._uid_columns[table.name] = (now + _STATS_SECONDS,
+                                                          await self._uid_column(table, conn))
+        except asyncpg.PostgresError as e:
+            log.warning("a DP pushdown will not be split by uid: %s", e)
+            return None
+        split = cached[1]
+        if split is None or split.rows < b.pushdown_split_min_rows:
+            return None
+        return split
+
+    async def split(self, prepared: Prepared, candidate: UidSplit, conn: Any) -> None:
+        """After the charge: sets how the pushdown is split by uid ranges (`prepared.split`,
+        `.ranged`, `.split_ranges`, `.prefilter`), from a sample of the uid column (remembered
+        for _STATS_SECONDS) and the prefilter's count of groups per user. Where that cannot
+        be done (the sample fails, a few users hold most rows, Postgres does not take a
+        range's bounds for the query's uid) the pushdown runs unsplit, with the same answer."""
+        b = self.config.backend
+        try:
+            now = time.monotonic()
+            cached = self._histograms.get(candidate.table)
+            if cached is None or cached[0] < now:
+                try:
+                    found = await self._uid_histogram(candidate, conn)
+                except asyncpg.PostgresError as e:  # a view, say: cannot be sampled
+                    log.warning("DP pushdowns over %s will not be split by uid: %s",
+                                candidate.table, e)
+                    found = None
+                cached = self._histograms[candidate.table] = (now + _STATS_SECONDS, found)
+            if cached[1] is None:
+                return
+            split = replace(candidate, histogram=cached[1])
+            ranges = uid_ranges(split.histogram, b.pushdown_split)
+            if len(ranges) < 2:
+                return
+            prefilter = await self._prefilter(prepared, split, conn)
+            # the ranges' bounds are the column's own values as text: checked here that
+            # Postgres takes them for the query's uid (and that it plans each statement), in
+            # a transaction: asyncpg prepares without a Sync, which leaves an implicit one
+            # open (with a snapshot) that the run's BEGIN ISOLATION LEVEL could not start in
+            while True:
+                ranged = self._pushdowns.ranged(
+                    prepared.cache_key, prepared.query, prepared.plan, prepared.arg_types,
+                    prepared.pushdown.order_seed, prefilter, split.uid_not_null)
+                try:
+                    async with conn.transaction():
+                        for sql in ranged.of(ranges[len(ranges) // 2]).statements().values():
+                            await conn.prepare(sql)
+                    break
+                except asyncpg.PostgresError as e:
+                    if prefilter is None:
+                        raise
+                    log.warning("a DP pushdown will not be prefiltered: %s", e)
+                    prefilter = None
+        except asyncpg.PostgresError as e:
+            log.warning("a DP pushdown will not be split by uid: %s", e)
+            return
+        # (the configured number, not len(ranges): fewer ranges would tell EXPLAIN's reader
+        # that a few users hold a large share of the rows)
+        prepared.split, prepared.ranged, prepared.split_ranges = split, ranged, b.pushdown_split
+        prepared.prefilter = prefilter
+
+    async def _prefilter(self, prepared: Prepared, split: UidSplit, conn: Any) -> Prefilter | None:
+        """Whether the split pushdown picks users' groups from their rows before aggregating
+        them (`Prefilter`): where that is faster, for users with many groups, few of which
+        they keep. Counted on a slice of about 4% of the rows (remembered for
+        _STATS_SECONDS); where the pushdown runs unsplit (no pool connection free) it stays
+        as it is.
+
+        The answer does not depend on the choice: either way each user keeps C_u of its
+        groups chosen by a keyed hash with a fresh key, and the statements of one answer
+        all run split or all unsplit, so they keep the same groups. The choice shows only in
+        the time an answer takes (and the operators' metrics), never in EXPLAIN; a sample
+        of fewer than _GROUPS_MIN_USERS users (a WHERE clause that picks a few) gets none,
+        and keys that read the uid get none, so that no one user decides it: its effect on
+        the average is its groups over the sample's users."""
+        query, plan = prepared.query, prepared.plan
+        if not query.keys or any(schema != "pg_catalog" for schema, _ in prepared.key_types) \
+                or query.keys_read_uid:
+            return None
+        types = prefilter_types(split.uid_type, [name for _, name in prepared.key_types])
+        slices = uid_ranges(split.histogram, _GROUPS_SLICES)
+        if types is None or len(slices) < 3:
+            return None
+        middle = slices[len(slices) // 2]
+        key = (prepared.cache_key, middle, split.uid_not_null)
+        now = time.monotonic()
+        cached = self._groups_per_user.get(key)
+        if cached is None or cached[0] < now:
+            try:
+                row = await conn.fetchrow(groups_sql(query, middle, split.uid_not_null),
+                                          timeout=min(_GROUPS_TIMEOUT,
+                                                      self.config.backend.statement_timeout))
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as e:
+                log.warning("could not count the groups per user of a DP pushdown: %s", e)
+                row = None
+            ratio = row["dp_groups"] / row["dp_users"] \
+                if row and row["dp_users"] >= _GROUPS_MIN_USERS else None
+            if len(self._groups_per_user) >= 1000:  # (bounded: fresh ones too, if need be)
+                fresh = {k: v for k, v in self._groups_per_user.items() if v[0] >= now}
+                self._groups_per_user = fresh if len(fresh) < 1000 else {}
+            cached = self._groups_per_user[key] = (now + _STATS_SECONDS, ratio)
+        ratio = cached[1]
+        if ratio is None or ratio < _PREFILTER_GROUPS_PER_USER or \
+                plan.max_groups_contributed > _PREFILTER_KEPT_SHARE * ratio:
+            return None
+        return types
+
+    async def _uid_column(self, table: TableRef, conn: Any) -> UidSplit | None:
+        """The table's size and its uid column's type, from the catalog (no histogram yet);
+        None for a table too small to split, or never analysed."""
+        schema = self.policy[table.name].schema
+        rows = await conn.fetchval(
+            "SELECT c.reltuples::float8 FROM pg_class c JOIN pg_namespace n ON n.oid = "
+            "c.relnamespace WHERE n.nspname = $1 AND c.relname = $2", schema, table.name)
+        if rows is None or rows < max(1, self.config.backend.pushdown_split_min_rows):
+            return None  # (-1: never analysed or vacuumed)
+        name = f"{quote_ident(schema)}.{quote_ident(table.name)}"
+        column = await conn.fetchrow(
+            "SELECT t.typname, a.attnotnull FROM pg_attribute a JOIN pg_type t ON t.oid = "
+            "a.atttypid WHERE a.attrelid = $1::regclass AND a.attname = $2", name,
+            table.uid_column)
+        if column is None:
+            return None
+        return UidSplit(table.name, table.uid_column, int(rows), (), str(column["typname"]),
+                        bool(column["attnotnull"]))
+
+    async def _uid_histogram(self, split: UidSplit, conn: Any) -> tuple[str, ...] | None:
+        """Percentiles of the uid column in a sample of the table (`UidSplit.histogram`): read
+        only after a charge."""
+        schema = self.policy[split.table].schema
+        percent = min(100.0, max(0.01, 100.0 * _SAMPLE_ROWS / max(split.rows, 1)))
+        name = f"{quote_ident(schema)}.{quote_ident(split.table)}"
+        bounds = await conn.fetchval(
+            f"SELECT (percentile_disc($1::float8[]) WITHIN GROUP (ORDER BY {quote_ident(split.uid_column)}"
+            f"))::text[] FROM {name} TABLESAMPLE SYSTEM ($2)", _PERCENTILES, percent)
+        if not bounds or any(b is None for b in bounds):
+            return None
+        return tuple(bounds)
