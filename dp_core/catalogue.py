@@ -149,7 +149,7 @@ DATETIME_UNITS: dict[tuple[str, str], frozenset[str]] = {
 }
 """The units each date/time function takes without failing on any value of the argument's
 type (from the first to the last representable one, infinities included, in any time zone;
-checked against Postgres by tests/test_attacks.py), date_trunc as `datetime_call` writes it.
+checked against Postgres by tests/proxy/test_attacks.py), date_trunc as `datetime_call` writes it.
 Elsewhere it fails on some values only (date_trunc to the decade overflows near the end of
 timestamps' range) or on every one (extract(hour FROM date)), and a date reaches date_trunc
 and date_part only through a cast to timestamp that fails past 294276 AD: refused when the

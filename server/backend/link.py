@@ -58,7 +58,12 @@ _QUERY, _SYNC = Pending.QUERY, Pending.SYNC
 """For the relay loop (an Enum member is a slow class attribute on Python 3.11)."""
 _LENGTH = struct.Struct("!i")
 _BYTES = [bytes((i,)) for i in range(256)]
-_Q, _E, _S, _Z, _C, _I = ord("Q"), ord("E"), ord("S"), ord("Z"), ord("C"), ord("I")
+_QUERY_TAG, _EXECUTE_TAG, _SYNC_TAG = ord("Q"), ord("E"), ord("S")
+"""Client messages whose forwarding `note_cycle` notes."""
+_READY_TAG, _COMPLETE_TAG = ord("Z"), ord("C")
+"""ReadyForQuery and CommandComplete, from the backend."""
+_IDLE_STATUS = ord("I")
+"""ReadyForQuery's transaction status outside a block."""
 
 
 class CycleCounter(Protocol):
@@ -203,14 +208,14 @@ class BackendLink(OwnStatements, asyncio.Protocol):
                 if head is not None and head is ends.get(tag) and not watch:
                     pending.popleft()
                     head = pending[0] if pending else None
-                elif tag == _Z and (head is query or head is sync) \
+                elif tag == _READY_TAG and (head is query or head is sync) \
                         and self.errors == self.errors_at_ready and self.cycles and not watch:
                     # a client cycle that succeeded: `_track`'s common case
                     pending.popleft()
                     head = pending[0] if pending else None
                     status = buf[pos + 5]
                     self.tx_status = _BYTES[status]
-                    if status == _I:
+                    if status == _IDLE_STATUS:
                         self.idle_readies += 1
                     started = self.cycles.popleft()
                     if started is not None:
@@ -333,23 +338,23 @@ class BackendLink(OwnStatements, asyncio.Protocol):
 
         The first COMMIT or ROLLBACK since the last ReadyForQuery ends the block (later
         ones in the same Query end implicit blocks, or blocks it began itself)."""
-        if tag == _C:
+        if tag == _COMPLETE_TAG:
             text = buf[start + 5 : end - 1]
             if text in (b"COMMIT", b"ROLLBACK"):
                 if self._end_tag is None:
                     self._end_tag = text
             elif text in (b"BEGIN", b"START TRANSACTION") and self._end_tag is not None:
                 self._began_after_end = True
-        elif tag == _Z:
+        elif tag == _READY_TAG:
             command, self._end_tag = self._end_tag, None
             began, self._began_after_end = self._began_after_end, False
             if command is None:
-                if buf[start + 5] == _I:
+                if buf[start + 5] == _IDLE_STATUS:
                     # an implicit transaction ended (an extended batch's, at its Sync): it
                     # committed unless something in it failed
                     self._tx_end(self.errors == self.errors_at_ready)
                 return
-            if buf[start + 5] == _I or began:
+            if buf[start + 5] == _IDLE_STATUS or began:
                 self._tx_end(command == b"COMMIT")  # (COMMIT of a failed block: ROLLBACK)
             elif command == b"COMMIT":
                 self._tx_end(True)  # COMMIT AND CHAIN: a new block began
@@ -385,12 +390,12 @@ class BackendLink(OwnStatements, asyncio.Protocol):
 
     def note_cycle(self, tag: int, now: float) -> None:
         """Note a forwarded client Query, Execute or Sync for the statement log and metrics."""
-        if tag == _Q:
+        if tag == _QUERY_TAG:
             self.cycles.append(now)
-        elif tag == _E:
+        elif tag == _EXECUTE_TAG:
             if self.batch_started is None:
                 self.batch_started = now
-        elif tag == _S:
+        elif tag == _SYNC_TAG:
             self.cycles.append(self.batch_started)
             self.batch_started = None
 

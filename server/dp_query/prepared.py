@@ -17,18 +17,20 @@ PG = "pg_catalog"
 
 
 @dataclass(frozen=True)
-class UidSplit:
-    """A DP query's pushdown may run as several, each over one range of the uid.
+class UidColumn:
+    """The uid column of a protected table that a DP query's pushdown may be split over.
 
-    Each range's statements read only its users, and every column but the keys is a sum over
-    users, so the rows of all ranges add up to the unsplit rows (users are never in two
-    ranges). Postgres finishes one per-user aggregation per connection instead of gathering
-    every (user, group) row into one process.
+    A pushdown may run as several, each over one range of the uid. Each range's statements
+    read only its users, and every column but the keys is a sum over users, so the rows of
+    all ranges add up to the unsplit rows (users are never in two ranges). Postgres finishes
+    one per-user aggregation per connection instead of gathering every (user, group) row
+    into one process.
     """
 
     table: str
     uid_column: str
     rows: int
+    """The table's rows, by the catalog's estimate."""
     histogram: tuple[str, ...]
     """Percentiles 0, 1, ..., 100 of the uid column in a sample of the table, as text
     (ascending in the column's order). `pg_stats` would have them, but Postgres hides it for
@@ -54,7 +56,7 @@ class Prepared:
     param_oids: list[int]
     columns: list[Any] = field(default_factory=list)
     """The result query's columns (asyncpg Attributes), from preparing it with no rows."""
-    split: UidSplit | None = None
+    split: UidColumn | None = None
     """Set after the charge, when the pushdown runs split (`UidSplitter.split`); for EXPLAIN,
     the table it may be split over, without a histogram."""
     ranged: RangedPushdown | None = None

@@ -127,7 +127,7 @@ class PushdownRunner:
         """Run the pushdown (after the charge): APPROX_BOUNDS first, then main and trees.
 
         All statements see one snapshot and keep the same rows per user (one order seed).
-        Where the pushdown may be split (`UidSplit`) and the pool has connections free, each
+        Where the pushdown may be split (`UidColumn`) and the pool has connections free, each
         statement runs as one per uid range, at once, on connections that share the snapshot,
         and their rows (and trees) are added up.
         """

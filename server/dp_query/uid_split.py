@@ -19,7 +19,7 @@ from dp_core.rewrite import groups_sql
 from dp_core.uid_ranges import uid_ranges
 from server.backend_setup import quote_ident
 from server.dp_query.prepare import TEXT_KEY_OIDS
-from server.dp_query.prepared import Prepared, UidSplit
+from server.dp_query.prepared import Prepared, UidColumn
 
 log = logging.getLogger("dp_proxy.dp")
 
@@ -38,9 +38,7 @@ _PREFILTER_GROUPS_PER_USER = 5.0
 _PREFILTER_KEPT_SHARE = 0.5
 """Split pushdowns pick users' groups from their rows before aggregating them (`Prefilter`)
 where users have at least _PREFILTER_GROUPS_PER_USER groups on average and keep at most
-_PREFILTER_KEPT_SHARE of them (C_u): measured on the bench's visits with 4 ranges at once,
-the prefilter takes 0.79-0.82x the time at 6.6 groups per user (C_u 1; 0.9x at C_u 2),
-1.15x at 4.0, 1.2x at 3.1, 1.5x at 2.0 and 2.3x at 1.0 (its window reads every row)."""
+_PREFILTER_KEPT_SHARE of them (C_u); docs/architecture.md has the measurements behind both."""
 _GROUPS_SLICES = 25
 """(user, group) pairs per user are counted in the middle one of this many uid ranges."""
 _GROUPS_TIMEOUT = 10.0
@@ -73,14 +71,14 @@ class UidSplitter:
         self._pushdowns = pushdowns
         self._has_nondeterministic = has_nondeterministic
         """Whether the database has a nondeterministic collation ('a' = 'A' may be a group)."""
-        self._uid_columns: dict[str, tuple[float, UidSplit | None]] = {}
+        self._uid_columns: dict[str, tuple[float, UidColumn | None]] = {}
         """(until when it holds, the table's size and uid type, or None) by table name."""
         self._histograms: dict[str, tuple[float, tuple[str, ...] | None]] = {}
         """(until when it holds, the uid's histogram in a sample, or None) by table name."""
         self._groups_per_user: dict[Any, tuple[float, float | None]] = {}
         """(until when it holds, groups per user) by query (`Prepared.cache_key`) and slice."""
 
-    async def candidate(self, prepared: Prepared, conn: Any) -> UidSplit | None:
+    async def candidate(self, prepared: Prepared, conn: Any) -> UidColumn | None:
         """Whether the pushdown may be split by uid ranges, before any charge (and for
         EXPLAIN): only over a large table (by the catalog's estimate of its rows), with group
         keys whose texts rows can be added up by, no COUNT(DISTINCT x), and (grouped rows and
@@ -115,7 +113,7 @@ class UidSplitter:
             return None
         return split
 
-    async def split(self, prepared: Prepared, candidate: UidSplit, conn: Any) -> None:
+    async def split(self, prepared: Prepared, candidate: UidColumn, conn: Any) -> None:
         """After the charge: sets how the pushdown is split by uid ranges (`prepared.split`,
         `.ranged`, `.split_ranges`, `.prefilter`), from a sample of the uid column (remembered
         for _STATS_SECONDS) and the prefilter's count of groups per user. Where that cannot
@@ -166,7 +164,7 @@ class UidSplitter:
         prepared.split, prepared.ranged, prepared.split_ranges = split, ranged, b.pushdown_split
         prepared.prefilter = prefilter
 
-    async def _prefilter(self, prepared: Prepared, split: UidSplit, conn: Any) -> Prefilter | None:
+    async def _prefilter(self, prepared: Prepared, split: UidColumn, conn: Any) -> Prefilter | None:
         """Whether the split pushdown picks users' groups from their rows before aggregating
         them (`Prefilter`): where that is faster, for users with many groups, few of which
         they keep. Counted on a slice of about 4% of the rows (remembered for
@@ -212,7 +210,7 @@ class UidSplitter:
             return None
         return types
 
-    async def _uid_column(self, table: TableRef, conn: Any) -> UidSplit | None:
+    async def _uid_column(self, table: TableRef, conn: Any) -> UidColumn | None:
         """The table's size and its uid column's type, from the catalog (no histogram yet);
         None for a table too small to split, or never analysed."""
         schema = self.policy[table.name].schema
@@ -228,11 +226,11 @@ class UidSplitter:
             table.uid_column)
         if column is None:
             return None
-        return UidSplit(table.name, table.uid_column, int(rows), (), str(column["typname"]),
+        return UidColumn(table.name, table.uid_column, int(rows), (), str(column["typname"]),
                         bool(column["attnotnull"]))
 
-    async def _uid_histogram(self, split: UidSplit, conn: Any) -> tuple[str, ...] | None:
-        """Percentiles of the uid column in a sample of the table (`UidSplit.histogram`): read
+    async def _uid_histogram(self, split: UidColumn, conn: Any) -> tuple[str, ...] | None:
+        """Percentiles of the uid column in a sample of the table (`UidColumn.histogram`): read
         only after a charge."""
         schema = self.policy[split.table].schema
         percent = min(100.0, max(0.01, 100.0 * _SAMPLE_ROWS / max(split.rows, 1)))

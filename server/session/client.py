@@ -43,7 +43,7 @@ _FAST_KINDS = {
     ord("S"): backend.Pending.SYNC, ord("H"): None,
 }
 """Frames the fast path forwards, by tag byte, and the reply each awaits."""
-_P, _Q, _S, _E = ord("P"), ord("Q"), ord("S"), ord("E")
+_PARSE_TAG, _QUERY_TAG, _SYNC_TAG, _EXECUTE_TAG = ord("P"), ord("Q"), ord("S"), ord("E")
 _SLOW: Any = object()
 """`_FAST_KINDS.get`'s default: a frame the fast path does not forward."""
 
@@ -173,12 +173,12 @@ class Session(WithImplicitBlock):
             kind = kinds.get(tag, _SLOW)
             if length < 4 or length > limit or end > n or kind is _SLOW:
                 break
-            if tag == _S:
+            if tag == _SYNC_TAG:
                 unsynced = -1
                 pending.append(kind)
                 cycles.append(batch)
                 batch = None
-            elif tag == _P:
+            elif tag == _PARSE_TAG:
                 name_end = data.find(b"\0", pos + 5, end)
                 sql_end = data.find(b"\0", name_end + 1, end) if name_end >= 0 else -1
                 if sql_end < 0 or self.local_statements or \
@@ -186,7 +186,7 @@ class Session(WithImplicitBlock):
                     break
                 if unsynced < 0:
                     unsynced = pos
-            elif tag == _Q:
+            elif tag == _QUERY_TAG:
                 if data[end - 1] != 0 or not plain(data[pos + 5 : end - 1]):
                     break
                 if local:
@@ -201,7 +201,7 @@ class Session(WithImplicitBlock):
             elif kind is not None:  # Bind, Describe, Execute, Close (a Flush awaits nothing)
                 if unsynced < 0:
                     unsynced = pos
-                if tag == _E and batch is None:
+                if tag == _EXECUTE_TAG and batch is None:
                     batch = now
             pos = end
         link.batch_started = batch
