@@ -11,9 +11,9 @@ import pytest
 from config import Accountant, Config
 from dp_core.accounting import AnswerCost, basic_total, rdp_total
 from dp_core.mechanisms import NoiseKind, gaussian_sigma
-
-from .conftest import Backend, LoopThread, running_proxy
-from .test_dp_engine import build
+from tests.support.backend import Backend
+from tests.support.engine import build
+from tests.support.proxy import LoopThread, running_proxy, spent
 
 
 def test_basic_composition_is_exact() -> None:
@@ -70,8 +70,7 @@ def test_rdp_analyst_end_to_end(loop_thread: LoopThread, demo_config: Config, ba
                  "ANON_SUM(duration, 0, 10) FROM visits")
             for _ in range(10):  # nominally 5.0 > the budget of 3: RDP composition fits
                 conn.execute(q).fetchall()
-            (spent,), = conn.execute("SELECT epsilon_spent FROM dp_budget()").fetchall()
-            assert 0.5 < float(spent) < 3.0
+            assert 0.5 < spent(conn).epsilon < 3.0
 
 
 def test_refresh_period_renews_the_budget(loop_thread: LoopThread, demo_config: Config,
@@ -94,15 +93,13 @@ def test_refresh_period_renews_the_budget(loop_thread: LoopThread, demo_config: 
         with psycopg.connect(px.dsn("carol", password="alice"), autocommit=True) as conn:
             conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.6) ANON_COUNT(*) FROM visits").fetchall()
             asyncio.run(age(10))
-            (spent,), = conn.execute("SELECT epsilon_spent FROM dp_budget()").fetchall()
-            assert float(spent) == 0.6, "not due yet"
+            assert spent(conn).epsilon == 0.6, "not due yet"
             with pytest.raises(psycopg.Error) as exc:
                 conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.6) ANON_COUNT(*) FROM visits")
             assert exc.value.sqlstate == "53400"
             asyncio.run(age(31))
             conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.6) ANON_COUNT(*) FROM visits").fetchall()
-            (spent,), = conn.execute("SELECT epsilon_spent FROM dp_budget()").fetchall()
-            assert float(spent) == 0.6, "renewed, then charged once"
+            assert spent(conn).epsilon == 0.6, "renewed, then charged once"
         with psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
             kinds = [r[0] for r in admin.execute("SELECT outcome FROM dp_ledger('carol') WHERE kind = 'reset'")]
             assert kinds == ["budget renewed: refresh period of 30 days"]

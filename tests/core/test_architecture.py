@@ -7,7 +7,8 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
+from tests.support.paths import ROOT
+
 PACKAGES = ("server", "dp_core", "config")
 MAX_LINES = 600
 

@@ -24,11 +24,6 @@ from dp_core.syntax import strip_dp_clauses
 K = StatementKind
 
 
-@pytest.fixture(scope="module")
-def classifier() -> Classifier:
-    return Classifier(ProtectionPolicy({"visits": "public", "purchases": "public", "events": "app"}))
-
-
 def kinds(c: Classifier, sql: str) -> list[StatementKind]:
     return [s.kind for s in c.classify(sql)]
 

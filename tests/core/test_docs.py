@@ -16,8 +16,8 @@ import pytest
 from pydantic import BaseModel
 
 from config.models import Config
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 CONFIGURATION = DOCS / "configuration.md"

@@ -15,49 +15,22 @@ from pglast import ast, parse_sql
 from pglast.stream import RawStream
 
 from dp_core.analysis import analyze, parse_select
-from dp_core.classify import Classifier, ProtectionPolicy
 from dp_core.errors import FeatureNotSupported, InvalidParameterValue, SyntaxError_
 from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import NoiseKind, gaussian_sigma, granularity, threshold_tau
-from dp_core.plan import make_plan
 from dp_core.probes import argument_probe_sql
 from dp_core.query import AggKind, Bounds, TablePolicy
 from dp_core.release import SelectionStream, release, select
 from dp_core.result import result_sql
 from dp_core.rewrite import pushdown, pushdown_sql
-
-GOLDEN = Path(__file__).parent / "golden" / "rewrite"
-POLICY = {
-    "visits": TablePolicy("public", "uid", {"duration": Bounds(0, 3600)}),
-    "purchases": TablePolicy("public", "uid", {"amount": Bounds(0, 500)}),
-}
-CLASSIFIER = Classifier(ProtectionPolicy({"visits": "public", "purchases": "public"}))
-
-
-def build(sql: str, epsilon: float = 1.0, delta: float = 1e-6, max_groups: int = 1,
-          noise: NoiseKind = NoiseKind.LAPLACE):  # type: ignore[no-untyped-def]
-    (st,) = CLASSIFIER.classify(sql)
-    options = dict(st.dp_clause.options) if st.dp_clause else {}
-    unit = options.get("privacy_unit_column")
-    query = analyze(parse_select(st.stripped_sql), POLICY, plain_form=st.dp_clause is None,
-                    privacy_unit=None if unit is None else str(unit))
-    plan = make_plan(query, float(options.get("epsilon", epsilon)), float(options.get("delta", delta)),
-                     int(options.get("max_groups_contributed", max_groups)),
-                     NoiseKind(options.get("noise", noise)),
-                     selection=SelectionKind(options.get("partition_selection", "laplace")))
-    pd = pushdown(query, plan, order_seed=1234)
-    return query, plan, ";\n".join(pd.statements().values())
-
+from tests.support.engine import CLASSIFIER, GOLDEN_CASES, POLICY, build, golden_sql
 
 # ---------------------------------------------------------------------------- golden pushdowns
 
 
-GOLDEN_CASES = sorted(p for p in GOLDEN.glob("*.sql") if not p.name.endswith(".expected.sql"))
-
-
 @pytest.mark.parametrize("case", GOLDEN_CASES, ids=lambda p: p.stem)
 def test_golden_pushdown(case: Path) -> None:
-    text = "\n".join(ln for ln in case.read_text().splitlines() if not ln.startswith("--"))
+    text = golden_sql(case)
     _, _, actual = build(text.strip())
     expected_file = case.with_suffix(".expected.sql")
     if os.environ.get("DPPROXY_TEST_REGEN_GOLDEN") or not expected_file.exists():
@@ -949,7 +922,7 @@ def test_group_choice_depends_on_the_user() -> None:
 
 
 def test_configured_bounds_are_the_tables_not_an_inner_querys() -> None:
-    # found by tests/test_fuzz_sql.py: a column of a subquery or WITH query looked its bounds
+    # found by tests/fuzz/test_fuzz_sql.py: a column of a subquery or WITH query looked its bounds
     # up in the policy by the inner query's name (a KeyError, or another table's bounds)
     for sql in ["SELECT stddev(s.d) FROM (SELECT uid, sum(duration) AS d FROM visits GROUP BY uid) s",
                 "WITH t AS (SELECT uid, amount FROM purchases) SELECT AVG(t.amount) FROM t",
@@ -972,8 +945,7 @@ def test_cached_pushdowns_are_the_built_ones_with_a_fresh_seed() -> None:
     cache = PushdownCache(size=2)
     seeds = set()
     for case in ("grouped_sum_avg", "quantile_median_grouped", "approx_bounds"):
-        text = "\n".join(ln for ln in (GOLDEN / f"{case}.sql").read_text().splitlines()
-                         if not ln.startswith("--"))
+        text = golden_sql(case)
         query, plan, _ = build(text.strip())
         for _ in range(3):  # a build, then two hits
             pd = cache.pushdown(case, query, plan, None)

@@ -8,19 +8,13 @@ catalogs and what psql and BI tools read stay pass-through. Pure classifier test
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from dp_core import reach
-from dp_core.classify import Classifier, ProtectionPolicy, StatementKind
+from dp_core.classify import Classifier, StatementKind
+from tests.support.paths import FIXTURES
 
 K = StatementKind
-
-
-@pytest.fixture(scope="module")
-def classifier() -> Classifier:
-    return Classifier(ProtectionPolicy({"visits": "public", "purchases": "public", "events": "app"}))
 
 
 def assert_refused(c: Classifier, sql: str) -> None:
@@ -259,7 +253,7 @@ PSQL_L = (
     '"Collate",\n  d.datctype as "Ctype",\n  d.daticulocale as "ICU Locale",\n  NULL as "ICU '
     "Rules\",\n  pg_catalog.array_to_string(d.datacl, E'\\n') AS \"Access privileges\"\nFROM "
     "pg_catalog.pg_database d\nORDER BY 1;")
-METABASE_PRIVILEGES = (Path(__file__).parent / "fixtures" / "metabase_privileges.sql").read_text()
+METABASE_PRIVILEGES = (FIXTURES / "metabase_privileges.sql").read_text()
 
 ALLOWED = [
     "SELECT * FROM pg_stats WHERE tablename='countries'",

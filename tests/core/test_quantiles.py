@@ -34,8 +34,7 @@ from dp_core.quantiles import (
 )
 from dp_core.query import AggKind
 from dp_core.release import release, select, tree_values
-
-from .test_dp_engine import build
+from tests.support.engine import build
 
 # ---------------------------------------------------------------------------- the tree
 

@@ -16,9 +16,9 @@ import time
 import psycopg
 
 from server import wire as p
-
-from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, process_rss_mib
-from .rawclient import RawClient
+from tests.support.backend import TEST_DATABASE, Backend
+from tests.support.proxy import LoopThread, Proxy, process_rss_mib
+from tests.support.rawclient import RawClient
 
 ROUNDS = 150
 SEED = int(os.environ.get("DPPROXY_TEST_FUZZ_SEED", random.randrange(1 << 30)))

@@ -20,8 +20,8 @@ import psycopg
 import pytest
 
 from config import Config
-
-from .conftest import Backend, LoopThread, Proxy, running_proxy
+from tests.support.backend import Backend
+from tests.support.proxy import LoopThread, Proxy, running_proxy, spent
 
 SEED = int(os.environ.get("DPPROXY_TEST_FUZZ_SEED", random.randrange(1 << 30)))
 ROUNDS = int(os.environ.get("DPPROXY_TEST_FUZZ_ROUNDS", "60"))
@@ -119,8 +119,8 @@ def _query(rng: random.Random) -> str:
 
 
 @pytest.fixture(params=["plain", "split"])
-def proxy(request: pytest.FixtureRequest, loop_thread: LoopThread, demo_config: Config,
-          backend: Backend) -> Iterator[Proxy]:
+def plain_or_split_proxy(request: pytest.FixtureRequest, loop_thread: LoopThread,
+                         demo_config: Config, backend: Backend) -> Iterator[Proxy]:
     """The demo proxy; "split": every pushdown that can be is split by uid ranges."""
     config = demo_config
     if request.param == "split":
@@ -144,20 +144,21 @@ def _outcomes(proxy: Proxy, queries: list[str]) -> list[str]:
             except psycopg.Error as e:
                 out.append(str(e.sqlstate))
             assert conn.execute("SELECT 1").fetchone() == (1,), sql  # the session lives on
-            if float(conn.execute("SELECT epsilon_spent FROM dp_budget()").fetchone()[0]) > 8:
+            if spent(conn).epsilon > 8:
                 admin.execute("SELECT dp_reset_budget('alice')")
     return out
 
 
-def test_one_users_data_never_changes_whether_a_query_fails(proxy: Proxy, backend: Backend) -> None:
+def test_one_users_data_never_changes_whether_a_query_fails(plain_or_split_proxy: Proxy,
+                                                            backend: Backend) -> None:
     rng = random.Random(SEED)
     queries = [_query(rng) for _ in range(ROUNDS)]
-    without = _outcomes(proxy, queries)
+    without = _outcomes(plain_or_split_proxy, queries)
     with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
         try:
             for stmt in _TARGET_ROWS:
                 su.execute(stmt)
-            with_user = _outcomes(proxy, queries)
+            with_user = _outcomes(plain_or_split_proxy, queries)
         finally:
             for stmt in _REMOVE:
                 su.execute(stmt)

@@ -18,9 +18,9 @@ import psycopg
 import pytest
 
 from server import wire as p
-
-from .conftest import TEST_DATABASE, Proxy
-from .rawclient import RawClient, errors
+from tests.support.backend import TEST_DATABASE
+from tests.support.proxy import Proxy, spent
+from tests.support.rawclient import RawClient, errors
 
 SEED = int(os.environ.get("DPPROXY_TEST_FUZZ_SEED", random.randrange(1 << 30)))
 SEQUENCES = int(os.environ.get("DPPROXY_TEST_FUZZ_ROUNDS", 30))
@@ -190,19 +190,14 @@ def test_a_result_that_fails_leaves_nothing_behind(px: Proxy) -> None:
     refused by the backend after the charge, and the proxy's result statement, whose Close
     the backend then skipped, made every later answer of the session fail (42P05)."""
     with psycopg.connect(px.dsn(), autocommit=True) as other:
-        def spent() -> float:
-            row = other.execute("SELECT epsilon_spent FROM dp_budget()").fetchone()
-            assert row is not None
-            return float(row[0])
-
-        before = spent()
+        before = spent(other).epsilon
         c = RawClient(px.host, px.port, timeout=10)
         try:
             assert not errors(c.login("alice", "alice", TEST_DATABASE))
             c.send(p.Parse("", SHAPES["dp"][0]), p.Bind("", "", (), (), (0, 0, 0)),
                    p.Execute("", 0), p.Sync())
             assert _kinds(c) == ["ParseComplete", "BindComplete", "Error 08P01", "ReadyForQuery"]
-            assert spent() == before
+            assert spent(other).epsilon == before
             for _ in range(2):
                 c.send(p.Parse("", SHAPES["dp"][0]), p.Bind("", "", (), (), (1,)),
                        p.Execute("", 0), p.Sync())
@@ -210,4 +205,4 @@ def test_a_result_that_fails_leaves_nothing_behind(px: Proxy) -> None:
                                      "CommandComplete", "ReadyForQuery"]
         finally:
             c.close()
-        assert spent() == pytest.approx(before + 2 * 0.01)
+        assert spent(other).epsilon == pytest.approx(before + 2 * 0.01)

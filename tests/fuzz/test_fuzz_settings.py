@@ -18,7 +18,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from .conftest import Backend, Proxy, show
+from tests.support.backend import Backend
+from tests.support.proxy import Proxy, show
 
 SEED = int(os.environ.get("DPPROXY_TEST_FUZZ_SEED", random.randrange(1 << 30)))
 SEQUENCES = int(os.environ.get("DPPROXY_TEST_FUZZ_ROUNDS", 30))

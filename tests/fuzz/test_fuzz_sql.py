@@ -21,9 +21,8 @@ import pytest
 
 from config import Config
 from server.dp_query import uid_split
-
-from .conftest import Backend, LoopThread, Proxy, running_proxy
-from .test_dp_queries import reset, spent  # noqa: F401  (reset is a fixture)
+from tests.support.backend import Backend
+from tests.support.proxy import LoopThread, Proxy, budgets_reset, running_proxy, spent
 
 SEED = int(os.environ.get("DPPROXY_TEST_FUZZ_SEED", random.randrange(1 << 30)))
 ROUNDS = int(os.environ.get("DPPROXY_TEST_FUZZ_ROUNDS", "120"))
@@ -156,29 +155,31 @@ def _query(rng: random.Random) -> tuple[str, bool]:
 
 
 @pytest.fixture(params=["plain", "prefiltered"])
-def proxy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, loop_thread: LoopThread,
-          demo_config: Config, backend: Backend) -> Iterator[Proxy]:
+def split_proxy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+                loop_thread: LoopThread, demo_config: Config, backend: Backend) -> Iterator[Proxy]:
     """The demo proxy, splitting every pushdown it can by uid ranges (also over small tables),
     so that the fuzzer runs that path too; "prefiltered": every split pushdown whose types
-    allow it picks users' groups from their rows (whatever the groups per user)."""
+    allow it picks users' groups from their rows (whatever the groups per user). alice's and
+    bob's budgets are full at the start, and again at the end."""
     if request.param == "prefiltered":
         monkeypatch.setattr(uid_split, "_PREFILTER_GROUPS_PER_USER", 0.0)
         monkeypatch.setattr(uid_split, "_PREFILTER_KEPT_SHARE", float("inf"))
     b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0})
-    with running_proxy(loop_thread, demo_config.model_copy(update={"backend": b}), backend) as px:
+    with running_proxy(loop_thread, demo_config.model_copy(update={"backend": b}), backend) as px, \
+            budgets_reset(px):
         yield px
 
 
-def test_random_dp_queries_are_answered_or_refused_cleanly(proxy: Proxy, reset: None) -> None:  # noqa: F811
+def test_random_dp_queries_are_answered_or_refused_cleanly(split_proxy: Proxy) -> None:
     rng = random.Random(SEED)
     answered = refused = 0
-    with psycopg.connect(proxy.dsn("admin"), autocommit=True) as admin, \
-            psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+    with psycopg.connect(split_proxy.dsn("admin"), autocommit=True) as admin, \
+            psycopg.connect(split_proxy.dsn(), autocommit=True) as conn:
         for i in itertools.count():
             # ROUNDS queries, and more (up to three times as many) until the split and
             # prefiltered paths have both been taken: a seed whose first ROUNDS queries never
             # reach them still tests them
-            if i >= ROUNDS and (_paths_taken(proxy) or i >= 3 * ROUNDS):
+            if i >= ROUNDS and (_paths_taken(split_proxy) or i >= 3 * ROUNDS):
                 break
             sql, protected = _query(rng)
             params: tuple[object, ...] | None = None
@@ -195,7 +196,7 @@ def test_random_dp_queries_are_answered_or_refused_cleanly(proxy: Proxy, reset: 
                     continue
                 assert e.sqlstate in _REFUSALS, f"{where}\n{e.sqlstate}: {e}"
                 if "cost is charged" in str(e):  # APPROX_BOUNDS found too few users: says so
-                    assert e.sqlstate == "22023" and spent(conn)[0] > before[0], where
+                    assert e.sqlstate == "22023" and spent(conn).epsilon > before.epsilon, where
                 else:
                     assert spent(conn) == before, f"{where}: a refusal spent budget"
                 refused += 1
@@ -204,13 +205,13 @@ def test_random_dp_queries_are_answered_or_refused_cleanly(proxy: Proxy, reset: 
                 if sql.startswith("EXPLAIN") or not protected:
                     assert after == before, f"{where}: spent budget"
                 else:
-                    assert after[0] > before[0], f"{where}: an answer spent nothing"
+                    assert after.epsilon > before.epsilon, f"{where}: an answer spent nothing"
                 answered += 1
-            if spent(conn)[0] > 8:  # keep the analyst's budget (10) from running out
+            if spent(conn).epsilon > 8:  # keep the analyst's budget (10) from running out
                 admin.execute("SELECT dp_reset_budget('alice')")
     # the generator must reach both sides, or it tests little
     assert answered >= ROUNDS // 10 and refused >= ROUNDS // 10, (answered, refused)
-    assert _paths_taken(proxy), "no pushdown was split (or, in that mode, prefiltered)"
+    assert _paths_taken(split_proxy), "no pushdown was split (or, in that mode, prefiltered)"
 
 
 def _paths_taken(proxy: Proxy) -> bool:

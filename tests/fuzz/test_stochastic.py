@@ -2,8 +2,8 @@
 
 The tolerance: at most 1% of checked bins may fail (confidence bounds at z = 4 make
 false failures of a correct mechanism rare; the broken AVG fails far more bins).
-`pytest tests/test_stochastic.py --long` (or `DPPROXY_TEST_STOCHASTIC_LONG=1`) runs a deeper search
-(more databases, samples, depth).
+`pytest tests/fuzz/test_stochastic.py --long` (or `DPPROXY_TEST_STOCHASTIC_LONG=1`) runs a
+deeper search (more databases, samples, depth).
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from dp_core.kinds import SelectionKind
 from dp_core.mechanisms import NoiseSpec, keep_probability, secure_rng, users_kept_with
 from dp_core.quantiles import tree_codes, walk
 from dp_core.release import release
-
-from .dp_tester import Mechanism, halton, halton_databases, neighbours_by_removal, test_mechanism
-from .test_dp_engine import build
+from tests.support.dp_tester import Mechanism, halton, halton_databases, neighbours_by_removal, test_mechanism
+from tests.support.engine import build
 
 LONG = bool(os.environ.get("DPPROXY_TEST_STOCHASTIC_LONG"))
 DATABASES = 12 if LONG else 4

@@ -36,9 +36,8 @@ from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
 from dp_core.release import add_rows, release, tree_arrays
 from dp_core.rewrite import pushdown, ranged_pushdown
 from dp_core.uid_ranges import UidRange
-
-from .conftest import Backend
-from .dp_tester import Mechanism, test_mechanism
+from tests.support.backend import Backend
+from tests.support.dp_tester import Mechanism, test_mechanism
 
 LONG = bool(os.environ.get("DPPROXY_TEST_STOCHASTIC_LONG"))
 DATABASES = 8 if LONG else 3

@@ -42,6 +42,7 @@ async def _login(dsn: DSN) -> tuple[dict[str, str], bytes]:
         link.close()
 
 
+@pytest.mark.live  # its own Postgres (password_pg)
 @pytest.mark.parametrize(("user", "password"), [("scram_user", "scram-pw"), ("md5_user", "md5-pw"),
                                                 ("ours", "ours-pw")])
 def test_login_with_password(password_pg: EmbeddedPostgres, user: str, password: str) -> None:
@@ -51,6 +52,7 @@ def test_login_with_password(password_pg: EmbeddedPostgres, user: str, password:
     assert status == b"I"
 
 
+@pytest.mark.live  # its own Postgres (password_pg)
 @pytest.mark.parametrize("user", ["scram_user", "md5_user"])
 def test_wrong_backend_password(password_pg: EmbeddedPostgres, user: str) -> None:
     dsn = parse_dsn(f"postgresql://{user}:nope@127.0.0.1:{password_pg.port}/postgres")
@@ -59,6 +61,7 @@ def test_wrong_backend_password(password_pg: EmbeddedPostgres, user: str) -> Non
     assert dict(exc.value.fields)["C"] == "28P01"
 
 
+@pytest.mark.live  # its own Postgres (password_pg)
 def test_missing_backend_password(password_pg: EmbeddedPostgres) -> None:
     dsn = parse_dsn(f"postgresql://scram_user@127.0.0.1:{password_pg.port}/postgres")
     with pytest.raises(backend.BackendError, match="asks for a password"):

@@ -10,8 +10,7 @@ import pytest
 
 from server.demo_data import BROWSERS, COUNTRIES, DEMO_USERS, demo_data_sql, demo_schema_sql
 from server.dsn import parse_dsn
-
-from .conftest import Backend
+from tests.support.backend import Backend
 
 
 async def _fetch(dsn: str, sql: str) -> list[asyncpg.Record]:

@@ -16,6 +16,7 @@ import pytest
 
 from server.demo_data import COUNTRIES
 from server.embedded import EmbeddedPostgres, _parent_of, _pids, remove_stale_clusters
+from tests.support.processes import free_port
 
 
 def _children(pid: int) -> list[int]:
@@ -43,6 +44,7 @@ async def _select_one(dsn: str) -> int:
         await conn.close()
 
 
+@pytest.mark.live  # starts a Postgres of its own
 def test_start_query_stop_leaves_nothing() -> None:
     pg = EmbeddedPostgres(tcp=True).start()
     pid = pg.pid
@@ -56,6 +58,7 @@ def test_start_query_stop_leaves_nothing() -> None:
     pg.stop()  # a second stop is harmless
 
 
+@pytest.mark.live  # starts a Postgres of its own
 def test_crash_of_the_server_process_is_detected_and_cleaned() -> None:
     pg = EmbeddedPostgres().start()
     pid = pg.pid
@@ -72,6 +75,7 @@ def test_crash_of_the_server_process_is_detected_and_cleaned() -> None:
     assert not _children(pid)
 
 
+@pytest.mark.live  # starts a Postgres of its own
 def test_data_dir_is_kept_when_asked() -> None:
     import shutil
     import tempfile
@@ -124,12 +128,6 @@ def test_stale_cluster_of_a_dead_owner_is_removed(tmp_path: Path) -> None:
         shutil.rmtree(live, ignore_errors=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start_demo(port: int) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "demo", "--port", str(port)],
@@ -147,11 +145,12 @@ def _start_demo(port: int) -> subprocess.Popen[str]:
     raise AssertionError("dp-proxy demo did not listen within 60 s")
 
 
+@pytest.mark.live  # starts a Postgres of its own
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_demo_stops_postgres_on_signal(sig: signal.Signals) -> None:
     import psycopg
 
-    port = _free_port()
+    port = free_port()
     proc = _start_demo(port)
     try:
         postmasters = [q for q in _children(proc.pid)]
@@ -190,6 +189,7 @@ def _private_copy_of_pgserver(home: Path) -> Path:
     return site / package.name / prefix.name / bindir.name
 
 
+@pytest.mark.live  # starts a Postgres of its own
 @pytest.mark.skipif(os.geteuid() != 0, reason="the private-home case arises only as root")
 def test_root_in_a_private_home_starts_postgres_and_replaces_a_broken_copy(tmp_path: Path) -> None:
     """As root from a 0700 home, Postgres runs as the OS user from a world-readable copy that

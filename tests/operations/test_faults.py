@@ -1,7 +1,8 @@
 """Faults: clients that vanish or never read, pushdowns that time out.
 
 SLOW is a DP query whose pushdown takes seconds (a join with a public view that sleeps on
-each row, `conftest.SLOW_DP_QUERY`), so that things can happen while it runs, after its charge.
+each row, `SLOW_DP_QUERY` of tests/support/backend.py), so that things can happen while it
+runs, after its charge.
 """
 
 from __future__ import annotations
@@ -13,17 +14,9 @@ import psycopg
 import pytest
 
 from config import Config
-
-from .conftest import (
-    SLOW_DP_QUERY,
-    TEST_DATABASE,
-    Backend,
-    LoopThread,
-    Proxy,
-    process_rss_mib,
-    running_proxy,
-)
-from .rawclient import RawClient
+from tests.support.backend import SLOW_DP_QUERY, TEST_DATABASE, Backend, prepared_backend
+from tests.support.proxy import LoopThread, Proxy, process_rss_mib, running_proxy, spent
+from tests.support.rawclient import RawClient
 
 Q = "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.125) browser, ANON_COUNT(*) FROM visits GROUP BY browser"
 SLOW = SLOW_DP_QUERY.replace("epsilon=0.2", "epsilon=0.125")
@@ -94,8 +87,7 @@ def test_pushdown_timeout_is_a_generic_charged_error(loop_thread: LoopThread, de
             assert time.monotonic() - started < 5
             assert "charged" in str(info.value)  # the generic error after a charge
             assert "visits" not in str(info.value) and "browser" not in str(info.value)
-            spent = conn.execute("SELECT epsilon_spent FROM dp_budget()").fetchone()
-            assert spent is not None and float(spent[0]) == pytest.approx(0.125)
+            assert spent(conn).epsilon == pytest.approx(0.125)
         with psycopg.connect(px.dsn(), autocommit=True) as conn:
             assert conn.execute(Q).fetchall()
 
@@ -119,29 +111,14 @@ def test_a_client_that_never_reads_does_not_fill_the_proxy(proxy: Proxy) -> None
         assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
+@pytest.mark.live  # starts a Postgres of its own
 def test_backend_restart_mid_session(loop_thread: LoopThread, demo_config: Config) -> None:
     """Postgres restarted under a running proxy: sessions get a clean error, new sessions work
     within seconds, and the ledger (in that Postgres) still matches what was spent."""
-    import asyncio
-    import secrets
-
-    from server.backend_setup import DEFAULT_ROLES, BackendDSNs
-    from server.dsn import DSN, parse_dsn
     from server.embedded import EmbeddedPostgres
 
-    from .conftest import _prepare
-
     with EmbeddedPostgres() as pg:
-        password = secrets.token_hex(8)
-        asyncio.run(_prepare(pg.dsn(), TEST_DATABASE, demo_config, password))
-        base = parse_dsn(pg.dsn())
-        own = Backend(admin_dsn=base.uri(database=TEST_DATABASE),
-                      dsns=BackendDSNs(*(DSN(base.host, base.port, role, TEST_DATABASE, password)
-                                         for role in (DEFAULT_ROLES.restricted,
-                                                      DEFAULT_ROLES.pushdown,
-                                                      DEFAULT_ROLES.ledger)),
-                                       login_secret=password),
-                      embedded=pg)
+        own = prepared_backend(pg.dsn(), demo_config, embedded=pg)
         with running_proxy(loop_thread, demo_config, own) as px:
             _reset(px, "alice")
             conn = psycopg.connect(px.dsn(), autocommit=True)
@@ -166,8 +143,5 @@ def test_backend_restart_mid_session(loop_thread: LoopThread, demo_config: Confi
             events = _charges(own, "alice")
             last_reset = max(i for i, (k, _) in enumerate(events) if k == "reset")
             charged = sum(e for k, e in events[last_reset:] if k == "charge")
-            with psycopg.connect(px.dsn(), autocommit=True) as check:
-                row = check.execute("SELECT epsilon_spent FROM dp_budget()").fetchone()
-            assert row is not None
             # the running total and the ledger's rows agree, and both answers are in them
-            assert float(row[0]) == pytest.approx(charged) and charged >= 0.25 - 1e-9
+            assert spent(px).epsilon == pytest.approx(charged) and charged >= 0.25 - 1e-9

@@ -19,17 +19,11 @@ import psycopg
 import pytest
 
 from server.bootstrap import demo_config_text
+from tests.support.backend import SLOW_DP_QUERY, TEST_DATABASE, Backend
+from tests.support.paths import ROOT
+from tests.support.processes import free_port
 
-from .conftest import SLOW_DP_QUERY, TEST_DATABASE, Backend
-
-ROOT = Path(__file__).parent.parent
 Q = "SELECT WITH ANONYMIZATION OPTIONS(epsilon={e}) browser, ANON_COUNT(*) FROM visits GROUP BY browser"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(backend: Backend, tmp: Path, port: int) -> Path:
@@ -40,7 +34,7 @@ def _config(backend: Backend, tmp: Path, port: int) -> Path:
 
 class ProxyProcess:
     def __init__(self, backend: Backend, tmp: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         cfg = _config(backend, tmp, self.port)
         self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "--log-level", "WARNING",
                                       "serve", "--config", str(cfg)], cwd=ROOT,

@@ -16,9 +16,10 @@ import pytest
 
 from config import AnalystConfig, Config
 from server.scram import make_verifier
-
-from .conftest import Backend, LoopThread, init_backend, running_proxy, start_proxy
-from .test_operations import ROOT, _config_for
+from tests.support.backend import Backend, init_backend
+from tests.support.paths import ROOT
+from tests.support.processes import await_epsilon_total, config_for
+from tests.support.proxy import LoopThread, running_proxy, start_proxy
 
 
 def _later(loop_thread: LoopThread, coro: object) -> asyncio.Future[object]:
@@ -128,20 +129,9 @@ def test_reload_changes_budgets_adds_and_removes_analysts_without_dropping_sessi
         adm.execute("SELECT dp_reset_budget('alice')")
 
 
-def await_epsilon_total(conn: psycopg.Connection, value: float, failure: str) -> None:
-    """Wait up to 5 s until the session's dp_budget() shows `value` as its ε total (a reload
-    is taken asynchronously)."""
-    for _ in range(50):
-        row = conn.execute("SELECT epsilon_total FROM dp_budget()").fetchone()
-        if row is not None and float(row[0]) == value:
-            return
-        time.sleep(0.1)
-    raise AssertionError(failure)
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="signals to a child process")
 def test_serve_reloads_on_sighup_and_stops_on_sigterm(backend: Backend, tmp_path: Path) -> None:
-    cfg = _config_for(backend, tmp_path, "dp_pushdown", "dp_restricted")
+    cfg = config_for(backend, tmp_path, "dp_pushdown", "dp_restricted")
     text = cfg.read_text()
     import socket
 

@@ -14,8 +14,8 @@ import pytest
 from config import Config
 from config.models import LogConfig, LogFormat, StatementLog
 from server.logs import STATEMENT_LOGGER, JSONFormatter, configure, set_format
-
-from .conftest import Backend, LoopThread, Proxy, running_proxy
+from tests.support.backend import Backend
+from tests.support.proxy import LoopThread, Proxy, running_proxy
 
 SECRET_LITERAL = "zq-literal-5531"
 SECRET_PARAM = "zq-param-8812"

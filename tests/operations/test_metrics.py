@@ -9,8 +9,8 @@ import psycopg
 import pytest
 
 from config import Config
-
-from .conftest import Backend, LoopThread, Proxy, running_proxy
+from tests.support.backend import Backend
+from tests.support.proxy import LoopThread, Proxy, running_proxy
 
 Q = "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) browser, ANON_COUNT(*) FROM visits GROUP BY browser"
 

@@ -16,28 +16,11 @@ import yaml
 from config import Config
 from server.bootstrap import demo_config_text
 from server.cli import _parser
-from server.dsn import DSN, parse_dsn
-
-from .conftest import TEST_DATABASE, Backend, LoopThread, init_backend, running_proxy
-
-ROOT = Path(__file__).parent.parent
-
-
-def _config_for(backend: Backend, tmp_path: Path, pushdown: str, restricted: str,
-                ledger: str | None = None) -> Path:
-    """demo.toml against the test database, with the given role[:password] for each DSN (the
-    suite's ledger role by default)."""
-    from dataclasses import replace
-
-    def dsn(role: str) -> DSN:
-        user, _, password = role.partition(":")
-        return replace(backend.pushdown, user=user, password=password or None)
-
-    path = tmp_path / "existing.toml"
-    ledger_dsn = backend.dsns.ledger if ledger is None else dsn(ledger)
-    path.write_text(demo_config_text(replace(backend.dsns, pushdown=dsn(pushdown),
-                                             restricted=dsn(restricted), ledger=ledger_dsn)))
-    return path
+from server.dsn import parse_dsn
+from tests.support.backend import TEST_DATABASE, Backend, init_backend
+from tests.support.paths import ROOT
+from tests.support.processes import config_for
+from tests.support.proxy import LoopThread, running_proxy
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -46,7 +29,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_init_backend_print(backend: Backend, tmp_path: Path) -> None:
-    cfg = _config_for(backend, tmp_path, "ops_push", "ops_restr")
+    cfg = config_for(backend, tmp_path, "ops_push", "ops_restr")
     out = _cli("init-backend", "--config", str(cfg), "--print")
     assert out.returncode == 0, out.stderr
     sql = out.stdout
@@ -78,7 +61,7 @@ def test_init_backend_print(backend: Backend, tmp_path: Path) -> None:
 
 
 def test_init_backend_runs_and_sets_verifier_passwords(backend: Backend, tmp_path: Path) -> None:
-    cfg = _config_for(backend, tmp_path, "ops_push:pw1", "ops_restr:pw2")
+    cfg = config_for(backend, tmp_path, "ops_push:pw1", "ops_restr:pw2")
     asyncio.run(_exec(backend, "CREATE TABLE IF NOT EXISTS public.riders (email text, "
                                "home_address text)"))
     out = _cli("init-backend", "--config", str(cfg), "--admin-dsn", backend.admin_dsn)
@@ -183,7 +166,7 @@ def test_shipped_configs_pass_check_config(path: str) -> None:
 def test_budget_cli_show_and_reset(backend: Backend, tmp_path: Path) -> None:
     base = parse_dsn(backend.admin_dsn)
     password = backend.pushdown.password
-    cfg = _config_for(backend, tmp_path, f"dp_pushdown:{password}", f"dp_restricted:{password}")
+    cfg = config_for(backend, tmp_path, f"dp_pushdown:{password}", f"dp_restricted:{password}")
     out = _cli("budget", "show", "bob", "--config", str(cfg))
     assert out.returncode == 0, out.stderr
     assert "epsilon_total" in out.stdout and "analyst            bob" in out.stdout
@@ -228,14 +211,14 @@ def test_ordinary_mistakes_get_one_line_not_a_traceback(backend: Backend, tmp_pa
     wrong = parse_dsn(backend.admin_dsn)
     from dataclasses import replace
 
-    cfg = _config_for(backend, tmp_path, "ops_push:pw1", "ops_restr:pw2")
+    cfg = config_for(backend, tmp_path, "ops_push:pw1", "ops_restr:pw2")
     cases = [
         ("init-backend", "--config", str(cfg), "--admin-dsn",
          replace(wrong, database="no_such_database").uri()),
         ("init-backend", "--config", str(cfg), "--admin-dsn",
          "postgresql://postgres@127.0.0.1:1/postgres"),
         ("budget", "show", "alice", "--config",
-         str(_config_for(backend, tmp_path, "ops_push:pw1", "ops_restr:pw2",
+         str(config_for(backend, tmp_path, "ops_push:pw1", "ops_restr:pw2",
                          ledger="no_such_role:nope"))),
     ]
     for args in cases:

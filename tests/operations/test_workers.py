@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,16 +18,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.workers import sum_expositions
-
-from .conftest import Backend
-from .test_lifecycle import await_epsilon_total
-from .test_operations import ROOT, _config_for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support.backend import Backend
+from tests.support.paths import ROOT
+from tests.support.processes import await_epsilon_total, config_for, free_port
+from tests.support.proxy import spent
 
 
 def _values(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -68,8 +61,8 @@ def _workers(pid: int) -> list[int]:
 @contextmanager
 def _serve(backend: Backend, tmp_path: Path, **env: str) -> Iterator[tuple[subprocess.Popen[bytes],
                                                                            Path, str]]:
-    cfg = _config_for(backend, tmp_path, "dp_pushdown", "dp_restricted")
-    port = _free_port()
+    cfg = config_for(backend, tmp_path, "dp_pushdown", "dp_restricted")
+    port = free_port()
     environ = dict(os.environ, DPPROXY_LISTEN__PORT=str(port), **env)
     log_path = tmp_path / "serve.log"
     with log_path.open("w") as log:
@@ -97,7 +90,7 @@ def _serve(backend: Backend, tmp_path: Path, **env: str) -> Iterator[tuple[subpr
 @pytest.mark.skipif(sys.platform != "linux", reason="processes and signals")
 def test_workers_share_clients_cancels_limits_metrics_reload_and_stop(
         backend: Backend, tmp_path: Path) -> None:
-    metrics_port = _free_port()
+    metrics_port = free_port()
     with _serve(backend, tmp_path, DPPROXY_LISTEN__WORKERS="2", DPPROXY_LISTEN__MAX_CONNECTIONS="4",
                 DPPROXY_METRICS__PORT=str(metrics_port)) as (proc, cfg, dsn):
         workers = _workers(proc.pid)
@@ -121,8 +114,7 @@ def test_workers_share_clients_cancels_limits_metrics_reload_and_stop(
         for conn in (admin, a):
             row = conn.execute("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits").fetchone()
             assert row is not None and row[0] > 0
-        spent = a.execute("SELECT epsilon_spent FROM dp_budget()").fetchone()
-        assert spent is not None and float(spent[0]) == 1.0
+        assert spent(a).epsilon == 1.0
 
         # max_connections counts the clients of every worker
         b = psycopg.connect(dsn + " user=bob password=bob", autocommit=True)
@@ -225,7 +217,7 @@ def test_an_unreachable_backend_is_one_line_and_exit_1(tmp_path: Path, workers: 
     cfg = tmp_path / "unreachable.toml"
     cfg.write_text(demo_config_text(BackendDSNs(*(DSN("127.0.0.1", 1, role, "x") for role in
                                                   ("dp_restricted", "dp_pushdown", "dp_ledger"))),
-                                    _free_port()))
+                                    free_port()))
     out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--config", str(cfg)],
                          cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, DPPROXY_LISTEN__WORKERS=workers))

@@ -19,9 +19,10 @@ import pytest
 
 from config import Config
 from server import wire as p
-
-from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, running_proxy
-from .rawclient import RawClient, errors
+from tests.support.backend import TEST_DATABASE, Backend
+from tests.support.paths import ROOT
+from tests.support.proxy import LoopThread, Proxy, running_proxy, spent
+from tests.support.rawclient import RawClient, errors
 
 DP = "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.01, delta=1e-9) "
 DP_COUNT = DP + "ANON_COUNT(*) FROM visits"
@@ -337,7 +338,7 @@ def test_reltuples_is_a_documented_residual(proxy_module: Proxy) -> None:
         rows = conn.execute("SELECT reltuples, relpages FROM pg_class WHERE relname = 'visits'"
                             ).fetchall()
     assert len(rows) == 1
-    docs = (__import__("pathlib").Path(__file__).parent.parent / "docs" / "isolation.md")
+    docs = ROOT / "docs" / "isolation.md"
     assert "reltuples" in docs.read_text()
 
 
@@ -381,14 +382,13 @@ def _refused_uncharged(proxy: Proxy, sql: str, sqlstate: str) -> None:
     """`sql` gets `sqlstate` (as a simple and as a prepared statement), charges nothing, and
     the connection still answers."""
     with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
-        before = conn.execute("SELECT epsilon_spent, delta_spent FROM dp_budget()").fetchone()
+        before = spent(conn)
         for prepare in (False, True):
             with pytest.raises(psycopg.Error) as info:
                 conn.execute(sql, prepare=prepare)
             assert info.value.sqlstate == sqlstate, info.value
             assert conn.execute("SELECT 1").fetchone() == (1,)
-        after = conn.execute("SELECT epsilon_spent, delta_spent FROM dp_budget()").fetchone()
-        assert after == before
+        assert spent(conn) == before
 
 
 @pytest.mark.parametrize(("options", "sqlstate"), MALFORMED, ids=[m[0][:40] for m in MALFORMED])
@@ -452,25 +452,17 @@ def _bind_binary_garbage(c: RawClient) -> list[str | None]:
     return errors(c.recv_until_ready())
 
 
-def _spent(c: RawClient) -> str:
-    c.send(p.Query("SELECT epsilon_spent FROM dp_budget()"))
-    rows = [m for m in c.recv_until_ready() if isinstance(m, p.DataRow)]
-    value = rows[0].values[0]
-    assert value is not None
-    return value.decode()
-
-
 def _execute_with_row_limit(c: RawClient) -> list[str | None]:
     """A row limit on a DP portal: the whole answer comes at once (it is one release, charged
     once); a second Execute of the same portal neither answers nor charges again."""
-    before = _spent(c)
+    before = spent(c)
     c.send(p.Parse("s4", DP + "browser, ANON_COUNT(*) FROM visits GROUP BY browser", ()),
            p.Bind("", "s4", (), (), ()), p.Execute("", 1), p.Execute("", 1), p.Sync())
     msgs = c.recv_until_ready()
     rows = [m for m in msgs if isinstance(m, p.DataRow)]
     assert len(rows) >= 2, msgs  # more than the limit: the released answer is not split
-    after = _spent(c)
-    assert float(after) - float(before) == pytest.approx(0.01), (before, after)
+    after = spent(c)
+    assert after.epsilon - before.epsilon == pytest.approx(0.01), (before, after)
     return errors(msgs)
 
 

@@ -3,30 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import time
-from pathlib import Path
 
 import asyncpg
 import psycopg
 import psycopg2
 import pytest
 
-from server.embedded import find_bindir
-
-from .conftest import Proxy, reset_budget
+from tests.support.clients import psql
+from tests.support.paths import FIXTURES
+from tests.support.proxy import Proxy, reset_budget
 
 REFUSED = "42501"
-
-
-def psql(proxy: Proxy, *commands: str, user: str = "alice") -> subprocess.CompletedProcess[str]:
-    argv = [str(find_bindir() / "psql"), "-X", "-v", "ON_ERROR_STOP=0",
-            "-h", proxy.host, "-p", str(proxy.port), "-U", user, "-d", "dpproxy_test"]
-    for c in commands:
-        argv += ["-c", c]
-    env = dict(os.environ, PGPASSWORD=user, PGSSLMODE="disable")
-    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
 
 
 # ---------------------------------------------------------------------------- psql
@@ -243,7 +231,7 @@ def test_pgjdbc_startup_parameters_and_binary_switch(proxy: Proxy) -> None:
     asyncio.run(go())
 
 
-METABASE_PRIVILEGES = (Path(__file__).parent / "fixtures" / "metabase_privileges.sql").read_text()
+METABASE_PRIVILEGES = (FIXTURES / "metabase_privileges.sql").read_text()
 
 
 def test_metabase_sees_protected_tables(proxy: Proxy) -> None:
@@ -259,7 +247,7 @@ def test_metabase_sees_protected_tables(proxy: Proxy) -> None:
 
 
 BI_QUESTIONS = [line for tool in ("metabase", "tableau", "looker")
-                for line in (Path(__file__).parent / "fixtures" / f"{tool}_questions.sql")
+                for line in (FIXTURES / f"{tool}_questions.sql")
                 .read_text().splitlines() if line and not line.startswith("--")]
 
 
@@ -289,7 +277,7 @@ def test_statistics_of_protected_tables_are_hidden(proxy: Proxy) -> None:
 
 def test_restricted_role_sees_no_protected_row_even_unclassified(backend: object) -> None:
     """The second wall: the restricted role itself reads zero rows of a protected table."""
-    from .conftest import Backend
+    from tests.support.backend import Backend
 
     assert isinstance(backend, Backend)
 

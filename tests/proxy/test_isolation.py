@@ -18,16 +18,8 @@ import psycopg
 import pytest
 
 from config import Config
-
-from .conftest import (
-    SLOW_DP_QUERY,
-    Backend,
-    LoopThread,
-    Proxy,
-    init_backend,
-    reset_budget,
-    running_proxy,
-)
+from tests.support.backend import SLOW_DP_QUERY, Backend, init_backend
+from tests.support.proxy import LoopThread, Proxy, reset_budget, running_proxy, spent
 
 
 def _refused_by_proxy(px: Proxy, user: str, sql: str) -> None:
@@ -187,12 +179,12 @@ def test_one_analysts_dp_queries_leave_pushdown_connections_to_the_others(
         slow = _run_in_thread(px.dsn("alice"), SLOW_DP_QUERY, out)
         time.sleep(1.0)  # (alice's query is running: the lookup view sleeps 50 ms a row)
         with psycopg.connect(px.dsn("alice"), autocommit=True) as alice:
-            spent = alice.execute("SELECT epsilon_spent FROM dp_budget()").fetchone()
+            before = spent(alice).epsilon
             t0 = time.monotonic()
             with pytest.raises(psycopg.errors.TooManyConnections, match="max_dp_queries"):
                 alice.execute("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits")
             assert 0.8 < time.monotonic() - t0 < 3.0
-            assert alice.execute("SELECT epsilon_spent FROM dp_budget()").fetchone() == spent
+            assert spent(alice).epsilon == before
         with psycopg.connect(px.dsn("bob"), autocommit=True) as bob:
             t0 = time.monotonic()
             assert bob.execute("SELECT epsilon_remaining FROM dp_budget()").fetchone()
@@ -230,14 +222,14 @@ def test_a_dp_query_waits_for_a_pushdown_connection_a_bounded_time(
         slow = _run_in_thread(px.dsn("alice"), SLOW_DP_QUERY, out)
         time.sleep(1.0)
         with psycopg.connect(px.dsn("bob"), autocommit=True) as bob:
-            before = bob.execute("SELECT epsilon_spent FROM dp_budget()").fetchone()
+            before = spent(bob).epsilon
             t0 = time.monotonic()
             with pytest.raises(psycopg.errors.TooManyConnections,
                                match=r"no connection for DP queries became free within 0\.5 s"):
                 bob.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) "
                             "ANON_COUNT(*) FROM visits")
             assert time.monotonic() - t0 < 3.0
-            assert bob.execute("SELECT epsilon_spent FROM dp_budget()").fetchone() == before
+            assert spent(bob).epsilon == before
         slow.join(60)
 
 

@@ -15,13 +15,10 @@ import pytest
 from dp_core.quantiles import BINS, EDGES, bin_of, tree_codes
 from dp_core.release import tree_arrays
 from dp_core.rewrite import pushdown
-
-from .conftest import Backend, Proxy
-from .test_clients import psql
-from .test_dp_engine import build
-from .test_dp_queries import reset, spent
-
-__all__ = ["reset"]  # the fixture, imported for its use below
+from tests.support.backend import Backend
+from tests.support.clients import psql
+from tests.support.engine import build
+from tests.support.proxy import Proxy, spent
 
 
 def _fetch(dsn: str, sql: str, *args: object) -> list[asyncpg.Record]:
@@ -44,7 +41,7 @@ def _notices(proxy: Proxy, sql: str) -> tuple[list[tuple], list[tuple[str, str]]
     return rows, notices
 
 
-def test_median_by_country_through_psql(proxy: Proxy, reset: None) -> None:
+def test_median_by_country_through_psql(proxy: Proxy, fresh_budgets: None) -> None:
     """The issue's query, as an analyst types it."""
     done = psql(proxy, "SELECT WITH ANONYMIZATION country, ANON_MEDIAN(duration, 0, 3600) "
                        "FROM visits GROUP BY country ORDER BY 1")
@@ -55,7 +52,7 @@ def test_median_by_country_through_psql(proxy: Proxy, reset: None) -> None:
     assert len(values) >= 5 and all(0 <= v <= 3600 for v in values)
 
 
-def test_global_median_lands_near_the_users_median(proxy: Proxy, reset: None, backend: Backend) -> None:
+def test_global_median_lands_near_the_users_median(proxy: Proxy, fresh_budgets: None, backend: Backend) -> None:
     (truth,) = _fetch(backend.pushdown.uri(),
                       "SELECT array_agg(m ORDER BY m) AS ms FROM (SELECT percentile_cont(0.5) WITHIN GROUP "
                       "(ORDER BY duration::float8) AS m FROM visits GROUP BY uid) s WHERE m IS NOT NULL")
@@ -75,7 +72,7 @@ def test_global_median_lands_near_the_users_median(proxy: Proxy, reset: None, ba
 
 @pytest.mark.parametrize("null_parity", [0, 1])
 def test_a_group_whose_equal_keys_print_differently_gets_its_tree(
-        proxy: Proxy, reset: None, backend: Backend, null_parity: int) -> None:
+        proxy: Proxy, fresh_budgets: None, backend: Backend, null_parity: int) -> None:
     """One group of 1.0 (even users) and 1.00 (odd users): only the users of one parity have
     values, so the tree statement prints the key as they do; the main statement prints
     whichever of its users comes first. Matched by text, one of the two parities left the
@@ -94,7 +91,7 @@ def test_a_group_whose_equal_keys_print_differently_gets_its_tree(
     assert abs(rank - 0.5) <= 0.05, (rows, rank)
 
 
-def test_plain_percentile_cont_min_max_for_bi_tools(proxy: Proxy, reset: None) -> None:
+def test_plain_percentile_cont_min_max_for_bi_tools(proxy: Proxy, fresh_budgets: None) -> None:
     with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
         for binary in (False, True):
             cur = conn.cursor(binary=binary)
@@ -106,7 +103,7 @@ def test_plain_percentile_cont_min_max_for_bi_tools(proxy: Proxy, reset: None) -
             assert [r[1] for r in rows] == sorted((r[1] for r in rows), reverse=True)
 
 
-def test_quantile_with_parameters_over_the_extended_protocol(proxy: Proxy, reset: None) -> None:
+def test_quantile_with_parameters_over_the_extended_protocol(proxy: Proxy, fresh_budgets: None) -> None:
     async def go() -> list[asyncpg.Record]:
         conn = await asyncpg.connect(proxy.uri())
         try:
@@ -153,7 +150,7 @@ def test_width_bucket_equals_the_python_bins(backend: Backend) -> None:
 # ---------------------------------------------------------------------------- APPROX_BOUNDS
 
 
-def test_approx_bounds_spends_its_share_and_says_what_it_chose(proxy: Proxy, reset: None) -> None:
+def test_approx_bounds_spends_its_share_and_says_what_it_chose(proxy: Proxy, fresh_budgets: None) -> None:
     sql = ("SELECT WITH ANONYMIZATION OPTIONS(epsilon=1) browser, ANON_AVG(duration + 0) AS a, "
            "ANON_MEDIAN(duration * 2) AS m FROM visits GROUP BY browser")
     with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
@@ -169,20 +166,20 @@ def test_approx_bounds_spends_its_share_and_says_what_it_chose(proxy: Proxy, res
     assert "of its per-user values were clamped" in detail
     assert rows and all(0 <= r[1] <= 4096 and 0 <= r[2] <= 8192 for r in rows)
     with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
-        assert spent(conn)[0] == pytest.approx(before[0] + 1.0)
+        assert spent(conn).epsilon == pytest.approx(before.epsilon + 1.0)
 
 
-def test_approx_bounds_without_enough_users_is_a_clear_charged_error(proxy: Proxy, reset: None) -> None:
+def test_approx_bounds_without_enough_users_is_a_clear_charged_error(proxy: Proxy, fresh_budgets: None) -> None:
     with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
         with pytest.raises(psycopg.errors.InvalidParameterValue) as exc:
             conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.05) ANON_SUM(duration + 0) AS s "
                          "FROM visits WHERE uid < 50").fetchall()
         assert "APPROX_BOUNDS found no value range for s" in str(exc.value)
         assert exc.value.diag.message_hint and "write the bounds" in exc.value.diag.message_hint
-        assert spent(conn)[0] == pytest.approx(0.05)
+        assert spent(conn).epsilon == pytest.approx(0.05)
 
 
-def test_psql_shows_the_approx_bounds_notice(proxy: Proxy, reset: None) -> None:
+def test_psql_shows_the_approx_bounds_notice(proxy: Proxy, fresh_budgets: None) -> None:
     done: subprocess.CompletedProcess[str] = psql(
         proxy, "SELECT WITH ANONYMIZATION ANON_SUM(duration + 0) FROM visits")
     assert done.returncode == 0

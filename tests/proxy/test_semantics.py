@@ -21,7 +21,8 @@ import asyncpg
 import psycopg
 import pytest
 
-from .conftest import Backend, Proxy, reset_budget
+from tests.support.backend import Backend
+from tests.support.proxy import Proxy, reset_budget
 
 DP = "SELECT WITH ANONYMIZATION OPTIONS(epsilon=10) "
 

@@ -19,10 +19,9 @@ from dp_core.release import add_rows, add_trees, tree_arrays, tree_order
 from dp_core.rewrite import groups_sql, pushdown, ranged_pushdown
 from dp_core.uid_ranges import uid_ranges
 from server.backend_setup import DEFAULT_ROLES
-
-from .conftest import Backend, LoopThread, running_proxy
-from .test_dp_engine import GOLDEN, GOLDEN_CASES, build
-from .test_dp_queries import cancel_a_slow_dp_query
+from tests.support.backend import Backend
+from tests.support.engine import GOLDEN_CASES, build, golden_sql
+from tests.support.proxy import LoopThread, cancel_a_slow_dp_query, running_proxy
 
 # ---------------------------------------------------------------------------- pure parts
 
@@ -53,8 +52,7 @@ def test_rows_add_up_by_key_with_sql_sum_semantics() -> None:
 
 
 def test_a_range_restricts_the_per_user_rows_of_every_statement() -> None:
-    text = (GOLDEN / "approx_bounds.sql").read_text()
-    query, plan, _ = build("\n".join(ln for ln in text.splitlines() if not ln.startswith("--")))
+    query, plan, _ = build(golden_sql("approx_bounds"))
     whole = pushdown(query, plan, order_seed=1).statements()
     part = pushdown(query, plan, order_seed=1, uid_range=("10", "20")).statements()
     assert whole.keys() == part.keys()
@@ -162,7 +160,7 @@ def test_split_rows_add_up_to_the_unsplit_rows(backend: Backend) -> None:
             cases = [c for c in GOLDEN_CASES
                      if c.stem not in ("subquery_window_by_uid", "count_distinct")]
             for case in cases:
-                text = "\n".join(ln for ln in case.read_text().splitlines() if not ln.startswith("--"))
+                text = golden_sql(case)
                 query, plan, _ = build(text.strip())
                 whole = pushdown(query, plan, order_seed=99).statements()
                 table = "purchases" if "purchases" in text else "visits"
@@ -445,7 +443,7 @@ def test_prefiltered_pushdowns_keep_the_same_rows_and_add_up(backend: Backend) -
             for case in GOLDEN_CASES:
                 if case.stem in ("subquery_window_by_uid", "count_distinct"):  # see above
                     continue
-                text = "\n".join(ln for ln in case.read_text().splitlines() if not ln.startswith("--"))
+                text = golden_sql(case)
                 query, plan, _ = build(text.strip())
                 if not query.keys:
                     continue

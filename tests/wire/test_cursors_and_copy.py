@@ -20,20 +20,13 @@ from pglast import parser
 from dp_core.classify import Cursor, Statement, StatementKind
 from server import wire as p
 from server.embedded import find_bindir
-
-from .conftest import TEST_DATABASE, Proxy
-from .rawclient import RawClient, errors, tags
+from tests.support.backend import TEST_DATABASE
+from tests.support.proxy import Proxy, spent
+from tests.support.rawclient import RawClient, errors, tags
 
 DP = "SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) AS n FROM visits GROUP BY browser ORDER BY browser"
 PLAIN = "SELECT browser, count(*) FROM visits GROUP BY browser ORDER BY browser"
 EPSILON = 1.0  # the test config's default per query
-
-
-def spent(proxy: Proxy) -> float:
-    with psycopg.connect(proxy.dsn(), autocommit=True) as c:
-        row = c.execute("SELECT epsilon_spent FROM dp_budget()").fetchone()
-    assert row is not None
-    return float(row[0])
 
 
 def browsers(proxy: Proxy) -> int:
@@ -92,7 +85,7 @@ def test_psql_fetch_count_reads_a_dp_answer_through_a_cursor(px: Proxy) -> None:
     """psql with FETCH_COUNT wraps every query in BEGIN; DECLARE ... CURSOR; FETCH n; ...;
     CLOSE; COMMIT: both DP forms and dp_budget() are answered, each once."""
     n = browsers(px)
-    before = spent(px)
+    before = spent(px).epsilon
     argv = [str(find_bindir() / "psql"), "-X", "-v", "FETCH_COUNT=3", "-v", "ON_ERROR_STOP=1",
             "-A", "-t", "-h", px.host, "-p", str(px.port), "-U", "alice", "-d", TEST_DATABASE,
             "-c", DP, "-c", PLAIN, "-c", "SELECT analyst FROM dp_budget()"]
@@ -103,13 +96,13 @@ def test_psql_fetch_count_reads_a_dp_answer_through_a_cursor(px: Proxy) -> None:
     assert len(lines) == 2 * n + 1 and lines[-1] == "alice"
     assert lines[:n] == sorted(lines[:n]) and len({ln.split("|")[0] for ln in lines[:n]}) == n
     assert out.stderr.count("DP answer: spent epsilon 1,") == 2
-    assert spent(px) == pytest.approx(before + 2 * EPSILON)
+    assert spent(px).epsilon == pytest.approx(before + 2 * EPSILON)
 
 
 def test_a_cursor_holds_one_answer(px: Proxy) -> None:
     """FETCH in pieces, MOVE back, FETCH again: the same released rows, charged once."""
     n = browsers(px)
-    before = spent(px)
+    before = spent(px).epsilon
     with psycopg.connect(px.dsn()) as c:  # (a transaction block: psycopg's default)
         c.execute(f"DECLARE dp SCROLL CURSOR FOR {DP}")
         first = c.execute("FETCH 2 FROM dp").fetchall()
@@ -119,11 +112,11 @@ def test_a_cursor_holds_one_answer(px: Proxy) -> None:
         assert len(first) == 2 and len(first) + len(rest) == n
         assert again == first + rest  # released values, not a second draw
         c.execute("CLOSE dp")
-    assert spent(px) == pytest.approx(before + EPSILON)
+    assert spent(px).epsilon == pytest.approx(before + EPSILON)
 
 
 def test_declare_outside_a_block_is_refused_before_the_charge(px: Proxy) -> None:
-    before = spent(px)
+    before = spent(px).epsilon
     with psycopg.connect(px.dsn(), autocommit=True) as c:
         with pytest.raises(psycopg.Error) as err:
             c.execute(f"DECLARE dp CURSOR FOR {DP}")
@@ -133,7 +126,7 @@ def test_declare_outside_a_block_is_refused_before_the_charge(px: Proxy) -> None
         c.execute(f'DECLARE "Held ""one""" CURSOR WITH HOLD FOR {PLAIN}')
         assert len(c.execute('FETCH ALL FROM "Held ""one"""').fetchall()) == browsers(px)
         c.execute('CLOSE "Held ""one"""')
-    assert spent(px) == pytest.approx(before + 2 * EPSILON)
+    assert spent(px).epsilon == pytest.approx(before + 2 * EPSILON)
 
 
 def test_a_cursor_name_in_use_is_refused_before_the_charge(px: Proxy) -> None:
@@ -141,7 +134,7 @@ def test_a_cursor_name_in_use_is_refused_before_the_charge(px: Proxy) -> None:
     on the extended protocol (psycopg 3), the simple one (psycopg2), in a block and with
     WITH HOLD outside one; the name stays the first cursor's."""
     n = browsers(px)
-    before = spent(px)
+    before = spent(px).epsilon
     with psycopg.connect(px.dsn()) as c:
         c.execute("DECLARE dp CURSOR FOR SELECT 1")
         with pytest.raises(psycopg.Error) as err:
@@ -155,7 +148,7 @@ def test_a_cursor_name_in_use_is_refused_before_the_charge(px: Proxy) -> None:
             c.execute(f"DECLARE held CURSOR WITH HOLD FOR {DP}")
         assert err.value.sqlstate == "42P03"
         assert c.execute("FETCH ALL FROM held").fetchall() == [(1,)]
-        assert spent(px) == before
+        assert spent(px).epsilon == before
     conn = psycopg2.connect(px.dsn())
     try:
         cur = conn.cursor()
@@ -168,14 +161,14 @@ def test_a_cursor_name_in_use_is_refused_before_the_charge(px: Proxy) -> None:
         assert len(cur.fetchall()) == n
     finally:
         conn.close()
-    assert spent(px) == pytest.approx(before + EPSILON)
+    assert spent(px).epsilon == pytest.approx(before + EPSILON)
 
 
 def test_a_cursor_lives_through_its_query(px: Proxy) -> None:
     """One Query with DECLARE and FETCH needs no BEGIN: Postgres runs its statements in one
     implicit block, and so does the proxy (which runs them one by one)."""
     n = browsers(px)
-    before = spent(px)
+    before = spent(px).epsilon
     with psycopg.connect(px.dsn(), autocommit=True) as c:
         c.execute(f"SET dp.epsilon = 0.5; DECLARE dp CURSOR FOR {DP}; MOVE 2 IN dp")
         cur = c.execute(f"DECLARE dp CURSOR FOR {DP}; FETCH 2 FROM dp; FETCH ALL FROM dp")
@@ -186,7 +179,7 @@ def test_a_cursor_lives_through_its_query(px: Proxy) -> None:
         with pytest.raises(psycopg.Error) as err:
             c.execute("FETCH 1 FROM dp")  # ended with its block
         assert err.value.sqlstate == "34000"
-    assert spent(px) == pytest.approx(before + 2 * 0.5)
+    assert spent(px).epsilon == pytest.approx(before + 2 * 0.5)
 
 
 def test_cursor_refusals(px: Proxy) -> None:
@@ -209,7 +202,7 @@ def test_psycopg_named_cursors(px: Proxy) -> None:
     """psycopg 3 declares a named cursor on the extended protocol (parameters bound, binary
     rows on request) and describes its portal; psycopg2 on the simple protocol."""
     n = browsers(px)
-    before = spent(px)
+    before = spent(px).epsilon
     with psycopg.connect(px.dsn()) as c:
         with c.cursor(name="named") as cur:
             cur.execute("SELECT WITH ANONYMIZATION browser, ANON_AVG(duration, 0, 100) AS a "
@@ -233,7 +226,7 @@ def test_psycopg_named_cursors(px: Proxy) -> None:
         assert len(list(cur2)) == n
     finally:
         c2.close()
-    assert spent(px) == pytest.approx(before + 4 * EPSILON)
+    assert spent(px).epsilon == pytest.approx(before + 4 * EPSILON)
 
 
 # ---------------------------------------------------------------------------- row limits
@@ -244,7 +237,7 @@ def test_asyncpg_cursor_fetches_exactly_what_it_asks(px: Proxy) -> None:
     rows and PortalSuspended, the next Executes the following rows (before, the whole answer
     came back for fetch(2))."""
     n = browsers(px)
-    before = spent(px)
+    before = spent(px).epsilon
 
     async def go() -> None:
         conn = await asyncpg.connect(px.uri())
@@ -270,7 +263,7 @@ def test_asyncpg_cursor_fetches_exactly_what_it_asks(px: Proxy) -> None:
             await admin.close()
 
     asyncio.run(go())
-    assert spent(px) == pytest.approx(before + 2 * EPSILON)
+    assert spent(px).epsilon == pytest.approx(before + 2 * EPSILON)
 
 
 def _limited_executes(proxy: Proxy, sql: str, portal: str) -> list[list[p.BackendMessage]]:
@@ -321,7 +314,7 @@ def test_row_limited_executes_match_postgres(px: Proxy, portal: str) -> None:
 def test_psql_copy_of_a_dp_answer(px: Proxy, tmp_path: Any) -> None:
     """psql's \\copy (query) TO file sends COPY (query) TO STDOUT with the options."""
     n = browsers(px)
-    before = spent(px)
+    before = spent(px).epsilon
     out_file = tmp_path / "answer.csv"
     argv = [str(find_bindir() / "psql"), "-X", "-v", "ON_ERROR_STOP=1", "-h", px.host, "-p",
             str(px.port), "-U", "alice", "-d", TEST_DATABASE,
@@ -332,12 +325,12 @@ def test_psql_copy_of_a_dp_answer(px: Proxy, tmp_path: Any) -> None:
     lines = out_file.read_text().splitlines()
     assert lines[0] == "browser;n" and len(lines) == n + 1
     assert all(int(ln.split(";")[1]) >= 0 for ln in lines[1:])
-    assert spent(px) == pytest.approx(before + EPSILON)
+    assert spent(px).epsilon == pytest.approx(before + EPSILON)
 
 
 def test_copy_of_dp_answers_through_drivers(px: Proxy) -> None:
     n = browsers(px)
-    before = spent(px)
+    before = spent(px).epsilon
     with psycopg.connect(px.dsn(), autocommit=True) as c:
         with c.cursor() as cur, cur.copy(f"COPY ({PLAIN}) TO STDOUT") as copy:
             rows = list(copy.rows())
@@ -355,11 +348,11 @@ def test_copy_of_dp_answers_through_drivers(px: Proxy) -> None:
         assert len(buf.getvalue().splitlines()) == n
     finally:
         c2.close()
-    assert spent(px) == pytest.approx(before + 3 * EPSILON)
+    assert spent(px).epsilon == pytest.approx(before + 3 * EPSILON)
 
 
 def test_copy_refusals_cost_nothing(px: Proxy) -> None:
-    before = spent(px)
+    before = spent(px).epsilon
     with psycopg.connect(px.dsn(), autocommit=True) as c:
         for sql in (f"COPY ({DP}) TO '/tmp/dp_answer.csv'", f"COPY ({PLAIN}) TO PROGRAM 'cat'",
                     "COPY (SELECT * FROM dp_budget()) TO '/tmp/budget'",
@@ -371,4 +364,4 @@ def test_copy_refusals_cost_nothing(px: Proxy) -> None:
         with pytest.raises(psycopg.Error) as err:
             c.execute("COPY (SELECT * FROM countries) TO '/tmp/countries'")
         assert err.value.sqlstate == "42501" and "pg_write_server_files" in str(err.value.diag.message_detail)
-    assert spent(px) == before
+    assert spent(px).epsilon == before

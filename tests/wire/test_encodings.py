@@ -18,9 +18,9 @@ import pytest
 from server import wire as p
 from server.embedded import find_bindir
 from server.encodings import ALIASES, CLIENT_ONLY, CODECS, codec, encoding_named
-
-from .conftest import TEST_DATABASE, Backend, Proxy, reset_budget
-from .rawclient import RawClient, close_all, errors
+from tests.support.backend import TEST_DATABASE, Backend
+from tests.support.proxy import Proxy
+from tests.support.rawclient import RawClient, close_all, errors
 
 # a text each encoding has beyond ASCII
 SAMPLES = {"LATIN1": "Zürich", "WIN1252": "€uro", "KOI8R": "Москва", "EUC_JP": "東京",
@@ -77,19 +77,13 @@ def test_the_names_are_the_ones_postgres_reports(backend: Backend) -> None:
 
 
 # ---------------------------------------------------------------------------- through the proxy
-
-
-@pytest.fixture
-def proxy(proxy: Proxy) -> Proxy:
-    """The proxy, with alice's budget reset (these tests spend it)."""
-    reset_budget(proxy)
-    return proxy
+# (px: a fresh proxy with alice's budget full: these tests spend it)
 
 
 @pytest.mark.parametrize("encoding", sorted(SAMPLES))
-def test_sql_in_the_client_encoding(proxy: Proxy, encoding: str) -> None:
+def test_sql_in_the_client_encoding(px: Proxy, encoding: str) -> None:
     text = SAMPLES[encoding]
-    with psycopg.connect(proxy.dsn(), autocommit=True, client_encoding=encoding) as conn:
+    with psycopg.connect(px.dsn(), autocommit=True, client_encoding=encoding) as conn:
         # psycopg writes in the encoding the proxy decodes with
         assert codecs.lookup(conn.info.encoding).name == codecs.lookup(str(codec(encoding))).name
         # a statement the proxy parses (it names a protected table), passed through
@@ -109,8 +103,8 @@ def test_sql_in_the_client_encoding(proxy: Proxy, encoding: str) -> None:
         assert len(cur.fetchall()) > 1
 
 
-def test_results_and_messages_in_the_client_encoding(proxy: Proxy) -> None:
-    with psycopg.connect(proxy.dsn(), autocommit=True, client_encoding="LATIN1") as conn:
+def test_results_and_messages_in_the_client_encoding(px: Proxy) -> None:
+    with psycopg.connect(px.dsn(), autocommit=True, client_encoding="LATIN1") as conn:
         # the backend converts pass-through rows
         (name,) = conn.execute("SELECT name FROM countries WHERE code = 'CI'").fetchone()
         assert name == "Côte d'Ivoire"
@@ -124,15 +118,15 @@ def test_results_and_messages_in_the_client_encoding(proxy: Proxy) -> None:
         assert conn.execute("SELECT 'ä'").fetchone() == ("ä",)
 
 
-def test_a_released_key_the_client_encoding_lacks(proxy: Proxy) -> None:
+def test_a_released_key_the_client_encoding_lacks(px: Proxy) -> None:
     """As Postgres fails a query whose rows have a character the client encoding lacks (22P05),
     so does a DP answer; WIN1252 has the euro sign, LATIN1 has not."""
     sql = ("SELECT WITH ANONYMIZATION CASE WHEN browser = 'Chrome' THEN U&'Chrome \\20AC' "
            "ELSE U&'other \\20AC' END AS b, ANON_COUNT(*) FROM visits GROUP BY 1")
-    with psycopg.connect(proxy.dsn(), autocommit=True, client_encoding="WIN1252") as conn:
+    with psycopg.connect(px.dsn(), autocommit=True, client_encoding="WIN1252") as conn:
         rows = conn.execute(sql).fetchall()
         assert rows and all(b.endswith("€") for b, _ in rows)
-    with psycopg.connect(proxy.dsn(), autocommit=True, client_encoding="LATIN1") as conn:
+    with psycopg.connect(px.dsn(), autocommit=True, client_encoding="LATIN1") as conn:
         with pytest.raises(psycopg.Error) as info:
             conn.execute(sql)
         assert info.value.sqlstate == "22P05"
@@ -140,8 +134,8 @@ def test_a_released_key_the_client_encoding_lacks(proxy: Proxy) -> None:
         assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
-def test_invalid_bytes_in_the_client_encoding_are_an_error(proxy: Proxy) -> None:
-    c = RawClient(proxy.host, proxy.port)
+def test_invalid_bytes_in_the_client_encoding_are_an_error(px: Proxy) -> None:
+    c = RawClient(px.host, px.port)
     c.login("alice", "alice", TEST_DATABASE)
     c.send(p.Query("SET client_encoding TO 'WIN1252'"))
     assert errors(c.recv_until_ready()) == []
@@ -167,10 +161,10 @@ def test_invalid_bytes_in_the_client_encoding_are_an_error(proxy: Proxy) -> None
     "SELECT set_config('client_encoding', %s, false)",  # a value it cannot read
     "UPDATE pg_settings SET setting = 'GBK' WHERE name = 'client_encoding'",
 ])
-def test_switching_to_a_client_only_encoding_is_refused(proxy: Proxy, how: str) -> None:
+def test_switching_to_a_client_only_encoding_is_refused(px: Proxy, how: str) -> None:
     """Refused before the backend sees it (so nothing sent behind it is read otherwise), with
     an error the session survives."""
-    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+    with psycopg.connect(px.dsn(), autocommit=True) as conn:
         with pytest.raises(psycopg.Error) as info:
             conn.execute(how, ("UHC",) if "%s" in how else None)
         assert info.value.sqlstate == "0A000", info.value
@@ -181,8 +175,8 @@ def test_switching_to_a_client_only_encoding_is_refused(proxy: Proxy, how: str) 
 
 @pytest.mark.parametrize("value", ["LATIN1", "iso-8859-1", "Windows-1252", "koi8", "UNICODE",
                                    "euc_jp", "ISO_8859_5"])
-def test_switching_to_an_encoding_it_reads_works(proxy: Proxy, value: str) -> None:
-    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+def test_switching_to_an_encoding_it_reads_works(px: Proxy, value: str) -> None:
+    with psycopg.connect(px.dsn(), autocommit=True) as conn:
         conn.execute(f"SET client_encoding TO '{value}'")
         (name,) = conn.execute("SHOW client_encoding").fetchone()
         assert codec(name) is not None
@@ -227,32 +221,32 @@ def switch_function(backend: Backend) -> Iterator[str]:
 
 @pytest.mark.parametrize("args", ["'client_encoding', 'SJIS'", "'client_encoding', 'WIN950'",
                                   "'standard_conforming_strings', 'off'"])
-def test_a_switch_the_backend_reports_ends_the_session(proxy: Proxy, switch_function: str,
+def test_a_switch_the_backend_reports_ends_the_session(px: Proxy, switch_function: str,
                                                        args: str) -> None:
-    conn = psycopg.connect(proxy.dsn(), autocommit=True)
+    conn = psycopg.connect(px.dsn(), autocommit=True)
     with pytest.raises(psycopg.Error) as info:
         conn.execute(f"SELECT {switch_function}({args})")
     assert info.value.sqlstate == "0A000", info.value
     assert conn.closed or conn.broken
     conn.close()
-    with psycopg.connect(proxy.dsn(), autocommit=True) as fresh:
+    with psycopg.connect(px.dsn(), autocommit=True) as fresh:
         assert fresh.execute("SELECT 1").fetchone() == (1,)
 
 
-def test_a_login_in_a_client_only_encoding_is_refused(proxy: Proxy) -> None:
+def test_a_login_in_a_client_only_encoding_is_refused(px: Proxy) -> None:
     with pytest.raises(psycopg.OperationalError) as info:
-        psycopg.connect(proxy.dsn(), client_encoding="SJIS")
+        psycopg.connect(px.dsn(), client_encoding="SJIS")
     assert "client_encoding SJIS is not supported" in str(info.value)
-    with psycopg.connect(proxy.dsn(), client_encoding="EUC_JP") as ok:
+    with psycopg.connect(px.dsn(), client_encoding="EUC_JP") as ok:
         assert ok.execute("SELECT '東京'").fetchone() == ("東京",)
 
 
-def test_psql_in_a_latin1_locale(proxy: Proxy) -> None:
+def test_psql_in_a_latin1_locale(px: Proxy) -> None:
     """psql takes its client encoding from the locale: a LATIN1 terminal sends LATIN1 bytes."""
     script = ("SELECT WITH ANONYMIZATION ANON_COUNT(*) AS \"Zählung\" FROM visits "
               "WHERE browser <> 'Zürich';\nSELECT name FROM countries WHERE code = 'CI';\n")
     argv = [str(find_bindir() / "psql"), "-X", "-A", "-t", "-v", "ON_ERROR_STOP=1",
-            "-h", proxy.host, "-p", str(proxy.port), "-U", "alice", "-d", TEST_DATABASE]
+            "-h", px.host, "-p", str(px.port), "-U", "alice", "-d", TEST_DATABASE]
     env = dict(os.environ, PGPASSWORD="alice", PGSSLMODE="disable", PGCLIENTENCODING="LATIN1")
     out = subprocess.run(argv, input=script.encode("latin-1"), capture_output=True, env=env,
                          timeout=60)
@@ -279,10 +273,10 @@ def _until_closed(c: RawClient) -> list[p.BackendMessage]:
 
 
 def test_a_statement_pipelined_behind_a_refused_switch_is_read_as_postgres_reads_it(
-        proxy: Proxy) -> None:
+        px: Proxy) -> None:
     """The switch is refused before anything behind it is read: both the proxy and Postgres
     read the second Query as UTF-8, where it is one literal."""
-    c = RawClient(proxy.host, proxy.port)
+    c = RawClient(px.host, px.port)
     c.login("alice", "alice", TEST_DATABASE)
     c.send_raw(p.Query("SET client_encoding TO 'SJIS'").encode() + _evil_query())
     assert errors(c.recv_until_ready()) == ["0A000"]
@@ -301,12 +295,12 @@ def test_a_statement_pipelined_behind_a_refused_switch_is_read_as_postgres_reads
 
 
 def test_a_statement_pipelined_behind_an_unseen_switch_is_not_answered(
-        proxy: Proxy, switch_function: str) -> None:
+        px: Proxy, switch_function: str) -> None:
     """A switch the classifier cannot see (inside a function): the statement sent behind it in
     the same write has been forwarded before the backend reports the new encoding; the
     session ends there and none of its rows reach the client (and the restricted role sees no
     rows of visits anyway: the second wall)."""
-    c = RawClient(proxy.host, proxy.port)
+    c = RawClient(px.host, px.port)
     c.login("alice", "alice", TEST_DATABASE)
     c.send_raw(p.Query(f"SELECT {switch_function}('client_encoding', 'SJIS')").encode()
                + _evil_query())

@@ -16,9 +16,9 @@ import pytest
 
 from config import Config
 from server import wire as p
-
-from .conftest import TEST_DATABASE, Backend, LoopThread, Proxy, running_proxy
-from .rawclient import RawClient, close_all, errors, tags
+from tests.support.backend import TEST_DATABASE, Backend
+from tests.support.proxy import LoopThread, Proxy, running_proxy
+from tests.support.rawclient import RawClient, close_all, errors, tags
 
 
 @pytest.fixture(autouse=True)

@@ -12,9 +12,9 @@ import psycopg
 import pytest
 
 from server import wire as p
-
-from .conftest import TEST_DATABASE, Proxy, show
-from .rawclient import RawClient, close_all, errors
+from tests.support.backend import TEST_DATABASE
+from tests.support.proxy import Proxy, show
+from tests.support.rawclient import RawClient, close_all, errors
 
 DP_COUNT = "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits"
 

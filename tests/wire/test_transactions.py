@@ -9,9 +9,9 @@ import psycopg
 import pytest
 
 from server import wire as p
-
-from .conftest import TEST_DATABASE, Backend, Proxy, show
-from .rawclient import RawClient, errors
+from tests.support.backend import TEST_DATABASE, Backend
+from tests.support.proxy import Proxy, show, spent
+from tests.support.rawclient import RawClient, errors
 
 DP_COUNT = "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits"
 
@@ -20,12 +20,6 @@ DP_COUNT = "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits"
 def conn(px: Proxy) -> Iterator[psycopg.Connection]:
     with psycopg.connect(px.dsn()) as c:  # not autocommit: psycopg opens a transaction
         yield c
-
-
-def _spent(px: Proxy) -> float:
-    with psycopg.connect(px.dsn(), autocommit=True) as other:
-        (spent,) = other.execute("SELECT epsilon_spent FROM dp_budget()").fetchone()
-    return float(spent)
 
 
 @pytest.mark.parametrize("prepare", [False, True], ids=["simple", "extended"])
@@ -92,10 +86,10 @@ def test_a_dp_query_in_a_failed_transaction_is_refused_before_the_charge(
     for sql in (DP_COUNT, "SHOW dp.epsilon", "SET dp.epsilon = 0.5", "SELECT * FROM dp_budget()"):
         with pytest.raises(psycopg.errors.InFailedSqlTransaction):
             conn.execute(sql, prepare=prepare)
-    assert _spent(px) == 0.0
+    assert spent(px).epsilon == 0.0
     conn.rollback()
     (n,) = conn.execute(DP_COUNT, prepare=prepare).fetchone()
-    assert n > 100 and _spent(px) == 1.0
+    assert n > 100 and spent(px).epsilon == 1.0
 
 
 def test_a_dp_answer_in_a_transaction_stays_charged_after_rollback(
@@ -104,7 +98,7 @@ def test_a_dp_answer_in_a_transaction_stays_charged_after_rollback(
     (n,) = conn.execute(DP_COUNT).fetchone()
     assert n > 100
     conn.rollback()  # the answer was released: its cost is spent whatever happens to the block
-    assert _spent(px) == 1.0
+    assert spent(px).epsilon == 1.0
 
 
 @pytest.mark.parametrize(("statements", "after"), [
@@ -131,7 +125,7 @@ def test_a_dp_answer_in_a_transaction_stays_charged_after_rollback(
     (["SET dp.epsilon = 0.5", "RESET ALL; SHOW dp.epsilon"], "1.0"),
     (["BEGIN", "SET dp.epsilon = 0.5; SELECT 1/0", "ROLLBACK"], "1.0"),
     # transaction commands inside an implicit block, as Postgres answers them (found by
-    # tests/test_fuzz_settings.py)
+    # tests/fuzz/test_fuzz_settings.py)
     (["SET dp.epsilon = 0.5; SAVEPOINT a"], "1.0"),
     (["SET dp.epsilon = 0.5; COMMIT; SET dp.epsilon = 0.25; SELECT 1/0"], "0.5"),
     (["SET dp.epsilon = 0.5; ROLLBACK; SHOW dp.epsilon"], "1.0"),
@@ -213,7 +207,7 @@ def test_set_local_applies_inside_the_block_and_warns_outside(px: Proxy) -> None
         conn.execute(DP_COUNT)  # charged at the block's setting
         conn.execute("COMMIT")
         assert show(conn) == "1.0"
-    assert _spent(px) == 0.25
+    assert spent(px).epsilon == 0.25
 
 
 def test_dp_settings_in_driver_transactions(px: Proxy) -> None:
@@ -230,7 +224,7 @@ def test_dp_settings_in_driver_transactions(px: Proxy) -> None:
         assert n > 100
         conn.commit()
         assert show(conn) == "0.5"
-    assert _spent(px) == 0.25
+    assert spent(px).epsilon == 0.25
 
 
 def test_dp_settings_in_driver_savepoints(px: Proxy) -> None:
@@ -249,7 +243,7 @@ def test_dp_settings_in_driver_savepoints(px: Proxy) -> None:
             (n,) = conn.execute(DP_COUNT, prepare=True).fetchone()
             assert n > 100
         assert show(conn) == "0.5"
-    assert _spent(px) == 0.25
+    assert spent(px).epsilon == 0.25
 
 
 def test_a_savepoint_prepared_by_name_before_any_dp_setting(px: Proxy) -> None:
@@ -284,7 +278,7 @@ def test_a_failed_savepoint_block_is_rolled_back_by_the_driver(px: Proxy) -> Non
             (n,) = conn.execute(DP_COUNT).fetchone()
             assert n > 100
         assert show(conn) == "0.5"
-    assert _spent(px) == 0.5
+    assert spent(px).epsilon == 0.5
 
 
 def test_rollback_to_in_a_failed_block_on_the_extended_protocol(px: Proxy) -> None:

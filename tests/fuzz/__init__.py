@@ -1,0 +1,1 @@
+"""Fuzzers (SQL, portals, settings, neighbours, malformed input) and the stochastic DP testers."""
