@@ -13,8 +13,8 @@ from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dp_core.kinds import NoiseKind as NoiseKind
-from dp_core.kinds import SelectionKind as SelectionKind
+from dp_core.mechanism_choices import NoiseKind as NoiseKind
+from dp_core.mechanism_choices import SelectionKind as SelectionKind
 
 _SCRAM_VERIFIER = re.compile(
     r"^SCRAM-SHA-256\$(?P<iterations>\d+):(?P<salt>[A-Za-z0-9+/=]+)"

@@ -1,4 +1,7 @@
-"""Errors that reach a client, one class per SQLSTATE; anything else is an internal bug."""
+"""The DP errors that reach a client, one class per SQLSTATE; anything else is an internal bug.
+
+Errors of the protocol, logins and transaction state are the server's (server/errors.py).
+"""
 
 from __future__ import annotations
 
@@ -46,81 +49,8 @@ class InvalidParameterValue(DPError):
     sqlstate = "22023"
 
 
-class InvalidBinaryRepresentation(DPError):
-    sqlstate = "22P03"
-
-
-class CharacterNotInRepertoire(DPError):
-    """Client text that is not valid in the session's client encoding."""
-
-    sqlstate = "22021"
-
-
-class UntranslatableCharacter(DPError):
-    """Text for the client with a character its client encoding lacks."""
-
-    sqlstate = "22P05"
-
-
-class InFailedSqlTransaction(DPError):
-    sqlstate = "25P02"
-
-
-class NoActiveSqlTransaction(DPError):
-    sqlstate = "25P01"
-
-
-class ObjectNotInPrerequisiteState(DPError):
-    sqlstate = "55000"
-
-
-class BindMismatch(DPError):
-    """A Bind that does not fit its statement: an error in the batch, not the end of the session."""
-
-    sqlstate = "08P01"
-
-
 class UndefinedObject(DPError):
     sqlstate = "42704"
-
-
-class InvalidPassword(DPError):
-    sqlstate = "28P01"
-    severity = "FATAL"
-
-
-class InvalidAuthorization(DPError):
-    sqlstate = "28000"
-    severity = "FATAL"
-
-
-class ProtocolViolationError(DPError):
-    sqlstate = "08P01"
-    severity = "FATAL"
-
-
-class ConnectionFailure(DPError):
-    sqlstate = "08006"
-    severity = "FATAL"
-
-
-class TooManyConnections(DPError):
-    sqlstate = "53300"
-    severity = "FATAL"
-
-
-class CannotConnectNow(DPError):
-    sqlstate = "57P03"
-    severity = "FATAL"
-
-
-class QueryCanceled(DPError):
-    sqlstate = "57014"
-
-
-class AdminShutdown(DPError):
-    sqlstate = "57P01"
-    severity = "FATAL"
 
 
 class StatementTooComplex(DPError):

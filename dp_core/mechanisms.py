@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from dp_core.kinds import NoiseKind as NoiseKind
+from dp_core.mechanism_choices import NoiseKind as NoiseKind
 
 GRID_BITS = 40
 """The grid is 2^-GRID_BITS of the noise scale (rounded up to a power of two)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from dp_core.errors import InternalError, InvalidParameterValue
-from dp_core.kinds import SelectionKind
+from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import (
     MIN_SCALE,
     NoiseKind,

@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from dp_core.errors import InternalError
-from dp_core.kinds import SelectionKind
+from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import keep_probability, secure_rng
 from dp_core.plan import Component, DPQueryPlan, reads_user_count
 from dp_core.quantiles import LEAVES, LEVEL_OFFSETS, walk

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dp_core.errors import FeatureNotSupported, InvalidParameterValue, UndefinedObject
-from dp_core.kinds import NoiseKind, SelectionKind
+from dp_core.mechanism_choices import NoiseKind, SelectionKind
 
 SETTING_NAMES = ("epsilon", "delta", "max_groups_contributed", "noise", "partition_selection")
 NOISE_KINDS = tuple(k.value for k in NoiseKind)

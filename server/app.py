@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from config import Config, reloaded
 from dp_core.classify import Classifier, ProtectionPolicy
-from dp_core.errors import AdminShutdown, TooManyConnections
 from dp_core.settings import Caps, DPSettings
 from server import backend
 from server.backend_setup import BackendDSNs
 from server.encodings import encoding_named
+from server.errors import AdminShutdown, TooManyConnections
 from server.logs import StatementLogger, set_format
 from server.metrics import Metrics, OpsServer
 from server.replies import Refuse
@@ -189,7 +189,7 @@ class ProxyServer:
         Budget limits go to the ledger as appended 'limits' events; sessions of analysts no
         longer configured are closed.
         """
-        from dp_core.errors import InvalidAuthorization
+        from server.errors import InvalidAuthorization
 
         ignored = [name for name in ("listen", "tls", "metrics", "auth_method", "backend", "defaults",
                                      "tables")

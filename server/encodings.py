@@ -20,7 +20,7 @@ standard_conforming_strings off. MULE_INTERNAL and EUC_TW have no Python codec.
 
 from __future__ import annotations
 
-from dp_core.errors import CharacterNotInRepertoire, UntranslatableCharacter
+from server.errors import CharacterNotInRepertoire, UntranslatableCharacter
 
 _LATIN = {"LATIN1": "latin-1", "LATIN2": "iso8859-2", "LATIN3": "iso8859-3",
           "LATIN4": "iso8859-4", "LATIN5": "iso8859-9", "LATIN6": "iso8859-10",

@@ -277,7 +277,7 @@ class Supervisor:
     def _refuse(self, conn: socket.socket, full: bool) -> None:
         """Answer a connection the workers cannot take with one FATAL error (in the
         supervisor's loop, as a lone ProxyServer answers one over its limit)."""
-        from dp_core.errors import CannotConnectNow, TooManyConnections
+        from server.errors import CannotConnectNow, TooManyConnections
         from server.replies import Refuse
 
         err = TooManyConnections("sorry, too many clients already") if full else \

@@ -13,12 +13,7 @@ from dp_core.analysis import analyze, parse_select
 from dp_core.catalogue import INTEGER_TYPES, NUMBER_TYPES, check_casts
 from dp_core.classify import Statement
 from dp_core.cost import RowWorkBudget
-from dp_core.errors import (
-    DPError,
-    FeatureNotSupported,
-    InsufficientPrivilege,
-    InvalidParameterValue,
-)
+from dp_core.errors import DPError, FeatureNotSupported, InsufficientPrivilege, InvalidParameterValue
 from dp_core.plan import make_plan
 from dp_core.probes import argument_probe_sql, standalone_subqueries
 from dp_core.pushdown_cache import PushdownCache

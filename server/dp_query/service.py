@@ -18,11 +18,7 @@ from dp_core.accounting import AnswerCost
 from dp_core.analysis import parse_select
 from dp_core.budget import check_affordable, to_numeric
 from dp_core.classify import Statement, StatementKind
-from dp_core.errors import (
-    BindMismatch,
-    DPError,
-    FeatureNotSupported,
-)
+from dp_core.errors import DPError, FeatureNotSupported
 from dp_core.explain import Split, explain_lines, fmt, notice_text
 from dp_core.plan import DPQueryPlan, check_noise_scales
 from dp_core.query import AnalyzedQuery
@@ -33,6 +29,7 @@ from dp_core.release import (
 from dp_core.result import result_sql
 from dp_core.settings import check_caps
 from server import wire as p
+from server.errors import BindMismatch, PushdownBusy
 from server.ledger import Ledger
 from server.local_functions import LocalFunctions
 from server.replies import notice_response
@@ -142,16 +139,13 @@ class DPService:
         try:
             conn = await self.pool.acquire(timeout=wait)
         except TimeoutError:
-            err = DPError(f"no connection for DP queries became free within {fmt(wait)} s: "
-                          "other DP queries hold them all",
-                          hint="try again; an operator can raise pushdown_pool_size")
-            err.sqlstate = "53300"
-            raise err from None
+            raise PushdownBusy(f"no connection for DP queries became free within {fmt(wait)} s: "
+                               "other DP queries hold them all",
+                               hint="try again; an operator can raise pushdown_pool_size") from None
         except (asyncpg.TooManyConnectionsError, asyncpg.CannotConnectNowError, OSError):
-            err = DPError("the backend database has no connection slot free for the DP engine",
-                          hint="try again; an operator can raise the backend's max_connections")
-            err.sqlstate = "53300"
-            raise err from None
+            raise PushdownBusy(
+                "the backend database has no connection slot free for the DP engine",
+                hint="try again; an operator can raise the backend's max_connections") from None
         try:
             yield conn
         finally:
@@ -171,11 +165,9 @@ class DPService:
         try:
             await asyncio.wait_for(turns[1].acquire(), wait)
         except TimeoutError:
-            err = DPError(f'analyst "{analyst}" has {limit} DP queries running (max_dp_queries) '
-                          f"and none ended within {fmt(wait)} s",
-                          hint="run fewer at once; nothing was charged")
-            err.sqlstate = "53300"
-            raise err from None
+            raise PushdownBusy(f'analyst "{analyst}" has {limit} DP queries running '
+                               f"(max_dp_queries) and none ended within {fmt(wait)} s",
+                               hint="run fewer at once; nothing was charged") from None
         try:
             yield
         finally:

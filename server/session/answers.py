@@ -10,16 +10,13 @@ from dp_core.classify import (
     Statement,
     StatementKind,
 )
-from dp_core.errors import (
-    DPError,
-    InternalError,
-    QueryCanceled,
-)
+from dp_core.errors import DPError, InternalError
 from dp_core.result import copy_result
 from server import wire as p
 from server.backend_setup import quote_ident
 from server.dp_query.request import DPRequest
 from server.encodings import untranslatable
+from server.errors import QueryCanceled
 from server.session.base import AlreadyReported, State, log
 from server.session.startup import WithStartup
 

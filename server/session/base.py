@@ -26,6 +26,7 @@ from dp_core.settings import Caps, DPSettings
 from server import backend
 from server import wire as p
 from server.block_settings import BlockSettings
+from server.errors import IdleSessionTimeout
 from server.replies import error_response
 
 if TYPE_CHECKING:
@@ -233,9 +234,7 @@ class SessionCore:
         if left > 0:
             self._arm_idle_timer(left)
         else:
-            err = DPError("terminating connection due to idle-session timeout")
-            err.sqlstate = "57P05"
-            self.fatal(err)
+            self.fatal(IdleSessionTimeout("terminating connection due to idle-session timeout"))
 
     def dp_charged(self) -> None:
         """The DP query this session runs has been charged: from now on it runs to its

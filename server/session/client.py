@@ -17,16 +17,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from dp_core.classify import StatementKind
-from dp_core.errors import (
-    DPError,
-    FeatureNotSupported,
-    InternalError,
-    ProtocolViolationError,
-    SyntaxError_,
-)
+from dp_core.errors import DPError, FeatureNotSupported, InternalError, SyntaxError_
 from server import backend
 from server import wire as p
 from server.encodings import invalid_text
+from server.errors import ProtocolViolationError
 from server.session.base import CLOSED, READY, SessionHost, State, log
 from server.session.implicit_block import WithImplicitBlock
 from server.wire.peek import first_name, name_after_kind, query_text, two_names

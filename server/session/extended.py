@@ -10,14 +10,11 @@ from dp_core.classify import (
     Statement,
     StatementKind,
 )
-from dp_core.errors import (
-    BindMismatch,
-    DPError,
-    ObjectNotInPrerequisiteState,
-)
+from dp_core.errors import DPError
 from dp_core.parsetree import highest_parameter
 from server import backend
 from server import wire as p
+from server.errors import BindMismatch, ObjectNotInPrerequisiteState
 from server.session.answers import DP_KINDS, TEXT_OID, WithLocalAnswers
 from server.session.base import AlreadyReported, LocalPortal, LocalStatement, State
 

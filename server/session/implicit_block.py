@@ -8,13 +8,11 @@ from dp_core.classify import (
     Statement,
     StatementKind,
 )
-from dp_core.errors import (
-    DPError,
-    NoActiveSqlTransaction,
-)
+from dp_core.errors import DPError
 from dp_core.result import set_transaction_sql
 from server import wire as p
 from server.encodings import untranslatable
+from server.errors import NoActiveSqlTransaction
 from server.session.base import AlreadyReported
 from server.session.extended import WithLocalExtended
 from server.session.settings import no_transaction_warning

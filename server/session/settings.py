@@ -10,14 +10,11 @@ from dp_core.classify import (
     Statement,
     StatementKind,
 )
-from dp_core.errors import (
-    InFailedSqlTransaction,
-    NoActiveSqlTransaction,
-    SyntaxError_,
-)
+from dp_core.errors import SyntaxError_
 from dp_core.parsetree import const_value
 from dp_core.settings import Caps, DPSettings
 from server import wire as p
+from server.errors import InFailedSqlTransaction, NoActiveSqlTransaction
 from server.session.base import SessionCore
 
 

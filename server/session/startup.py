@@ -7,18 +7,19 @@ import functools
 import ssl
 
 from config import AuthMethod
-from dp_core.errors import (
-    ConnectionFailure,
-    DPError,
-    InternalError,
-    InvalidAuthorization,
-    InvalidPassword,
-    ProtocolViolationError,
-    TooManyConnections,
-)
+from dp_core.errors import DPError, InternalError
 from server import backend
 from server import wire as p
 from server.encodings import UnsupportedEncoding, codec
+from server.errors import (
+    ConnectionFailure,
+    InvalidAuthorization,
+    InvalidCatalogName,
+    InvalidPassword,
+    ProtocolViolationError,
+    TooManyConnections,
+    UnsupportedSession,
+)
 from server.scram import MECHANISM, ScramError, ScramServer, Verifier
 from server.session.base import CLOSED, State, log
 from server.session.settings import WithSettings
@@ -40,22 +41,18 @@ def _login_refused(analyst: str, sqlstate: str | None) -> DPError:
 
 
 def _non_standard_strings() -> DPError:
-    err = DPError("dp-proxy needs standard_conforming_strings = on",
-                  detail="it reads string literals as Postgres does with that setting; with "
-                         "it off, 'a\\' would mean something else to Postgres",
-                  hint="leave standard_conforming_strings at its default, on")
-    err.sqlstate = "0A000"
-    err.severity = "FATAL"
-    return err
+    return UnsupportedSession(
+        "dp-proxy needs standard_conforming_strings = on",
+        detail="it reads string literals as Postgres does with that setting; with "
+               "it off, 'a\\' would mean something else to Postgres",
+        hint="leave standard_conforming_strings at its default, on")
 
 
 def _unsupported_encoding(exc: UnsupportedEncoding) -> DPError:
-    err = DPError(f"client_encoding {exc.name} is not supported by dp-proxy", detail=exc.detail,
-                  hint="use UTF8 (PGCLIENTENCODING=UTF8, or SET client_encoding TO 'UTF8'); the "
-                       "LATIN, WIN, KOI8 and EUC encodings work too")
-    err.sqlstate = "0A000"
-    err.severity = "FATAL"
-    return err
+    return UnsupportedSession(
+        f"client_encoding {exc.name} is not supported by dp-proxy", detail=exc.detail,
+        hint="use UTF8 (PGCLIENTENCODING=UTF8, or SET client_encoding TO 'UTF8'); the "
+             "LATIN, WIN, KOI8 and EUC encodings work too")
 
 
 class WithStartup(WithSettings):
@@ -120,10 +117,9 @@ class WithStartup(WithSettings):
         self.server.logged_in(self)
         database = params.get("database") or self.user
         if database != self.server.database:
-            err = DPError(f'database "{database}" does not exist',
-                          hint=f'this proxy serves the database "{self.server.database}"')
-            err.sqlstate = "3D000"
-            raise err
+            raise InvalidCatalogName(
+                f'database "{database}" does not exist',
+                hint=f'this proxy serves the database "{self.server.database}"')
         forwarded = {k: v for k, v in params.items() if k not in ("user", "database")}
         try:
             self.link = await self.server.connect_backend(self.user, forwarded)

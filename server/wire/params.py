@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import struct
 
-from dp_core.errors import FeatureNotSupported, InvalidBinaryRepresentation
+from dp_core.errors import FeatureNotSupported
 from server.encodings import invalid_text
+from server.errors import InvalidBinaryRepresentation
 
 
 def param_text(raw: bytes, fmt: int, oid: int, codec: str, encoding: str) -> str:

@@ -16,7 +16,7 @@ from pglast.stream import RawStream
 
 from dp_core.analysis import analyze, parse_select
 from dp_core.errors import FeatureNotSupported, InvalidParameterValue, SyntaxError_
-from dp_core.kinds import SelectionKind
+from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import NoiseKind, gaussian_sigma, granularity, threshold_tau
 from dp_core.probes import argument_probe_sql
 from dp_core.query import AggKind, Bounds, TablePolicy

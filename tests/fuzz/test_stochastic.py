@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from dp_core.kinds import SelectionKind
+from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import NoiseSpec, keep_probability, secure_rng, users_kept_with
 from dp_core.quantiles import tree_codes, walk
 from dp_core.release import release

@@ -28,7 +28,7 @@ from psycopg.rows import dict_row
 
 from dp_core.analysis import analyze, parse_select
 from dp_core.classify import Classifier, ProtectionPolicy
-from dp_core.kinds import SelectionKind
+from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import NoiseKind, secure_rng
 from dp_core.plan import DPQueryPlan, make_plan
 from dp_core.quantiles import NoBoundsFound, choose_bounds, walk

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from dp_core.analysis import analyze, parse_select
 from dp_core.classify import Classifier, ProtectionPolicy
-from dp_core.kinds import SelectionKind
+from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import NoiseKind
 from dp_core.plan import make_plan
 from dp_core.query import Bounds, TablePolicy

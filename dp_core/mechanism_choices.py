@@ -1,5 +1,7 @@
-"""Names the configuration shares with the core, in a module without the core's numerical
-dependencies (the supervisor of `[listen] workers` loads the configuration, not numpy)."""
+"""The noise and partition-selection mechanisms an analyst or the config may choose, by name.
+
+Shared with the configuration, in a module without the core's numerical dependencies (the
+supervisor of `[listen] workers` loads the configuration, not numpy)."""
 
 from enum import StrEnum
 
