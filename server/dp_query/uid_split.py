@@ -12,7 +12,7 @@ import asyncpg
 from pglast import ast
 
 from config import Config
-from dp_core.bounding import Prefilter, prefilter_types
+from dp_core.bounding import Prefilter, groups_per_user, prefilter_types, prefilter_wanted
 from dp_core.pushdown_cache import PushdownCache
 from dp_core.query import AggKind, AnalyzedQuery, TablePolicy, TableRef
 from dp_core.rewrite import groups_sql
@@ -34,16 +34,9 @@ _STATS_SECONDS = 300.0
 _SAMPLE_ROWS = 20_000
 """About this many rows are sampled (TABLESAMPLE SYSTEM) to find the uid's percentiles."""
 _PERCENTILES = [k / 100 for k in range(101)]
-_PREFILTER_GROUPS_PER_USER = 5.0
-_PREFILTER_KEPT_SHARE = 0.5
-"""Split pushdowns pick users' groups from their rows before aggregating them (`Prefilter`)
-where users have at least _PREFILTER_GROUPS_PER_USER groups on average and keep at most
-_PREFILTER_KEPT_SHARE of them (C_u); docs/architecture.md has the measurements behind both."""
 _GROUPS_SLICES = 25
 """(user, group) pairs per user are counted in the middle one of this many uid ranges."""
 _GROUPS_TIMEOUT = 10.0
-_GROUPS_MIN_USERS = 100
-"""A sample of fewer users (the query's WHERE picks a few) chooses no prefilter."""
 _CODE_POINT_ORDER = frozenset({"UTF8", "SQL_ASCII", "LATIN1"})
 """Server encodings whose byte order (COLLATE "C") is the code points' (Python's str order)."""
 
@@ -175,7 +168,7 @@ class UidSplitter:
         groups chosen by a keyed hash with a fresh key, and the statements of one answer
         all run split or all unsplit, so they keep the same groups. The choice shows only in
         the time an answer takes (and the operators' metrics), never in EXPLAIN; a sample
-        of fewer than _GROUPS_MIN_USERS users (a WHERE clause that picks a few) gets none,
+        of fewer than `GROUPS_MIN_USERS` users (a WHERE clause that picks a few) gets none,
         and keys that read the uid get none, so that no one user decides it: its effect on
         the average is its groups over the sample's users."""
         query, plan = prepared.query, prepared.plan
@@ -198,17 +191,13 @@ class UidSplitter:
             except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as e:
                 log.warning("could not count the groups per user of a DP pushdown: %s", e)
                 row = None
-            ratio = row["dp_groups"] / row["dp_users"] \
-                if row and row["dp_users"] >= _GROUPS_MIN_USERS else None
+            ratio = None if row is None else groups_per_user(row["dp_groups"], row["dp_users"])
             if len(self._groups_per_user) >= 1000:  # (bounded: fresh ones too, if need be)
                 fresh = {k: v for k, v in self._groups_per_user.items() if v[0] >= now}
                 self._groups_per_user = fresh if len(fresh) < 1000 else {}
             cached = self._groups_per_user[key] = (now + _STATS_SECONDS, ratio)
         ratio = cached[1]
-        if ratio is None or ratio < _PREFILTER_GROUPS_PER_USER or \
-                plan.max_groups_contributed > _PREFILTER_KEPT_SHARE * ratio:
-            return None
-        return types
+        return types if prefilter_wanted(ratio, plan.max_groups_contributed) else None
 
     async def _uid_column(self, table: TableRef, conn: Any) -> UidColumn | None:
         """The table's size and its uid column's type, from the catalog (no histogram yet);

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from config import Config
-from server.dp_query import uid_split
+from dp_core import bounding
 from tests.support.backend import Backend
 from tests.support.proxy import LoopThread, Proxy, budgets_reset, running_proxy, spent
 
@@ -162,8 +162,8 @@ def split_proxy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     allow it picks users' groups from their rows (whatever the groups per user). alice's and
     bob's budgets are full at the start, and again at the end."""
     if request.param == "prefiltered":
-        monkeypatch.setattr(uid_split, "_PREFILTER_GROUPS_PER_USER", 0.0)
-        monkeypatch.setattr(uid_split, "_PREFILTER_KEPT_SHARE", float("inf"))
+        monkeypatch.setattr(bounding, "PREFILTER_GROUPS_PER_USER", 0.0)
+        monkeypatch.setattr(bounding, "PREFILTER_KEPT_SHARE", float("inf"))
     b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0})
     with running_proxy(loop_thread, demo_config.model_copy(update={"backend": b}), backend) as px, \
             budgets_reset(px):
@@ -219,7 +219,7 @@ def _paths_taken(proxy: Proxy) -> bool:
     pushdown prefilter) some was prefiltered."""
     split = [x for x in proxy.server.metrics.pushdown_split.collect()[0].samples
              if x.name.endswith("_total")]
-    if uid_split._PREFILTER_GROUPS_PER_USER == 0:
+    if bounding.PREFILTER_GROUPS_PER_USER == 0:
         return sum(x.value for x in split if x.labels["prefiltered"] == "yes") > 0
     return sum(x.value for x in split) > 0
 
