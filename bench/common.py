@@ -41,8 +41,10 @@ class BenchSetup:
 
 @asynccontextmanager
 async def dataset_and_proxy(scale: float, extra_config: str = "",
-                            settings: dict[str, str] | None = None) -> AsyncIterator[BenchSetup]:
-    """An embedded Postgres with the bench dataset at `scale`, and dp-proxy as its own process.
+                            settings: dict[str, str] | None = None,
+                            shape: str = "demo") -> AsyncIterator[BenchSetup]:
+    """An embedded Postgres with the bench dataset at `scale` (of the `shape` bench/dataset.py
+    names), and dp-proxy as its own process.
 
     `extra_config` is appended to the proxy's TOML (more analysts, say); `settings`
     replace or add `key = value` lines ({"pushdown_pool_size": "20"}: [backend] when no
@@ -60,7 +62,7 @@ async def dataset_and_proxy(scale: float, extra_config: str = "",
         await admin.execute(f"CREATE DATABASE {DATABASE}")
         await admin.close()
         conn = await asyncpg.connect(pg.dsn(database=DATABASE))
-        seconds = await generate(conn, scale)
+        seconds = await generate(conn, scale, shape)
         n_rows = await conn.fetchval("SELECT count(*) FROM visits")
         n_users = await conn.fetchval("SELECT count(DISTINCT uid) FROM visits")
         config = load_config(DEMO_CONFIG, environ={})
