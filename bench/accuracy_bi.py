@@ -77,9 +77,12 @@ async def measure(conn: asyncpg.Connection, admin: asyncpg.Connection, runs: int
     await conn.execute(f"SET dp.max_groups_contributed = {cap}")
     result: dict[str, Any] = {}
     for name, (key, sql) in QUERIES.items():
-        t0 = time.perf_counter()
-        raw = await admin.fetch(sql)
-        raw_seconds = time.perf_counter() - t0
+        raw_times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            raw = await admin.fetch(sql)
+            raw_times.append(time.perf_counter() - t0)
+        raw_seconds = statistics.median(raw_times)
         truth = {r[key]: {c: float(v) for c, v in dict(r).items() if c != key and v is not None}
                  for r in raw}
         answers: dict[Any, list[dict[str, float]]] = defaultdict(list)

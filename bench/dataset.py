@@ -26,11 +26,11 @@ sys.path.insert(0, str(ROOT))
 from server.demo_data import (  # noqa: E402
     BROWSERS,
     COUNTRIES,
-    _text_array,
-    _u,
-    _zipf_lower_bounds,
     demo_data_sql,
     demo_schema_sql,
+    text_array,
+    uniform,
+    zipf_lower_bounds,
 )
 
 USERS_AT_SCALE_1 = 100_000
@@ -51,26 +51,26 @@ def heavy_data_sql(users: int) -> list[str]:
     extra = ",".join(f"('{c}', 'Country {c}', 'Elsewhere')" for c in HEAVY_COUNTRIES[len(COUNTRIES):])
     country_rows = ",".join(
         "(" + ",".join("'" + f.replace("'", "''") + "'" for f in row) + ")" for row in COUNTRIES)
-    browsers, countries = _text_array(HEAVY_BROWSERS), _text_array(HEAVY_COUNTRIES)
-    browser_zipf = _zipf_lower_bounds(len(HEAVY_BROWSERS), 1.0)
-    country_zipf = _zipf_lower_bounds(len(HEAVY_COUNTRIES), 1.0)
+    browsers, countries = text_array(HEAVY_BROWSERS), text_array(HEAVY_COUNTRIES)
+    browser_zipf = zipf_lower_bounds(len(HEAVY_BROWSERS), 1.0)
+    country_zipf = zipf_lower_bounds(len(HEAVY_COUNTRIES), 1.0)
     key = "u.uid::bigint * 10000 + j"
     return [
         f"INSERT INTO countries VALUES {country_rows}, {extra}",
         "CREATE TEMP TABLE heavy_users AS SELECT uid, "
-        f"CASE WHEN uid <= {HEAVY_USERS} THEN 1000 + floor(5001 * {_u('uid', 21)}) "
-        f"ELSE 1 + floor(-18 * ln({_u('uid', 22)})) END::int AS n_visits, "
-        f"({browsers})[width_bucket({_u('uid', 23)}, {browser_zipf})] AS browser, "
-        f"({countries})[width_bucket({_u('uid', 24)}, {country_zipf})] AS country, "
-        f"120 + 600 * {_u('uid', 25)} AS mean_duration "
+        f"CASE WHEN uid <= {HEAVY_USERS} THEN 1000 + floor(5001 * {uniform('uid', 21)}) "
+        f"ELSE 1 + floor(-18 * ln({uniform('uid', 22)})) END::int AS n_visits, "
+        f"({browsers})[width_bucket({uniform('uid', 23)}, {browser_zipf})] AS browser, "
+        f"({countries})[width_bucket({uniform('uid', 24)}, {country_zipf})] AS country, "
+        f"120 + 600 * {uniform('uid', 25)} AS mean_duration "
         f"FROM generate_series(1, {int(users)}) AS uid",
         "INSERT INTO visits (uid, browser, country, duration) SELECT u.uid, "
-        f"CASE WHEN {_u(key, 26)} < 0.8 THEN u.browser "
-        f"ELSE ({browsers})[width_bucket({_u(key, 27)}, {browser_zipf})] END, "
-        f"CASE WHEN {_u(key, 28)} < 0.95 THEN u.country "
-        f"ELSE ({countries})[width_bucket({_u(key, 29)}, {country_zipf})] END, "
-        f"CASE WHEN {_u(key, 30)} < 0.01 THEN NULL "
-        f"ELSE least(3600, floor(-u.mean_duration * ln({_u(key, 31)})))::int END "
+        f"CASE WHEN {uniform(key, 26)} < 0.8 THEN u.browser "
+        f"ELSE ({browsers})[width_bucket({uniform(key, 27)}, {browser_zipf})] END, "
+        f"CASE WHEN {uniform(key, 28)} < 0.95 THEN u.country "
+        f"ELSE ({countries})[width_bucket({uniform(key, 29)}, {country_zipf})] END, "
+        f"CASE WHEN {uniform(key, 30)} < 0.01 THEN NULL "
+        f"ELSE least(3600, floor(-u.mean_duration * ln({uniform(key, 31)})))::int END "
         "FROM heavy_users u, generate_series(1, u.n_visits) AS j ORDER BY u.uid, j",
         "DROP TABLE heavy_users",
         "CREATE INDEX visits_uid ON visits (uid)",

@@ -84,7 +84,7 @@ COUNTRIES = [
 ]
 
 
-def _u(key: str, salt: int) -> str:
+def uniform(key: str, salt: int) -> str:
     """SQL for a uniform draw in (0, 1) determined by the bigint `key` and `salt`."""
     return (
         f"((((hashint8extended(({key})::bigint, {salt}) >> 11) & 9007199254740991)::float8 + 0.5)"
@@ -92,7 +92,7 @@ def _u(key: str, salt: int) -> str:
     )
 
 
-def _zipf_lower_bounds(n: int, exponent: float) -> str:
+def zipf_lower_bounds(n: int, exponent: float) -> str:
     """An SQL float8 array of bucket lower bounds for `width_bucket`: Zipf(exponent) over n ranks."""
     weights = [1.0 / (k**exponent) for k in range(1, n + 1)]
     total = sum(weights)
@@ -103,7 +103,7 @@ def _zipf_lower_bounds(n: int, exponent: float) -> str:
     return "ARRAY[" + ",".join(f"{b:.12f}" for b in bounds) + "]::float8[]"
 
 
-def _text_array(values: list[str]) -> str:
+def text_array(values: list[str]) -> str:
     return "ARRAY[" + ",".join("'" + v.replace("'", "''") + "'" for v in values) + "]"
 
 
@@ -134,28 +134,28 @@ def demo_data_sql(users: int = DEMO_USERS, min_visits: int = VISITS_PER_USER_MIN
     return [
         f"INSERT INTO countries VALUES {country_rows}",
         "CREATE TEMP TABLE demo_users AS SELECT uid, "
-        f"least({VISITS_PER_USER_CAP}, floor({int(min_visits)} * power({_u('uid', 1)}, "
+        f"least({VISITS_PER_USER_CAP}, floor({int(min_visits)} * power({uniform('uid', 1)}, "
         f"-1.0 / {alpha})))::int AS n_visits, "
-        f"({_text_array(codes)})[width_bucket({_u('uid', 2)}, "
-        f"{_zipf_lower_bounds(len(codes), 1.6)})] AS country, "
-        f"120 + 600 * {_u('uid', 3)} AS mean_duration, "
-        f"{_u('uid', 4)} < 0.3 AS buys "
+        f"({text_array(codes)})[width_bucket({uniform('uid', 2)}, "
+        f"{zipf_lower_bounds(len(codes), 1.6)})] AS country, "
+        f"120 + 600 * {uniform('uid', 3)} AS mean_duration, "
+        f"{uniform('uid', 4)} < 0.3 AS buys "
         f"FROM generate_series(1, {int(users)}) AS uid",
         "INSERT INTO visits (uid, browser, country, duration) SELECT u.uid, "
-        f"({_text_array(BROWSERS)})[width_bucket({_u(visit_key, 5)}, "
-        f"{_zipf_lower_bounds(len(BROWSERS), 1.0)})], u.country, "
-        f"CASE WHEN {_u(visit_key, 6)} < 0.03 THEN NULL "
-        f"ELSE least(3600, floor(-u.mean_duration * ln({_u(visit_key, 7)})))::int END "
+        f"({text_array(BROWSERS)})[width_bucket({uniform(visit_key, 5)}, "
+        f"{zipf_lower_bounds(len(BROWSERS), 1.0)})], u.country, "
+        f"CASE WHEN {uniform(visit_key, 6)} < 0.03 THEN NULL "
+        f"ELSE least(3600, floor(-u.mean_duration * ln({uniform(visit_key, 7)})))::int END "
         "FROM demo_users u, generate_series(1, u.n_visits) AS j "
         "ORDER BY u.uid, j",
         "INSERT INTO purchases (uid, category, amount) SELECT u.uid, "
-        f"({_text_array(CATEGORIES)})[width_bucket({_u(visit_key, 8)}, "
-        f"{_zipf_lower_bounds(len(CATEGORIES), 1.0)})], "
+        f"({text_array(CATEGORIES)})[width_bucket({uniform(visit_key, 8)}, "
+        f"{zipf_lower_bounds(len(CATEGORIES), 1.0)})], "
         # log-normal amounts (Box-Muller), clamped to a plausible price range
-        f"least(5000, greatest(0.5, exp(3 + 1.2 * sqrt(-2 * ln({_u(visit_key, 9)})) "
-        f"* cos(2 * pi() * {_u(visit_key, 10)}))))::numeric(10,2) "
+        f"least(5000, greatest(0.5, exp(3 + 1.2 * sqrt(-2 * ln({uniform(visit_key, 9)})) "
+        f"* cos(2 * pi() * {uniform(visit_key, 10)}))))::numeric(10,2) "
         "FROM demo_users u, "
-        f"generate_series(1, least(500, floor(power({_u('u.uid', 11)}, -1.0 / 1.5)))::int) AS j "
+        f"generate_series(1, least(500, floor(power({uniform('u.uid', 11)}, -1.0 / 1.5)))::int) AS j "
         "WHERE u.buys ORDER BY u.uid, j",
         "DROP TABLE demo_users",
         "CREATE INDEX visits_uid ON visits (uid)",
