@@ -85,8 +85,8 @@ class BackendLink(OwnStatements, asyncio.Protocol):
     # the relay's path (CPython 3.11 stops sharing the keys and inlining the values)
     __slots__ = ("_began_after_end", "_corked", "_drained", "_end_tag", "_frames", "_handshake",
                  "_partial", "_relaying", "_skip", "batch_started", "closed", "codec", "counter",
-                 "cycles", "encoding", "errors", "errors_at_ready", "idle_readies", "key",
-                 "last_split_failed", "last_sqlstate", "log_cycles", "on_cycle", "on_tx_end",
+                 "cycles", "encoding", "errors", "errors_at_ready", "fatal_relayed", "idle_readies",
+                 "key", "last_split_failed", "last_sqlstate", "log_cycles", "on_cycle", "on_tx_end",
                  "parameters", "pending", "skipping", "startup_frames", "target", "transport",
                  "tx_ends", "tx_status", "watch_tx")
 
@@ -145,6 +145,8 @@ class BackendLink(OwnStatements, asyncio.Protocol):
         self.batch_started: float | None = None
         """When the first forwarded Execute of the current extended batch was sent."""
         self.last_sqlstate: str | None = None
+        self.fatal_relayed = False
+        """The backend sent the client a FATAL (or PANIC) error: it is ending the session."""
         self.on_cycle: Callable[[float, str | None], None] | None = None
         """Called at the end of each client cycle that did pass-through work: its start, and
         the SQLSTATE of its last error (None when it succeeded); for a success only when
@@ -295,6 +297,9 @@ class BackendLink(OwnStatements, asyncio.Protocol):
             code = buf.find(b"\0C", start + 4, end)  # a field boundary, then the SQLSTATE field
             self.last_sqlstate = buf[code + 2 : code + 7].decode("ascii", "replace") \
                 if code >= 0 else "XX000"
+            if buf.find(b"\0VFATAL\0", start + 4, end) >= 0 or \
+                    buf.find(b"\0VPANIC\0", start + 4, end) >= 0:
+                self.fatal_relayed = True
             if head is Pending.QUERY_SPLIT:
                 self.last_split_failed = True
             if head is not None and head not in SIMPLE:

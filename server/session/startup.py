@@ -76,6 +76,11 @@ class WithStartup(WithSettings):
             self.fatal(ProtocolViolationError("canceling authentication due to timeout"))
         except ConnectionResetError:
             self.close()
+        except p.UnframedStartup as e:
+            # as Postgres: logged, and the connection closed without a reply (a client that
+            # sends Terminate before its start-up packet is closing, not asking)
+            log.info("session %s: %s", self.process_id, e)
+            self.close()
         except p.ProtocolViolation as e:
             self.fatal(ProtocolViolationError(str(e)))
         except DPError as e:
@@ -196,6 +201,11 @@ class WithStartup(WithSettings):
 
     def _backend_lost(self, exc: Exception | None) -> None:
         if self.state is CLOSED:
+            return
+        if self.link is not None and self.link.fatal_relayed:
+            # the backend said why it ended the session (57P01 after pg_terminate_backend,
+            # say) and the client has that FATAL error: as Postgres, nothing more, the end
+            self.close()
             return
         if isinstance(exc, backend.NonStandardStrings):
             self.fatal(_non_standard_strings())

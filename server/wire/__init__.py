@@ -45,6 +45,7 @@ from server.wire.backend import (
 from server.wire.codec import (
     InvalidText,
     ProtocolViolation,
+    UnframedStartup,
 )
 from server.wire.framing import (
     FrameReader,
@@ -140,6 +141,7 @@ __all__ = [
     "StartupPacket",
     "Sync",
     "Terminate",
+    "UnframedStartup",
     "decode_backend",
     "decode_frontend",
     "decode_startup",

@@ -19,6 +19,11 @@ class ProtocolViolation(Exception):
     """The peer sent bytes that are not a valid message here (SQLSTATE 08P01)."""
 
 
+class UnframedStartup(ProtocolViolation):
+    """A start-up packet whose length word cannot be one (a Terminate or garbage sent before
+    any start-up packet): Postgres logs it and closes the connection without a reply."""
+
+
 class InvalidText(ProtocolViolation):
     """A string of a well-formed message is not valid in the encoding it was read in (Postgres
     answers this with an ERROR, 22021, and the session goes on)."""

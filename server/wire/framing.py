@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from server.wire.codec import HEADER, I32, ProtocolViolation
+from server.wire.codec import HEADER, I32, ProtocolViolation, UnframedStartup
 
 # --------------------------------------------------------------------------- framing
 
@@ -44,7 +44,7 @@ class FrameReader:
                 return None
             length = I32.unpack_from(buf, 0)[0]
             if length < 8 or length > 10_000:
-                raise ProtocolViolation("invalid length of startup packet")
+                raise UnframedStartup("invalid length of startup packet")
             if len(buf) < length:
                 return None
             raw = bytes(buf[:length])

@@ -232,14 +232,35 @@ def test_invalid_utf8_is_answered_as_postgres_does(raw: RawClient) -> None:
     assert [m.values for m in raw.recv_until_ready() if isinstance(m, p.DataRow)] == [(b"1",)]
 
 
+def _replies_until_closed(c: RawClient) -> list[p.BackendMessage]:
+    msgs: list[p.BackendMessage] = []
+    try:
+        while True:
+            msgs.append(c.recv())
+    except (ConnectionError, OSError):
+        return msgs
+
+
 def test_bad_startup_packets(proxy: Proxy) -> None:
     c = RawClient(proxy.host, proxy.port)
     c.send_raw(struct.pack("!ii", 8, 2 << 16))
     err = c.recv()
     assert isinstance(err, p.ErrorResponse) and err.sqlstate == "08P01"
-    c2 = RawClient(proxy.host, proxy.port)
-    c2.send_raw(struct.pack("!i", 3))
-    assert c2.closed_by_server()
+    c.close()
+    # a length word that cannot be a start-up packet's: as Postgres, logged and closed
+    # without a reply (a client closing right after connecting sends Terminate first)
+    for raw in (struct.pack("!i", 3), struct.pack("!i", 7) + b"\0\3\0",
+                struct.pack("!i", 10_001) + b"\0\3\0\0", b"X" + struct.pack("!i", 4)):
+        c2 = RawClient(proxy.host, proxy.port)
+        c2.send_raw(raw)
+        assert _replies_until_closed(c2) == [], raw
+        c2.close()
+    # a start-up packet cut short by the client closing: no reply either
+    c3 = RawClient(proxy.host, proxy.port)
+    c3.send_raw(struct.pack("!i", 40) + b"\0\3\0\0user\0")
+    c3.sock.shutdown(socket.SHUT_WR)
+    assert _replies_until_closed(c3) == []
+    c3.close()
 
 
 def test_plain_ssl_request_gets_n_when_tls_is_off(proxy: Proxy) -> None:
@@ -384,32 +405,39 @@ def test_tls_handshake_with_plain_ssl_module(loop_thread: LoopThread, demo_confi
 # ---------------------------------------------------------------------------- backend failures
 
 
-def test_backend_connection_killed_gives_08006(proxy: Proxy, backend: Backend) -> None:
+def test_backend_terminated_gives_its_own_fatal_error_only(proxy: Proxy, backend: Backend) -> None:
+    """An administrator's pg_terminate_backend: the client gets the backend's FATAL 57P01 and
+    the connection closes, as directly against Postgres; no second FATAL of the proxy's."""
     import asyncpg
 
-    c = RawClient(proxy.host, proxy.port)
-    c.login("alice", "alice", TEST_DATABASE)
-    c.send(p.Query("SELECT pg_backend_pid()"))
-    pid = int(next(m for m in c.recv_until_ready() if isinstance(m, p.DataRow)).values[0] or b"0")
-
-    async def kill() -> None:
+    async def terminate(pid: int) -> None:
         conn = await asyncpg.connect(backend.admin_dsn)
         try:
             await conn.execute(f"SELECT pg_terminate_backend({pid})")
         finally:
             await conn.close()
 
-    asyncio.run(kill())
+    c = RawClient(proxy.host, proxy.port)
+    c.login("alice", "alice", TEST_DATABASE)
+    c.send(p.Query("SELECT pg_backend_pid()"))
+    pid = int(next(m for m in c.recv_until_ready() if isinstance(m, p.DataRow)).values[0] or b"0")
+    asyncio.run(terminate(pid))
     with contextlib.suppress(OSError):  # the proxy may have closed the socket already
         c.send(p.Query("SELECT 1"))
-    msgs: list[p.BackendMessage] = []
-    try:
-        while True:
-            msgs.append(c.recv())
-    except (ConnectionError, OSError):
-        pass
-    codes = errors(msgs)
-    assert codes[-1] == "08006", msgs
+    msgs = _replies_until_closed(c)
+    assert errors(msgs) == ["57P01"], msgs
+    fatal = next(m for m in msgs if isinstance(m, p.ErrorResponse))
+    assert fatal.get(p.FIELD_SEVERITY_V) == "FATAL"
+
+    # a driver sees the backend's error, and its connection closed
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        asyncio.run(terminate(pid))
+        with pytest.raises(psycopg.OperationalError) as caught:
+            conn.execute("SELECT 1")
+        assert caught.value.sqlstate in ("57P01", None), caught.value
+        assert "terminating connection due to administrator command" in str(caught.value)
+        assert conn.closed
     # a new session works at once
     with psycopg.connect(proxy.dsn()) as conn:
         assert conn.execute("SELECT 1").fetchone() == (1,)
