@@ -214,6 +214,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     aggregates: list[Aggregate] = []
     outputs: list[OutputColumn] = []
     select: list[SelectItem] = []
+    key_reads: list[list[Any]] = []
+    """The GROUP BY keys each select-list expression of keys (or constant) reads."""
     def release_hidden(calls: list[Any]) -> None:
         """Post-processing: each DP aggregate of an expression over them (in the select list,
         HAVING or ORDER BY) that no output answers yet is released hidden; the result query
@@ -240,20 +242,36 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         inner = dp_aggregates_in(val)
         if inner:
             release_hidden(inner)
+            parts = _key_parts(val, group_exprs, plain_form)
+            if parts:  # (None: the result query refuses what it cannot read, before the charge)
+                key_reads.append(parts)
             select.append(SelectItem(name, expr=val))
             continue
         if any(isinstance(n, ast.FuncCall) and n.over is not None for n in walk_nodes(val)):
             raise refuse("window functions but over DP aggregates (sum(count(*)) OVER ())",
                           node_sql(val))
         if not any(same_node(val, g) or is_ref_to(g, name) for g in group_exprs):
-            raise refuse("every selected column must be a GROUP BY key or a DP aggregate",
-                          node_sql(val))
+            parts = _key_parts(val, group_exprs, plain_form)
+            if parts is None:
+                raise refuse("every selected column must be a GROUP BY key or a DP aggregate "
+                             "(or an expression of them)", node_sql(val))
+            # a constant, or an expression of GROUP BY keys (upper(browser)): post-processing,
+            # evaluated by the result query over the released keys
+            key_reads.append(parts)
+            select.append(SelectItem(name, expr=val))
+            continue
         keys.append(Key(totalize(val, "GROUP BY key"), name))
         outputs.append(OutputColumn(name, key=len(keys) - 1, source=val))
         select.append(SelectItem(name, column=len(outputs) - 1))
     for expr in (stmt.havingClause, *(s.node for s in stmt.sortClause or ())):
         if expr is not None:  # (they filter and sort on noisy values too)
             release_hidden(dp_aggregates_in(expr))
+    for parts in key_reads:
+        for g in parts:  # each key the expression reads, released hidden if not selected
+            if not any(o.key is not None and same_node(o.source, g) for o in outputs):
+                keys.append(Key(totalize(g, "GROUP BY key"), f"dp_hidden{len(outputs)}"))
+                outputs.append(OutputColumn(f"dp_hidden{len(outputs)}", key=len(keys) - 1,
+                                            source=g))
     selected = [(o.source, o.name) for o in outputs if o.key is not None]
     for g in group_exprs:
         # (against the selected expressions as written: the keys are totalised, `x % 2`
@@ -307,6 +325,29 @@ def _post_processed(stmt: ast.SelectStmt) -> ast.SelectStmt | None:
                 raise refuse("a query over a DP answer reads only its rows (no subqueries)",
                               node_sql(node))
     return inner
+
+
+def _key_parts(val: Any, group_exprs: list[Any], plain_form: bool) -> list[Any] | None:
+    """The GROUP BY expressions a select-list expression is made of besides its DP aggregates
+    (none for a constant), or None when it reads a column (or a subquery) other than
+    through them."""
+    found: list[Any] = []
+    stack = [val]
+    while stack:
+        cur = stack.pop()
+        match = next((g for g in group_exprs if same_node(cur, g)), None)
+        if isinstance(cur, ast.FuncCall) and aggregate_call(cur, plain_form) is cur:
+            continue  # a DP aggregate: released itself
+        if match is not None:
+            if not any(same_node(match, f) for f in found):
+                found.append(match)
+        elif isinstance(cur, (ast.ColumnRef, ast.SubLink)):
+            return None
+        elif isinstance(cur, ast.Node):
+            stack.extend(getattr(cur, n) for n in cur)
+        elif isinstance(cur, (tuple, list)):
+            stack.extend(cur)
+    return found
 
 
 def _default_name(val: Any) -> str:

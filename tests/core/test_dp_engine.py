@@ -974,3 +974,16 @@ def test_a_query_with_the_sentinels_digits_is_built_afresh(monkeypatch: pytest.M
     pd = cache.pushdown("k", query, plan, None)
     assert pd.main is not None and sentinel in pd.main and not cache._entries
     assert pd.statements() == pushdown(query, plan, order_seed=pd.order_seed).statements()
+
+
+def test_expressions_of_keys_cost_what_the_query_costs() -> None:
+    """A constant or an expression of GROUP BY keys in the select list is post-processing: the
+    plan (every noisy quantity and its cost) is the one of the query without it, and a key it
+    alone reads is released hidden, grouping as before."""
+    _, plain, plain_sql = build("SELECT browser, COUNT(*) AS n FROM visits GROUP BY browser")
+    q, plan, sql = build("SELECT 3 AS three, upper(browser) AS b, COUNT(*) AS n FROM visits "
+                         "GROUP BY browser")
+    assert plan.cost == plain.cost and plan.all_quantities == plain.all_quantities
+    assert len(q.keys) == 1 and [o.name for o in q.outputs if o.key is not None] == ["dp_hidden1"]
+    assert [s.name for s in q.select] == ["three", "b", "n"]
+    assert sql.count("GROUP BY") == plain_sql.count("GROUP BY")

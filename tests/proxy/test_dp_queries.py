@@ -117,6 +117,41 @@ def test_plain_sql_form_for_bi_tools(proxy: Proxy, fresh_budgets: None) -> None:
         assert spent(conn).epsilon == pytest.approx(1.0)  # the configured default epsilon
 
 
+def test_constants_and_expressions_of_keys_in_the_select_list(proxy: Proxy,
+                                                              fresh_budgets: None) -> None:
+    """A constant, or an expression of GROUP BY keys, in a DP query's select list means what it
+    means to Postgres: post-processing of the released keys, evaluated by the result query
+    (issue 34: another DP SQL project's `SELECT 3 AS three, married, educ, AVG(income) ...
+    GROUP BY educ, married` was refused). A key read only by such an expression is released
+    hidden; it costs nothing more."""
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        rows = conn.execute("SELECT 3 AS three, browser, COUNT(*) AS n FROM visits "
+                            "GROUP BY browser").fetchall()
+        assert rows and all(r[0] == 3 for r in rows)
+        browsers = {r[1] for r in rows}
+        cur = conn.execute("SELECT upper(browser) AS b, COUNT(*) AS n FROM visits "
+                           "GROUP BY browser ORDER BY b")
+        assert [d.name for d in cur.description] == ["b", "n"]
+        got = [r[0] for r in cur.fetchall()]
+        assert got == sorted(got) and set(got) <= {b.upper() for b in browsers} and "CHROME" in got
+        # a key read only beside an aggregate: COUNT(*) * 0 is 0 whatever the noise
+        lengths = {r[0] for r in conn.execute("SELECT COUNT(*) * 0 + length(browser) AS k "
+                                               "FROM visits GROUP BY browser").fetchall()}
+        assert lengths <= {len(b) for b in browsers} | {None} and len("Chrome") in lengths
+        conn.execute("SET dp.max_groups_contributed = 3")
+        rows = conn.execute("SELECT browser || '/' || country AS bc, length(country) AS k, "
+                            "AVG(duration) AS a FROM visits GROUP BY browser, country").fetchall()
+        assert rows and all("/" in r[0] and r[1] == 2 for r in rows)
+        assert spent(conn).epsilon == pytest.approx(4.0)  # one charge each, nothing hidden extra
+        for sql in ("SELECT duration, COUNT(*) FROM visits GROUP BY browser",
+                    "SELECT upper(browser), COUNT(*) FROM visits GROUP BY country",
+                    "SELECT browser || country, COUNT(*) FROM visits GROUP BY browser",
+                    "SELECT (SELECT 1) AS x, browser, COUNT(*) FROM visits GROUP BY browser"):
+            with pytest.raises(psycopg.errors.FeatureNotSupported, match="GROUP BY key"):
+                conn.execute(sql)
+        assert spent(conn).epsilon == pytest.approx(4.0)  # refusals cost nothing
+
+
 def test_having_order_by_limit_on_noisy_values(proxy: Proxy, fresh_budgets: None) -> None:
     with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
         rows = conn.execute("SELECT WITH ANONYMIZATION country, ANON_COUNT(*) AS n FROM visits "
