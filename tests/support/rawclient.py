@@ -46,12 +46,18 @@ class RawClient:
             if isinstance(m, p.ReadyForQuery):
                 return out
 
-    def closed_by_server(self) -> bool:
+    def until_closed(self) -> list[p.BackendMessage]:
+        """Every message the server sends until it closes the connection."""
+        seen: list[p.BackendMessage] = []
         try:
             while True:
-                self.recv()
+                seen.append(self.recv())
         except (ConnectionError, OSError):
-            return True
+            return seen
+
+    def closed_by_server(self) -> bool:
+        self.until_closed()
+        return True
 
     def login(self, user: str, password: str, database: str) -> list[p.BackendMessage]:
         self.send(p.StartupMessage({"user": user, "database": database}))

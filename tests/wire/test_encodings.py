@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import contextlib
 import os
 import struct
 import subprocess
@@ -264,14 +263,6 @@ def _evil_query() -> bytes:
     return b"Q" + struct.pack("!i", len(EVIL) + 5) + EVIL + b"\x00"
 
 
-def _until_closed(c: RawClient) -> list[p.BackendMessage]:
-    seen: list[p.BackendMessage] = []
-    with contextlib.suppress(ConnectionError, OSError):
-        while True:
-            seen.append(c.recv())
-    return seen
-
-
 def test_a_statement_pipelined_behind_a_refused_switch_is_read_as_postgres_reads_it(
         px: Proxy) -> None:
     """The switch is refused before anything behind it is read: both the proxy and Postgres
@@ -304,7 +295,7 @@ def test_a_statement_pipelined_behind_an_unseen_switch_is_not_answered(
     c.login("alice", "alice", TEST_DATABASE)
     c.send_raw(p.Query(f"SELECT {switch_function}('client_encoding', 'SJIS')").encode()
                + _evil_query())
-    seen = _until_closed(c)
+    seen = c.until_closed()
     fatal = [m for m in seen if isinstance(m, p.ErrorResponse) and m.get("S") == "FATAL"]
     assert [m.sqlstate for m in fatal] == ["0A000"], seen
     described = [m for m in seen if isinstance(m, p.RowDescription)]

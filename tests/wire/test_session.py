@@ -232,15 +232,6 @@ def test_invalid_utf8_is_answered_as_postgres_does(raw: RawClient) -> None:
     assert [m.values for m in raw.recv_until_ready() if isinstance(m, p.DataRow)] == [(b"1",)]
 
 
-def _replies_until_closed(c: RawClient) -> list[p.BackendMessage]:
-    msgs: list[p.BackendMessage] = []
-    try:
-        while True:
-            msgs.append(c.recv())
-    except (ConnectionError, OSError):
-        return msgs
-
-
 def test_bad_startup_packets(proxy: Proxy) -> None:
     c = RawClient(proxy.host, proxy.port)
     c.send_raw(struct.pack("!ii", 8, 2 << 16))
@@ -253,13 +244,13 @@ def test_bad_startup_packets(proxy: Proxy) -> None:
                 struct.pack("!i", 10_001) + b"\0\3\0\0", b"X" + struct.pack("!i", 4)):
         c2 = RawClient(proxy.host, proxy.port)
         c2.send_raw(raw)
-        assert _replies_until_closed(c2) == [], raw
+        assert c2.until_closed() == [], raw
         c2.close()
     # a start-up packet cut short by the client closing: no reply either
     c3 = RawClient(proxy.host, proxy.port)
     c3.send_raw(struct.pack("!i", 40) + b"\0\3\0\0user\0")
     c3.sock.shutdown(socket.SHUT_WR)
-    assert _replies_until_closed(c3) == []
+    assert c3.until_closed() == []
     c3.close()
 
 
@@ -424,7 +415,7 @@ def test_backend_terminated_gives_its_own_fatal_error_only(proxy: Proxy, backend
     asyncio.run(terminate(pid))
     with contextlib.suppress(OSError):  # the proxy may have closed the socket already
         c.send(p.Query("SELECT 1"))
-    msgs = _replies_until_closed(c)
+    msgs = c.until_closed()
     assert errors(msgs) == ["57P01"], msgs
     fatal = next(m for m in msgs if isinstance(m, p.ErrorResponse))
     assert fatal.get(p.FIELD_SEVERITY_V) == "FATAL"
