@@ -9,7 +9,7 @@ import re
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -271,6 +271,11 @@ class DefaultsConfig(_Strict):
         "a noisy user count, paper §3.5) or \"truncated_geometric\" (Desfontaines et al. "
         "2022: fewer users needed for the same ε, δ; used where the user count is not "
         "itself released)"))
+    max_rows_contributed: Literal["auto"] | Annotated[int, Field(ge=1, le=1 << 20)] = Field(
+        default="auto", description=(
+            "T of row-level aggregates (plain COUNT, SUM, AVG, ...): the rows of one user "
+            "they count in all its groups together, or \"auto\": chosen per query from DP "
+            "statistics of the data (a tenth of its ε)"))
     max_epsilon_per_query: PositiveFloat = 10.0
     max_delta_per_query: Probability = 1e-3
     max_groups_contributed_limit: int = Field(default=100, ge=1, le=10_000)

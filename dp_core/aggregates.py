@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from pglast import ast
@@ -97,6 +98,18 @@ def make_aggregate(fc: ast.FuncCall, name: str, fa: FromAnalysis,
     if fc.agg_order or fc.agg_within_group:
         raise refuse("ORDER BY or WITHIN GROUP in a DP aggregate", node_sql(fc))
     args = _positional_args(fc, fname)
+    agg = _make_bounded(fc, fname, kind, args, name, fa, policy, totalize)
+    if fname in PLAIN_FUNCTIONS and len(args) == len(fc.args or ()) == 1 - bool(fc.agg_star) \
+            and agg.kind not in (AggKind.COUNT_USERS, AggKind.COUNT_DISTINCT) \
+            and not (agg.kind is AggKind.COUNT and fc.agg_distinct):
+        # Postgres's meaning: rows (`Aggregate.row_level`); written bounds keep the paper's
+        agg = replace(agg, row_level=True)
+    return agg
+
+
+def _make_bounded(fc: ast.FuncCall, fname: str, kind: AggKind, args: list[Any], name: str,
+                  fa: FromAnalysis, policy: Mapping[str, TablePolicy],
+                  totalize: Totalizer) -> Aggregate:
     if fc.agg_filter is not None and fc.agg_distinct and kind is not AggKind.COUNT:
         raise refuse("FILTER with DISTINCT in a DP aggregate", node_sql(fc))
     if kind is AggKind.COUNT:

@@ -81,15 +81,23 @@ def kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
 
     With `prefilter`, a user's rows outside its kept groups are dropped before they are
     aggregated (`_prefiltered_rows`): the same mechanism, much cheaper where users have many
-    more groups than C_u, dearer where they have few (a window over every row)."""
+    more groups than C_u, dearer where they have few (a window over every row).
+
+    With row-level aggregates (`Aggregate.row_level`), every (user, group) row is kept, with
+    `dp_total`, the user's rows in all its groups (what its weight is computed from), and the
+    condition picks the C_u groups where the user has the most rows (ties broken by the
+    keyed hash), which its user count goes to; no prefilter then (every group counts)."""
     keys = [f"{PH}k{i} AS dp_k{i}" for i in range(len(query.keys))]
-    if prefilter is not None and query.keys:
+    row_level = any(a.row_level for a in query.aggregates)
+    if prefilter is not None and query.keys and not row_level:
         return _prefiltered_rows(query, plan, partials, order_seed, prefilter)
     # the user first: rows read in user order (an index on the uid column, or a table
     # clustered by user) then group with small per-user sorts, and the groups come out in
     # the order the window below partitions by, so it sorts nothing but each user's groups
     group_by = ", ".join(str(n) for n in [len(keys) + 1, *range(1, len(keys) + 1)])
-    per_user = (f"SELECT {', '.join([*keys, f'{PH}uid AS dp_uid', *partials])} "
+    rows = ["count(*) AS dp_total" if not query.keys else "count(*) AS dp_rowcount"] \
+        if row_level else []
+    per_user = (f"SELECT {', '.join([*keys, f'{PH}uid AS dp_uid', *partials, *rows])} "
                 f"FROM {PH}from WHERE {PH}where GROUP BY {group_by}")
     if not query.keys:
         return f"dp_per_user AS ({per_user})", "dp_per_user", "TRUE"
@@ -105,8 +113,11 @@ def kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
     for i in range(len(keys)):
         rank = (f"hashtextextended(coalesce(dp_k{i}::text, ''), "
                 f"({rank}) # (dp_k{i} IS NULL)::int4::int8)")
+    if row_level:
+        rank = f"dp_rowcount DESC, {rank}"
+    total = ", sum(dp_rowcount) OVER (PARTITION BY dp_uid) AS dp_total" if row_level else ""
     bounded = ("SELECT *, row_number() OVER (PARTITION BY dp_uid ORDER BY "
-               f"{rank}) AS dp_rn FROM dp_per_user")
+               f"{rank}) AS dp_rn{total} FROM dp_per_user")
     return (f"dp_per_user AS ({per_user}), dp_bounded AS ({bounded})", "dp_bounded",
             f"dp_rn <= {int(plan.max_groups_contributed)}")
 

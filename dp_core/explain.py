@@ -14,6 +14,7 @@ from dp_core.ownership import JOIN_ROWS_PER_USER
 from dp_core.plan import Component, DPQueryPlan
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold
 from dp_core.query import AggKind, AnalyzedQuery
+from dp_core.tuning import TunedRows, groups_threshold
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,14 @@ def explain_lines(query: AnalyzedQuery, plan: DPQueryPlan, sql: Sequence[str],
                      f"histogram of per-user values, laplace scale {fmt(q.spec.scale)}, epsilon "
                      f"{fmt(float(q.epsilon))}; bounds = outermost bins with noisy count > "
                      f"{fmt(bounds_threshold(q.spec.scale))}")
+    lines.extend(_row_level_lines(query, plan))
     for q in plan.quantities:
         owner = (visible_name(query, q.aggregate)
                  if q.aggregate is not None else "user count")
-        if q.noise is None:
+        if q.noise is None and q.aggregate is not None \
+                and query.aggregates[q.aggregate].row_level and plan.max_rows is None:
+            noise = f"{plan.noise_kind.value} noise scaled to the max_rows_contributed chosen"
+        elif q.noise is None:
             noise = f"{plan.noise_kind.value} noise scaled to the bounds APPROX_BOUNDS finds"
         else:
             noise = (f"{q.noise.kind.value} scale {fmt(q.noise.scale)}, 95% half-width "
@@ -117,6 +122,35 @@ def explain_lines(query: AnalyzedQuery, plan: DPQueryPlan, sql: Sequence[str],
     return lines
 
 
+def _row_level_lines(query: AnalyzedQuery, plan: DPQueryPlan) -> list[str]:
+    """What EXPLAIN says of row-level aggregates: T, how it is chosen, the rows' bounds."""
+    names = [visible_name(query, i) for i, a in enumerate(query.aggregates) if a.row_level]
+    if not names:
+        return []
+    t = "chosen per query (below)" if plan.max_rows is None else str(plan.max_rows)
+    lines = [f"Row-level aggregates (rows, as Postgres counts them): {', '.join(names)}; each "
+             f"user's rows weighted by min(1, T / its rows in all groups), max_rows_contributed "
+             f"T {t}; the noise is calibrated for T rows per user in all groups together"]
+    if query.keys:
+        lines.append(f"  a user's count for partition selection goes to the "
+                     f"{plan.max_groups_contributed} group(s) where it has the most rows")
+    for q in plan.tuning:
+        what = ("users per log-scale bin of their row count" if q.component == Component.ROWS
+                else f"groups that at least {fmt(groups_threshold(plan))} users have as their "
+                     "first group (of their most rows)")
+        lines.append(f"max_rows_contributed from DP statistics: {what}, laplace scale "
+                     f"{fmt(q.spec.scale)}, epsilon {fmt(float(q.epsilon))}")
+    if plan.tuning:
+        lines.append("  T = the bin edge of least estimated error: rows beyond T + groups x "
+                     "the count's mean noise for T")
+    for i, a in enumerate(query.aggregates):
+        if a.row_level and a.bounds is not None and a.arg is not None \
+                and a.kind is not AggKind.COUNT:
+            lines.append(f"  {visible_name(query, i)}: each row's value clamped to "
+                         f"[{fmt(a.bounds.lower)}, {fmt(a.bounds.upper)}]")
+    return lines
+
+
 def _pretty(sql: str) -> list[str]:
     """`sql` on several lines (pglast's pretty printer), for EXPLAIN's rows in psql."""
     try:
@@ -127,7 +161,8 @@ def _pretty(sql: str) -> list[str]:
 
 def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
                 spread: Mapping[int, tuple[float, float]], bounds: Mapping[int, FoundBounds],
-                epsilon_left: float, delta_left: float) -> tuple[str, str | None]:
+                epsilon_left: float, delta_left: float,
+                tuned: TunedRows | None = None) -> tuple[str, str | None]:
     """A DP answer's notice (message, detail): what it spent and what is left, each released
     aggregate's 95% noise half-width, the bounds APPROX_BOUNDS chose (released with DP)."""
     widths = []
@@ -160,4 +195,11 @@ def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
             f"APPROX_BOUNDS chose [{fmt(f.lower)}, {fmt(f.upper)}] for "
             f"{visible_name(query, q.aggregate)} (epsilon {fmt(float(q.epsilon))}); "
             f"about {_pct(f.clamped_fraction)} of its per-user values were clamped")
+    if tuned is not None:
+        spent = sum(float(q.epsilon) for q in plan.tuning)
+        details.append(f"max_rows_contributed chose {tuned.max_rows} rows per user (epsilon "
+                       f"{fmt(spent)}); about {_pct(tuned.rows_cut)} of the rows (of "
+                       f"{_pct(tuned.users_cut)} of the users) were weighted away")
+    elif plan.max_rows is not None:
+        details.append(f"max_rows_contributed {plan.max_rows} rows per user")
     return message, "; ".join(details) if details else None

@@ -71,9 +71,32 @@ def _float_arg(i: int, arg_type: str | None) -> str:
     return f"({_clamp_row(f'({PH}a{i})::numeric', QUANTILE_ROW_CLAMP, 'numeric')})::float8"
 
 
+def row_value(i: int, agg: Aggregate, arg_type: str | None) -> str:
+    """A row-level aggregate's argument on one row, clamped to its bounds, as float8 (NULL
+    kept): integers and floats are clamped in float8 (NaN to the upper bound), anything else
+    in numeric first (whose values may be beyond float8's range)."""
+    b = agg.known_bounds
+    if arg_type in _EXACT_INTEGERS or arg_type in _FLOATS:
+        x = f"({PH}a{i})::float8"
+        return (f"CASE WHEN {x} IS NULL THEN NULL ELSE LEAST(GREATEST({x}, {f8(b.lower)}), "
+                f"{f8(b.upper)}) END")
+    return f"({clamp(f'({PH}a{i})', b.lower, b.upper)})::float8"
+
+
 def partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
     """Aggregate i's per-user partial columns (one row per user and group); `value(i, ...)`
-    is its value over them."""
+    is its value over them. A row-level aggregate's are sums over the user's rows in the
+    group of its clamped row values (`row_value`), weighted later (`weighted`)."""
+    if agg.row_level and agg.kind is not AggKind.COUNT:
+        _check_number(agg, arg_type)
+        r = row_value(i, agg, arg_type)
+        if agg.kind is AggKind.SUM:
+            return f"sum({r}) AS dp_p{i}"
+        mid = f8((agg.known_bounds.lower + agg.known_bounds.upper) / 2)
+        cols = [f"sum({r}) AS dp_s{i}", f"count({PH}a{i}) AS dp_n{i}"]
+        if agg.kind is not AggKind.AVG:
+            cols.append(f"sum(({r} - {mid}) * ({r} - {mid})) AS dp_q{i}")
+        return ", ".join(cols)
     if agg.kind is AggKind.COUNT:
         return f"count({PH}a{i}) AS dp_p{i}" if agg.arg is not None else f"count(*) AS dp_p{i}"
     if agg.kind is AggKind.COUNT_DISTINCT:
@@ -89,10 +112,7 @@ def partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
         return (f"(SELECT array_agg(dp_v) FROM (SELECT dp_v FROM unnest(array_agg(DISTINCT "
                 f"{PH}a{i})) AS dp_v WHERE dp_v IS NOT NULL ORDER BY hashtext(dp_v::text) "
                 f"LIMIT {int(agg.known_bounds.upper)}) AS dp_d) AS dp_p{i}")
-    if agg.arg is not None and arg_type is not None and arg_type not in NUMERIC_TYPES:
-        raise FeatureNotSupported(
-            f"{agg.output_name}: the argument of {agg.kind.value} must be a number, not {arg_type}",
-            hint="cast it in the query, e.g. x::numeric, where every value converts")
+    _check_number(agg, arg_type)
     if agg.kind is AggKind.SUM:
         return f"sum({_arg(i, arg_type)}) AS dp_p{i}"
     if agg.kind is AggKind.QUANTILE:
@@ -105,6 +125,22 @@ def partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
     # sum finite.
     arg = _arg(i, arg_type)
     return f"sum({arg}) AS dp_s{i}, count({arg}) AS dp_n{i}"
+
+
+def _check_number(agg: Aggregate, arg_type: str | None) -> None:
+    if agg.arg is not None and arg_type is not None and arg_type not in NUMERIC_TYPES:
+        raise FeatureNotSupported(
+            f"{agg.output_name}: the argument of {agg.kind.value} must be a number, not {arg_type}",
+            hint="cast it in the query, e.g. x::numeric, where every value converts")
+
+
+def weighted(i: int, agg: Aggregate, component: str, weight: str) -> str:
+    """The sum over (user, group) rows of a row-level aggregate's `component` (a
+    `dp_core.plan.Component` value), each user's partials times its `weight`."""
+    mid = f8((agg.known_bounds.lower + agg.known_bounds.upper) / 2)
+    term = {"count": f"dp_p{i}", "sum": f"dp_p{i}", "n": f"dp_n{i}",
+            "csum": f"(dp_s{i} - {mid} * dp_n{i})", "csq": f"dp_q{i}"}[component]
+    return f"sum({term} * {weight})"
 
 
 MEANS = frozenset({AggKind.AVG, AggKind.VAR, AggKind.STDDEV})

@@ -22,6 +22,7 @@ from dp_core.mechanisms import (
 )
 from dp_core.quantiles import DEPTH
 from dp_core.query import AggKind, Aggregate, AnalyzedQuery, Bounds
+from dp_core.settings import MAX_ROWS
 
 
 class Component:
@@ -36,10 +37,15 @@ class Component:
     CENTERED_SQUARES = "csq"  # sum of (clamped value − midpoint)²
     TREE = "tree"  # user counts of every node of the quantile tree (dp_core.quantiles)
     BOUNDS = "bounds"  # APPROX_BOUNDS: user counts per log-scale bin, over all groups
+    ROWS = "rows"  # max_rows_contributed's choice: users per log-scale bin of their rows
+    GROUPS = "groups"  # max_rows_contributed's choice: groups first of ≥ τ users
 
 
 APPROX_BOUNDS_SHARE = Fraction(1, 4)
 """The share of a query's ε that APPROX_BOUNDS spends, when some aggregate needs it."""
+TUNING_SHARE = Fraction(1, 10)
+"""The share of a query's ε that choosing max_rows_contributed spends (`dp_core.tuning`),
+when a row-level aggregate needs it and neither the query nor the session fixes it."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,12 @@ class DPQueryPlan:
     """What the session or OPTIONS asked for: truncated-geometric selection is used only
     where the noisy user count is not itself released (COUNT(*) reads it: thresholding the
     released count costs nothing more)."""
+    max_rows: int | None = None
+    """T, max_rows_contributed: the rows of one user that row-level aggregates count, in all
+    its groups together (each user's rows weighted by min(1, T / its rows)); None where no
+    aggregate is row-level, or until `dp_core.tuning` has chosen it."""
+    tuning: tuple[NoisyQuantity, ...] = ()
+    """The DP statistics max_rows_contributed is chosen from, when it is chosen."""
 
     @property
     def groups_per_user(self) -> int:
@@ -101,6 +113,11 @@ class DPQueryPlan:
     def pending(self) -> bool:
         """Some noise waits for the bounds APPROX_BOUNDS finds (see `make_plan`'s `auto`)."""
         return any(q.noise is None for q in self.quantities)
+
+    @property
+    def rows_pending(self) -> bool:
+        """Row-level aggregates wait for max_rows_contributed (`dp_core.tuning`)."""
+        return bool(self.tuning) and self.max_rows is None
 
     @property
     def auto_bounds(self) -> frozenset[int]:
@@ -118,7 +135,8 @@ class DPQueryPlan:
 
     @property
     def all_quantities(self) -> tuple[NoisyQuantity, ...]:
-        return ((self.threshold,) if self.threshold else ()) + self.approx_bounds + self.quantities
+        return ((self.threshold,) if self.threshold else ()) + self.approx_bounds + \
+            self.tuning + self.quantities
 
     def mechanisms(self) -> dict[str, dict[str, object]]:
         """What the ledger records of each quantity's mechanism: its kind, scale and share,
@@ -131,13 +149,22 @@ class DPQueryPlan:
             for q in self.all_quantities}
         if self.tau is not None:
             out["threshold"] = {"tau": self.tau}
+        if self.max_rows is not None:
+            out["max_rows_contributed"] = {"rows": self.max_rows}
         elif self.threshold is not None and self.selection is SelectionKind.TRUNCATED_GEOMETRIC:
             out[self.threshold.name].update(kind=self.selection.value, scale=None)
         return out
 
 
-def _components(agg: Aggregate, noise: NoiseKind) -> list[tuple[str, float | None]]:
-    """The noisy quantities of one aggregate and their sensitivities (None: bounds not yet known)."""
+def _components(agg: Aggregate, noise: NoiseKind,
+                max_rows: int | None = None) -> list[tuple[str, float | None]]:
+    """The noisy quantities of one aggregate and their sensitivities (None: bounds or
+    max_rows_contributed not yet known). A row-level aggregate's are a user's whole
+    contribution over all its groups (L1): T rows, each within the bounds."""
+    if agg.row_level:
+        per_row = _components(replace(agg, row_level=False), noise)
+        return [(c, None if s is None or max_rows is None else s * max_rows)
+                for c, s in per_row]
     if agg.kind is AggKind.QUANTILE:
         # one user changes one node per level of the tree
         depth = float(DEPTH)
@@ -166,6 +193,7 @@ def reads_user_count(agg: Aggregate) -> bool:
     """Aggregates equal to the user count of the group: one row per user, counted once."""
     return agg.kind is AggKind.COUNT_USERS or (
         agg.kind is AggKind.COUNT and agg.arg is None and agg.known_bounds.upper == 1
+        and not agg.row_level
     )
 
 
@@ -201,12 +229,15 @@ def check_noise_scales(query: AnalyzedQuery, plan: DPQueryPlan) -> None:
 
 def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: int,
               noise: NoiseKind, auto: frozenset[int] = frozenset(),
-              selection: SelectionKind = SelectionKind.LAPLACE) -> DPQueryPlan:
+              selection: SelectionKind = SelectionKind.LAPLACE, max_rows: int | None = None,
+              tuned: bool = False) -> DPQueryPlan:
     """Split (ε, δ) over the query's noisy quantities and calibrate each one's noise.
 
     Aggregates without bounds get an APPROX_BOUNDS histogram (together APPROX_BOUNDS_SHARE
     of ε) and noise that is calibrated only once the bounds are known: plan again with
     the found bounds filled in and `auto` naming those aggregates, for the same split.
+    Likewise row-level aggregates without `max_rows` (T) get the statistics T is chosen
+    from (TUNING_SHARE of ε): plan again with the chosen T and `tuned`.
     """
     grouped = bool(query.keys)
     l0 = groups_per_user(grouped, max_groups)
@@ -216,18 +247,24 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     if any(query.aggregates[i].kind in (AggKind.COUNT, AggKind.COUNT_USERS) for i in auto):
         raise InternalError()
     shared = any(reads_user_count(a) for a in query.aggregates)
+    row_level = any(a.row_level for a in query.aggregates)
+    max_rows = max_rows if row_level else None  # (T of row-level aggregates only)
+    tune = row_level and (max_rows is None or tuned)
+    if max_rows is not None and not 1 <= max_rows <= MAX_ROWS:
+        raise InternalError()
     specs: list[tuple[str, str, int | None, float | None]] = []
     if grouped or shared:
         specs.append(("dp_users", Component.USERS, None, 1.0))
     for i, agg in enumerate(query.aggregates):
         if reads_user_count(agg):
             continue
-        for component, sensitivity in _components(agg, noise):
+        for component, sensitivity in _components(agg, noise, max_rows):
             specs.append((f"dp_a{i}_{component}", component, i, sensitivity))
     if any(s is not None and s <= 0 for *_, s in specs):
         raise InternalError()
     bounds_eps = eps * APPROX_BOUNDS_SHARE if auto else Fraction(0)
-    share = (eps - bounds_eps) / len(specs)
+    tuning_eps = eps * TUNING_SHARE if tune else Fraction(0)
+    share = (eps - bounds_eps - tuning_eps) / len(specs)
     gaussian = noise is NoiseKind.GAUSSIAN
     n_gauss = sum(1 for name, *_ in specs if name != "dp_users" or not grouped) if gaussian else 0
     delta_threshold = (dlt / 2 if gaussian else dlt) if grouped else Fraction(0)
@@ -255,8 +292,10 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
                     hint="raise delta, or use dp.partition_selection = 'laplace'") from None
             continue
         kind = NoiseKind.GAUSSIAN if gaussian else NoiseKind.LAPLACE
+        # (a row-level aggregate's sensitivity bounds a user's sum over all its groups)
+        groups = 1 if agg_index is not None and query.aggregates[agg_index].row_level else l0
         noise_spec = None if sensitivity is None else NoiseSpec.calibrate(
-            kind, float(share), float(delta_each), l0, sensitivity)
+            kind, float(share), float(delta_each), groups, sensitivity)
         if noise_spec is not None and not math.isfinite(noise_spec.scale):
             raise _scale_error(query, agg_index, eps, "overflow")
         quantities.append(NoisyQuantity(name, component, agg_index, sensitivity, share,
@@ -269,10 +308,23 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
                       NoiseSpec.calibrate(NoiseKind.LAPLACE, float(bounds_eps / len(auto)), 0,
                                           l0, 1.0))
         for i in sorted(auto))
+    tuning: tuple[NoisyQuantity, ...] = ()
+    if tune:
+        # users per bin of their row count and, with GROUP BY, the groups that at least τ
+        # users have as their first group: each user is in one bin, and first in one group
+        parts = ((Component.ROWS, 1), (Component.GROUPS, 1)) if grouped \
+            else ((Component.ROWS, 1),)
+        each = tuning_eps / len(parts)
+        tuning = tuple(NoisyQuantity(f"dp_{c}", c, None, float(s), each, Fraction(0),
+                                     NoiseSpec.calibrate(NoiseKind.LAPLACE, float(each), 0, 1,
+                                                         float(s)))
+                       for c, s in parts)
+        if not all(math.isfinite(q.spec.scale) for q in tuning):
+            raise _scale_error(query, None, eps, "overflow")
     cost = PrivacyCost(eps, delta_threshold + delta_each * n_gauss)
     plan = DPQueryPlan(eps, dlt, max_groups, noise, grouped, tau, threshold, tuple(quantities),
                        shared, cost, histograms, used if grouped else SelectionKind.LAPLACE,
-                       selection)
+                       selection, max_rows, tuning)
     spent_eps = sum((q.epsilon for q in plan.all_quantities), Fraction(0))
     spent_delta = sum((q.delta for q in plan.all_quantities), Fraction(0))
     if spent_eps != cost.epsilon or spent_delta != cost.delta or cost.delta > dlt:
@@ -282,14 +334,16 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     return plan
 
 
-def replan_with_bounds(query: AnalyzedQuery, plan: DPQueryPlan,
-                       found: Mapping[int, Bounds]) -> tuple[AnalyzedQuery, DPQueryPlan]:
-    """The second planning stage, after APPROX_BOUNDS: the query with the bounds it found
-    filled in and its plan for them, the same split of ε/δ (the noise of the aggregates
-    that had none is now calibrated). Its cost must be the charged plan's."""
+def replan_with_bounds(query: AnalyzedQuery, plan: DPQueryPlan, found: Mapping[int, Bounds],
+                       max_rows: int | None = None) -> tuple[AnalyzedQuery, DPQueryPlan]:
+    """The second planning stage, after APPROX_BOUNDS and the choice of max_rows_contributed:
+    the query with the bounds found filled in and its plan for them and for `max_rows` (the
+    plan's own when None), the same split of ε/δ (the noise of the aggregates that had none
+    is now calibrated). Its cost must be the charged plan's."""
     query = query.with_bounds(found)
     again = make_plan(query, float(plan.epsilon), float(plan.delta), plan.max_groups_contributed,
-                      plan.noise_kind, plan.auto_bounds, plan.selection_asked)
+                      plan.noise_kind, plan.auto_bounds, plan.selection_asked,
+                      max_rows if max_rows is not None else plan.max_rows, bool(plan.tuning))
     if again.cost != plan.cost:
         raise InternalError("the plan's cost changed with its bounds (this is a bug)")
     return query, again

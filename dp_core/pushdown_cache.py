@@ -83,4 +83,5 @@ def _seeded(built: Pushdown, sentinel: int, seed: int) -> Pushdown:
     def put(sql: str | None) -> str | None:
         return None if sql is None else sql.replace(old, new)
 
-    return Pushdown(put(built.main), put(built.trees), put(built.bounds), seed)
+    return Pushdown(put(built.main), put(built.tuning), put(built.trees), put(built.bounds),
+                    seed)

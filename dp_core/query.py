@@ -65,6 +65,11 @@ class Aggregate:
     output_name: str
     quantile: float | None = None
     """The quantile (0…1) of a QUANTILE aggregate."""
+    row_level: bool = False
+    """Postgres's meaning (plain COUNT, SUM, AVG, VAR, STDDEV without written bounds): an
+    aggregate of rows, each row's value within `bounds`, each user's rows weighted down to
+    at most max_rows_contributed in all its groups. False: the paper's per-user meaning
+    (ANON_*, written per-group bounds), one clamped value per user and group."""
 
     @property
     def known_bounds(self) -> Bounds:

@@ -193,15 +193,21 @@ def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, 
            rng: np.random.Generator | None = None) -> Selection:
     """Add noise to every group's quantities and keep the groups whose noisy user count
     reaches τ, or, with truncated-geometric selection, each group of n users with
-    probability π(n) (every group when there is no threshold). Run before the quantile
+    probability π(n) (every group when there is no threshold). The selection's indexes are
+    into its `rows`, which leaves out groups that are no candidates. Run before the quantile
     trees are walked, so that only kept groups' trees are."""
     rng = rng or secure_rng()
     if plan.pending:
         raise InternalError("release before APPROX_BOUNDS found the bounds (this is a bug)")
-    per_group = [q for q in plan.all_quantities if q.component not in (Component.TREE,
-                                                                      Component.BOUNDS)]
+    per_group = [q for q in plan.all_quantities if q.component not in (
+        Component.TREE, Component.BOUNDS, Component.ROWS, Component.GROUPS)]
     if not query.keys and not rows:
         rows = [{q.name: 0 for q in per_group}]  # an aggregate over no rows
+    elif query.keys and any(a.row_level for a in query.aggregates):
+        # a group is a candidate only where some user's count goes: one in which users only
+        # have rows they weight but count in other groups is never released (else a user
+        # could make any number of its groups candidates, each with a small chance)
+        rows = [r for r in rows if r["dp_users"]]
     geometric = plan.threshold if plan.selection is SelectionKind.TRUNCATED_GEOMETRIC else None
     """The user count that decides through π(n): never noised nor released."""
     noisy: dict[str, NDArray[np.float64]] = {
@@ -238,7 +244,7 @@ class SelectionStream:
             return
         self._seen += len(rows)
         chosen = select(self.query, self.plan, rows, self.rng)
-        self._rows.extend(rows[r] for r in chosen.kept)
+        self._rows.extend(chosen.rows[r] for r in chosen.kept)
         for name, values in chosen.noisy.items():
             self._noisy.setdefault(name, []).append(values[chosen.kept])
 

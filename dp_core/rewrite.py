@@ -20,7 +20,7 @@ The pieces live in their own modules: the per-user partials and their clamping
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pglast import ast, parse_sql
@@ -29,11 +29,12 @@ from pglast.stream import RawStream
 
 from dp_core.bounding import Prefilter, kept_rows
 from dp_core.errors import InternalError
-from dp_core.partials import MEANS, clamp, f8, num, partial, present, value
+from dp_core.partials import MEANS, clamp, f8, num, partial, present, value, weighted
 from dp_core.plan import Component, DPQueryPlan, reads_user_count
 from dp_core.quantiles import EDGES, LEAVES, LEVEL_DIVISORS, LEVEL_OFFSETS
 from dp_core.query import AggKind, AnalyzedQuery, Bounds
 from dp_core.splice import PH, Splice
+from dp_core.tuning import ROW_EDGES, groups_threshold
 from dp_core.uid_ranges import UidRange, fill_range, null_uids, uid_in
 
 
@@ -64,13 +65,21 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
                 if not reads_user_count(agg) and agg.kind is not AggKind.QUANTILE]
     finals = []
     means: dict[str, str] = {}
+    # with row-level aggregates every (user, group) row is read: the rest read the kept ones
+    row_level = bool(query.keys) and any(a.row_level for a in query.aggregates)
+    only_kept = "" if not row_level else \
+        f" FILTER (WHERE dp_rn <= {int(plan.max_groups_contributed)})"
     if plan.threshold is not None or plan.shared_users:
-        finals.append("count(*) AS dp_users")
+        finals.append(f"count(*){only_kept} AS dp_users")
+    weight = f"LEAST((1.0)::float8, ({plan.max_rows or 1})::float8 / dp_total)"
     for q in plan.quantities:
         if q.component in (Component.USERS, Component.TREE):
             continue  # dp_users, above; trees have their own statement
         assert q.aggregate is not None
         agg = query.aggregates[q.aggregate]
+        if agg.row_level:
+            finals.append(f"{weighted(q.aggregate, agg, q.component, weight)} AS {q.name}")
+            continue
         lo, hi = agg.known_bounds.lower, agg.known_bounds.upper
         mid = (lo + hi) / 2
         p = value(q.aggregate, agg, arg_types.get(q.aggregate))
@@ -78,28 +87,30 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
             means[f"dp_v{q.aggregate}"] = p
             p = f"dp_v{q.aggregate}"
         if q.component == Component.COUNT:
-            finals.append(f"sum(LEAST({p}, {num(hi)})) AS {q.name}")
+            finals.append(f"sum(LEAST({p}, {num(hi)})){only_kept} AS {q.name}")
         elif q.component == Component.DISTINCT:
             # each user's values padded with NULLs to k (array_agg of arrays needs one length)
             # and counted once over all the group's users
             v = f"coalesce({p}, '{{}}')"
             padded = f"array_cat({v}, array_fill(({v})[0], ARRAY[{int(hi)} - cardinality({v})]))"
-            finals.append(f"(SELECT count(DISTINCT dp_v) FROM unnest(array_agg({padded})) "
-                          f"AS dp_v) AS {q.name}")
+            finals.append(f"(SELECT count(DISTINCT dp_v) FROM unnest(array_agg({padded})"
+                          f"{only_kept}) AS dp_v) AS {q.name}")
         elif q.component == Component.SUM:
-            finals.append(f"sum({clamp(p, lo, hi)}) AS {q.name}")
+            finals.append(f"sum({clamp(p, lo, hi)}){only_kept} AS {q.name}")
         elif q.component == Component.N:
-            finals.append(f"count({p}) AS {q.name}")
+            finals.append(f"count({p}){only_kept} AS {q.name}")
         elif q.component == Component.CENTERED_SUM:
-            finals.append(f"sum({clamp(p, lo, hi)} - {num(mid)}) AS {q.name}")
+            finals.append(f"sum({clamp(p, lo, hi)} - {num(mid)}){only_kept} AS {q.name}")
         elif q.component == Component.CENTERED_SQUARES:
             c = f"({clamp(p, lo, hi)} - {num(mid)})"
-            finals.append(f"sum({c} * {c}) AS {q.name}")
+            finals.append(f"sum({c} * {c}){only_kept} AS {q.name}")
         else:
             raise InternalError()
     if not finals:
         return None  # a global query of quantiles only: the tree statement answers it
     with_list, relation, kept = kept_rows(query, plan, partials, order_seed, prefilter)
+    if row_level:
+        kept = "TRUE"
     if means:
         # OFFSET 0 keeps the subquery from being flattened, which would copy each mean into
         # every expression that uses it and divide several times per row
@@ -111,6 +122,7 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
     key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
     key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
     columns = [*key_cols, *key_text, *_key_hashes(query), *finals]
+    # (with row-level aggregates, groups whose dp_users is 0 are no candidates: `release`)
     return (f"WITH {with_list} SELECT {', '.join(columns)} "
             f"FROM {relation} WHERE {kept} GROUP BY {', '.join(key_cols)}")
 
@@ -166,15 +178,36 @@ def _bounds_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     indexes = sorted(plan.auto_bounds)
     if not indexes:
         return None
-    partials = [partial(i, query.aggregates[i], arg_types.get(i)) for i in indexes]
+    # a row-level aggregate's bounds are found from its users' means in each group
+    aggs = tuple(replace(a, kind=AggKind.AVG, row_level=False) if a.row_level else a
+                 for a in query.aggregates)
+    partials = [partial(i, aggs[i], arg_types.get(i)) for i in indexes]
     with_list, relation, kept = kept_rows(query, plan, partials, order_seed, prefilter)
     edges = ", ".join(str(e) for e in EDGES)
-    aggs = query.aggregates
     bins = [f"SELECT {i} AS dp_agg, width_bucket(({value(i, aggs[i], arg_types.get(i))})::numeric, "
             f"(ARRAY[{edges}])::numeric[]) AS dp_bin FROM {relation} "
             f"WHERE {kept} AND {present(i, aggs[i])} IS NOT NULL" for i in indexes]
     return (f"WITH {with_list} SELECT dp_agg, dp_bin, count(*) AS dp_n "
             f"FROM ({' UNION ALL '.join(bins)}) AS dp_bins GROUP BY 1, 2")
+
+
+def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, order_seed: int) -> str | None:
+    """The statistics max_rows_contributed is chosen from (`dp_core.tuning`): users per bin
+    of their rows in all groups (dp_kind 0, by dp_bin) and, with GROUP BY, the groups that at
+    least τ users have as their first group (of their most rows; dp_kind 1)."""
+    if not plan.tuning:
+        return None
+    with_list, relation, _ = kept_rows(query, plan, [], order_seed)
+    edges = ", ".join(str(e) for e in ROW_EDGES)
+    first = "dp_rn = 1" if query.keys else "TRUE"
+    users = (f"SELECT 0 AS dp_kind, width_bucket(dp_total, ARRAY[{edges}]::int8[]) AS dp_bin, "
+             f"count(*) AS dp_n FROM {relation} WHERE {first} GROUP BY 1, 2")
+    if not query.keys:
+        return f"WITH {with_list} {users}"
+    key_cols = ", ".join(f"dp_k{i}" for i in range(len(query.keys)))
+    groups = (f"SELECT 1, 0, count(*) FROM (SELECT {key_cols} FROM {relation} WHERE {first} "
+              f"GROUP BY {key_cols} HAVING count(*) >= {f8(groups_threshold(plan))}) AS dp_g")
+    return f"WITH {with_list} {users} UNION ALL {groups}"
 
 
 def _build(template: str, query: AnalyzedQuery, token: str | None = None) -> str:
@@ -200,6 +233,8 @@ class Pushdown:
 
     main: str | None
     """One row per group: true user counts and sums (None for a global query of quantiles only)."""
+    tuning: str | None
+    """The statistics max_rows_contributed is chosen from (run first, when present)."""
     trees: str | None
     """One row per group and quantile: the quantile tree's non-empty nodes."""
     bounds: str | None
@@ -208,7 +243,8 @@ class Pushdown:
 
     def statements(self) -> dict[str, str]:
         """The statements there are, by name, in the order they run."""
-        named = (("bounds", self.bounds), ("main", self.main), ("trees", self.trees))
+        named = (("tuning", self.tuning), ("bounds", self.bounds), ("main", self.main),
+                 ("trees", self.trees))
         return {name: sql for name, sql in named if sql}
 
 
@@ -252,7 +288,8 @@ class RangedPushdown:
             return None if sql is None else fill_range(sql, self.token, uid_range, self.null_uids)
 
         m = self.marked
-        return Pushdown(fill(m.main), fill(m.trees), fill(m.bounds), m.order_seed)
+        # (the tuning statement runs unsplit: its count of groups does not add up)
+        return Pushdown(fill(m.main), None, fill(m.trees), fill(m.bounds), m.order_seed)
 
 
 def ranged_pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None,
@@ -275,6 +312,7 @@ def build_pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int,
     seed = secrets.randbits(62) if order_seed is None else order_seed
     types = arg_types or {}
     bounds_sql = _bounds_template(query, plan, types, seed, prefilter)
+    tuning_sql = _tuning_template(query, plan, seed)
     # the statements' shape needs only the plan's quantity names, which bounds do not change
     query = query.with_bounds({i: Bounds(0.0, 1.0) for i, a in enumerate(query.aggregates)
                                if a.bounds is None})
@@ -286,13 +324,15 @@ def build_pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int,
         main = f"{main} ORDER BY {order}"
     trees = _tree_template(query, plan, types, seed, prefilter)
     built = Pushdown(_build(main, query, token) if main else None,
+                     _build(tuning_sql, query, token) if tuning_sql else None,
                      _build(trees, query, token) if trees else None,
                      _build(bounds_sql, query, token) if bounds_sql else None, seed)
     if order_seed is not None and order_seed >= SENTINELS:
         # a sentinel (`PushdownCache`): it must be in the printed statements exactly where the
         # templates put it, or the seed written in later would change something else
         digits = str(order_seed)
-        for template, sql in ((main, built.main), (trees, built.trees), (bounds_sql, built.bounds)):
+        for template, sql in ((main, built.main), (trees, built.trees), (bounds_sql, built.bounds),
+                              (tuning_sql, built.tuning)):
             if (template or "").count(digits) != (sql or "").count(digits):
                 raise NotSeedable()
     return built
@@ -310,6 +350,6 @@ def pushdown_sql(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, s
                  order_seed: int | None = None) -> str:
     """The main pushdown statement alone (queries without quantiles and APPROX_BOUNDS)."""
     pd = pushdown(query, plan, arg_types, order_seed)
-    if pd.main is None or pd.trees is not None or pd.bounds is not None:
+    if pd.main is None or pd.trees is not None or pd.bounds is not None or pd.tuning is not None:
         raise InternalError()
     return pd.main

@@ -8,10 +8,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dp_core.errors import FeatureNotSupported, InvalidParameterValue, UndefinedObject
+from dp_core.errors import InvalidParameterValue, UndefinedObject
 from dp_core.mechanism_choices import NoiseKind, SelectionKind
 
-SETTING_NAMES = ("epsilon", "delta", "max_groups_contributed", "noise", "partition_selection")
+SETTING_NAMES = ("epsilon", "delta", "max_groups_contributed", "noise", "partition_selection",
+                 "max_rows_contributed")
+AUTO = "auto"
+MAX_ROWS = 1 << 20
+"""The largest max_rows_contributed (as `dp_core.plan.MAX_ROWS`)."""
 NOISE_KINDS = tuple(k.value for k in NoiseKind)
 SELECTION_KINDS = tuple(k.value for k in SelectionKind)
 
@@ -35,6 +39,8 @@ class DPSettings:
     max_groups_contributed: int
     noise: str
     partition_selection: str = "laplace"
+    max_rows_contributed: int | str = AUTO
+    """T of row-level aggregates (`dp_core.tuning`): a number, or 'auto' (chosen per query)."""
 
     def show(self, name: str) -> str:
         """The value of `dp.<name>` as SHOW prints it."""
@@ -75,6 +81,15 @@ def validate(key: str, value: object, caps: Caps) -> float | int | str:
                 f"invalid value for dp.partition_selection: {value!r}",
                 hint="use 'laplace' (τ-thresholding) or 'truncated_geometric'")
         return text
+    if key == "max_rows_contributed":
+        if str(value).strip().lower() == AUTO:
+            return AUTO
+        number = _number(key, value)
+        if number != int(number) or not 1 <= number <= MAX_ROWS:
+            raise InvalidParameterValue(
+                f"max_rows_contributed must be 'auto' or a whole number from 1 to {MAX_ROWS}, "
+                f"not {value!r}")
+        return int(number)
     if key == "max_groups_contributed":
         number = _number(key, value)
         if number != int(number) or not 1 <= number <= caps.max_groups_contributed:
@@ -112,6 +127,8 @@ class QuerySettings:
     max_groups_contributed: int
     noise: NoiseKind
     selection: SelectionKind
+    max_rows: int | None = None
+    """max_rows_contributed, or None: chosen per query (`dp_core.tuning`)."""
 
 
 def query_settings(settings: DPSettings, caps: Caps,
@@ -122,20 +139,18 @@ def query_settings(settings: DPSettings, caps: Caps,
     values: dict[str, Any] = {"epsilon": settings.epsilon, "delta": settings.delta,
                               "max_groups_contributed": settings.max_groups_contributed,
                               "noise": settings.noise,
-                              "partition_selection": settings.partition_selection}
+                              "partition_selection": settings.partition_selection,
+                              "max_rows_contributed": settings.max_rows_contributed}
     unlimited = Caps(math.inf, 1.0 - 1e-12, 10_000, caps.min_epsilon)
     for name, value in options:
-        if name == "max_rows_contributed":
-            raise FeatureNotSupported(
-                "max_rows_contributed is not supported: dp-proxy bounds each user's "
-                "groups (max_groups_contributed) and each user's value in a group (the "
-                "aggregates' bounds)", hint="use max_groups_contributed")
         if name != "privacy_unit_column":  # (checked by the analysis)
             values[name] = validate(name, value, unlimited)
     values["epsilon"] = validate("epsilon", values["epsilon"], unlimited)
     return QuerySettings(float(values["epsilon"]), float(values["delta"]),
                          int(values["max_groups_contributed"]), NoiseKind(values["noise"]),
-                         SelectionKind(values["partition_selection"]))
+                         SelectionKind(values["partition_selection"]),
+                         None if values["max_rows_contributed"] == AUTO
+                         else int(values["max_rows_contributed"]))
 
 
 def check_caps(epsilon: float, delta: float, max_groups: int, caps: Caps) -> None:

@@ -21,7 +21,7 @@ OPTION_NAMES = frozenset({"epsilon", "delta", "max_groups_contributed", "noise",
                           "partition_selection", "privacy_unit_column",
                           "max_rows_contributed"})
 """BigQuery's privacy_unit_column must name the configured uid column (the analysis checks
-it); its max_rows_contributed is refused with 0A000 (server.dp), not as unknown."""
+it); max_rows_contributed is T of row-level aggregates (`dp_core.tuning`)."""
 
 OptionValue = float | int | str
 

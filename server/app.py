@@ -50,7 +50,8 @@ class ProxyServer:
         self.caps = Caps(d.max_epsilon_per_query, d.max_delta_per_query,
                          d.max_groups_contributed_limit, d.min_epsilon)
         self._default_settings = DPSettings(d.epsilon, d.delta, d.max_groups_contributed,
-                                            d.noise.value, d.partition_selection.value)
+                                            d.noise.value, d.partition_selection.value,
+                                            d.max_rows_contributed)
         self.mock_secret = secrets.token_bytes(16)
         self.pool: Any = None
         self.ledger_pool: Any = None

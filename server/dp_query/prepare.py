@@ -123,7 +123,7 @@ class Preparer:
                          tuple(k.hashed for k in query.keys), tuple(sorted(integers.items())))
             plan = make_plan(query, settings.epsilon, settings.delta,
                              settings.max_groups_contributed, settings.noise,
-                             selection=settings.selection)
+                             selection=settings.selection, max_rows=settings.max_rows)
             pd = self.pushdowns.pushdown(cache_key, query, plan, arg_types)
             statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
         except asyncpg.PostgresError as e:

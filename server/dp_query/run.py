@@ -31,6 +31,7 @@ from dp_core.release import (
     tree_order,
 )
 from dp_core.rewrite import pushdown, ranged_pushdown
+from dp_core.tuning import TunedRows, tune_rows
 from dp_core.uid_ranges import UidRange, uid_ranges
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class PushdownRun:
     quantiles: dict[tuple[GroupKey, int], float]
     bounds: dict[int, FoundBounds]
     selection: Selection
+    tuned: TunedRows | None = None
+    """max_rows_contributed as chosen for this answer, when it was."""
 
 
 async def _tree_stream(cursor: Any, timeout: float, streams: int = 1) -> AsyncIterator[Any]:
@@ -157,6 +160,11 @@ class PushdownRunner:
                         raise part
                 return add_rows(parts, ("dp_agg", "dp_bin"))
 
+            tuned: TunedRows | None = None
+            if "tuning" in statements:
+                # (unsplit: its count of groups does not add up over ranges of users)
+                tuned = tune_rows(plan, await statements["tuning"].fetch(timeout=timeout + 5),
+                                  rng)
             if "bounds" in statements:
                 bins: dict[int, dict[int, int]] = {i: {} for i in plan.auto_bounds}
                 for r in await fetch_bounds():
@@ -165,8 +173,10 @@ class PushdownRunner:
                     assert q.aggregate is not None
                     found[q.aggregate] = choose_bounds(
                         bins[q.aggregate], q.spec, rng, query.aggregates[q.aggregate].output_name)
+            if "bounds" in statements or tuned is not None:
                 query, plan = replan_with_bounds(
-                    query, plan, {i: Bounds(f.lower, f.upper) for i, f in found.items()})
+                    query, plan, {i: Bounds(f.lower, f.upper) for i, f in found.items()},
+                    tuned.max_rows if tuned is not None else None)
                 seed = prepared.pushdown.order_seed
                 if ranges:  # the ranges run every statement: their names are all that is used
                     ranged = ranged_pushdown(query, plan, prepared.arg_types, seed,
@@ -174,11 +184,13 @@ class PushdownRunner:
                                              prepared.split is not None
                                              and prepared.split.uid_not_null)
                     shards = [ranged.of(r).statements() for r in ranges]
-                    statements = dict.fromkeys(n for n in shards[0] if n != "bounds")
+                    statements = dict.fromkeys(n for n in shards[0]
+                                               if n not in ("bounds", "tuning"))
                 else:
                     pd = pushdown(query, plan, prepared.arg_types, seed)
                     statements = {name: await conn.prepare(sql)
-                                  for name, sql in pd.statements().items() if name != "bounds"}
+                                  for name, sql in pd.statements().items()
+                                  if name not in ("bounds", "tuning")}
             # partition selection first (only the kept groups' trees are walked), over the
             # rows as they stream: a worker holds one batch and the kept groups, not every group
             chosen = SelectionStream(query, plan, rng)
@@ -221,7 +233,7 @@ class PushdownRunner:
         if ranges:
             self.metrics.pushdown_split.labels(
                 str(len(ranges)), "yes" if prepared.prefilter else "no").inc()
-        return PushdownRun(query, plan, rows, quantiles, found, selection)
+        return PushdownRun(query, plan, rows, quantiles, found, selection, tuned)
 
     async def _begin(self, conn: Any, stack: contextlib.AsyncExitStack,
                      snapshot: str | None = None) -> None:

@@ -292,7 +292,7 @@ class DPService:
                 budget: Any) -> p.NoticeResponse:
         message, detail = notice_text(prepared.query, run.plan, released.spread, run.bounds,
                                       float(budget.epsilon_remaining),
-                                      float(budget.delta_remaining))
+                                      float(budget.delta_remaining), run.tuned)
         return notice_response(message, detail)
 
     async def local_function(self, request: DPRequest, st: Statement, dry_run: bool = False,

@@ -173,7 +173,8 @@ class UidSplitter:
         the average is its groups over the sample's users."""
         query, plan = prepared.query, prepared.plan
         if not query.keys or any(schema != "pg_catalog" for schema, _ in prepared.key_types) \
-                or query.keys_read_uid:
+                or query.keys_read_uid or any(a.row_level for a in query.aggregates):
+            # (row-level aggregates read every group of a user: none to drop)
             return None
         types = prefilter_types(split.uid_type, [name for _, name in prepared.key_types])
         slices = uid_ranges(split.histogram, _GROUPS_SLICES)

@@ -30,11 +30,12 @@ from dp_core.analysis import analyze, parse_select
 from dp_core.classify import Classifier, ProtectionPolicy
 from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import NoiseKind, secure_rng
-from dp_core.plan import DPQueryPlan, make_plan
+from dp_core.plan import DPQueryPlan, make_plan, replan_with_bounds
 from dp_core.quantiles import NoBoundsFound, choose_bounds, walk
 from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
 from dp_core.release import add_rows, release, tree_arrays
 from dp_core.rewrite import pushdown, ranged_pushdown
+from dp_core.tuning import tune_rows
 from dp_core.uid_ranges import UidRange
 from tests.support.backend import Backend
 from tests.support.dp_tester import Mechanism, test_mechanism
@@ -77,6 +78,14 @@ SHAPES = {
                            "ANON_SUM(duration, 0, 10) FROM visits GROUP BY browser",
     "grouped, truncated geometric": f"{DP}, delta=0.2, partition_selection='truncated_geometric') "
                                     "browser, ANON_SUM(duration, 0, 10) FROM visits GROUP BY browser",
+    # row-level aggregates (Postgres's meaning): each user's rows weighted by min(1, T / rows),
+    # T fixed, or chosen from the tuning statement's DP statistics for each draw
+    "row-level count, T chosen": f"{DP}) COUNT(*) FROM visits",
+    "row-level sum, T = 2": f"{DP}, max_rows_contributed=2) "
+                            "SUM(CASE WHEN duration > 3 THEN 1 ELSE 0.5 END) FROM visits",
+    "row-level avg, T chosen, bounds found": f"{DP}) AVG(duration) FROM visits",
+    "grouped row-level count, T chosen": f"{DP}, delta=0.2, max_groups_contributed=2) browser, "
+                                         "COUNT(*) FROM visits GROUP BY browser",
 }
 """Global queries, and grouped ones with a large δ (so that groups of a few users are
 sometimes released): the first group's value, or NOT_RELEASED."""
@@ -142,10 +151,13 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
     epsilon, delta = float(options["epsilon"]), float(options.get("delta", 1e-6))
     groups = int(options.get("max_groups_contributed", 1))
     noise = NoiseKind(options.get("noise", "laplace"))
+    fixed_rows = options.get("max_rows_contributed")
     plan = make_plan(query, epsilon, delta, groups, noise,
-                     selection=SelectionKind(options.get("partition_selection", "laplace")))
+                     selection=SelectionKind(options.get("partition_selection", "laplace")),
+                     max_rows=None if fixed_rows is None else int(fixed_rows))
     statements = pushdown(query, plan).statements()
-    assert list(statements) in (["main"], ["trees"], ["bounds", "main"]), statements
+    assert list(statements) in (["main"], ["trees"], ["bounds", "main"], ["tuning", "main"],
+                                ["tuning", "bounds", "main"]), statements
 
     def main_rows(q: AnalyzedQuery, pl: DPQueryPlan) -> list[dict[str, Any]]:
         """The main statement's rows: one statement, or the two ranges' added up."""
@@ -175,32 +187,38 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
         return outcome
 
     def with_found_bounds(samples: int) -> NDArray[np.float64]:
-        """APPROX_BOUNDS: each draw's bounds from the bins (no bin passing is an error), then
-        the main statement with those bounds, run once per distinct pair drawn."""
+        """APPROX_BOUNDS and max_rows_contributed: each draw's bounds from the bins (no bin
+        passing is an error) and T from the tuning statement's statistics, then the main
+        statement with those, run once per distinct choice drawn."""
         bins: dict[int, dict[int, int]] = {i: {} for i in plan.auto_bounds}
-        for r in conn.execute(statements["bounds"]).fetchall():
-            bins[int(r["dp_agg"])][int(r["dp_bin"])] = int(r["dp_n"])
-        rng, drawn = secure_rng(), Counter[tuple[tuple[int, float, float], ...]]()
+        if "bounds" in statements:
+            for r in conn.execute(statements["bounds"]).fetchall():
+                bins[int(r["dp_agg"])][int(r["dp_bin"])] = int(r["dp_n"])
+        tuning = conn.execute(statements["tuning"]).fetchall() if "tuning" in statements \
+            else []
+        rng = secure_rng()
+        drawn = Counter[tuple[int | None, tuple[tuple[int, float, float], ...]]]()
         failed = 0
         for _ in range(samples):
             try:
-                drawn[tuple((q.aggregate, f.lower, f.upper) for q in plan.approx_bounds
-                            if q.aggregate is not None
-                            for f in [choose_bounds(bins[q.aggregate], q.spec, rng, "x")])] += 1
+                rows = tune_rows(plan, tuning, rng).max_rows if tuning else None
+                drawn[rows, tuple((q.aggregate, f.lower, f.upper) for q in plan.approx_bounds
+                                  if q.aggregate is not None
+                                  for f in [choose_bounds(bins[q.aggregate], q.spec, rng,
+                                                          "x")])] += 1
             except NoBoundsFound:
                 failed += 1
         parts = [np.full(failed, ERROR)]
-        for found, n in drawn.items():
-            q = query.with_bounds({i: Bounds(lo, hi) for i, lo, hi in found})
-            pl = make_plan(q, epsilon, delta, groups, noise, plan.auto_bounds,
-                           plan.selection_asked)
+        for (rows, found), n in drawn.items():
+            q, pl = replan_with_bounds(query, plan, {i: Bounds(lo, hi) for i, lo, hi in found},
+                                       rows)
             parts.append(outcomes(q, pl, main_rows(q, pl), n))
         return np.concatenate(parts)
 
     def run(values: list[float], samples: int) -> NDArray[np.float64]:  # type: ignore[override]
         _write(conn, values)
         try:
-            if "bounds" in statements:
+            if "bounds" in statements or "tuning" in statements:
                 return with_found_bounds(samples)
             if "trees" in statements:  # a global quantile: its tree (none without users), walked
                 rows = conn.execute(statements["trees"]).fetchall()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -196,7 +197,7 @@ def test_split_rows_add_up_to_the_unsplit_rows(backend: Backend) -> None:
                         by = _by(name, len(query.keys))
                         keep = [f"dp_k{i}" for i in range(len(query.keys))]
                         a, e = _index(add_rows(got, by, keep), by), _index(expected, by)
-                        diff = [(k, a[k], e[k]) for k in e if a.get(k) != e[k]]
+                        diff = [(k, a[k], e[k]) for k in e if not _same_row(a.get(k), e[k])]
                         assert a.keys() == e.keys() and not diff, (
                             f"{case.stem} {name} in {n} ranges: {diff[:2]}")
                         checked += 1
@@ -206,6 +207,15 @@ def test_split_rows_add_up_to_the_unsplit_rows(backend: Backend) -> None:
             await conn.close()
 
     asyncio.run(go())
+
+
+def _same_row(a: Mapping[str, Any] | None, e: Mapping[str, Any]) -> bool:
+    """Equal rows, but float8 sums (row-level aggregates' weighted ones) to within their
+    rounding, which depends on the order Postgres adds them in."""
+    if a is None or a.keys() != e.keys():
+        return False
+    return all(math.isclose(a[c], e[c], rel_tol=1e-9, abs_tol=1e-6)
+               if isinstance(e[c], float) else a[c] == e[c] for c in e)
 
 
 def _prefiltered_counter(text: str) -> float:
@@ -445,8 +455,8 @@ def test_prefiltered_pushdowns_keep_the_same_rows_and_add_up(backend: Backend) -
                     continue
                 text = golden_sql(case)
                 query, plan, _ = build(text.strip())
-                if not query.keys:
-                    continue
+                if not query.keys or any(a.row_level for a in query.aggregates):
+                    continue  # (row-level aggregates read all groups: never prefiltered)
                 plan = replace(plan, max_groups_contributed=1000)  # (OPTIONS may set it)
                 plain = pushdown(query, plan, order_seed=5).statements()
                 types = await _prefilter_for(conn, plain["main"], uid_type) if "main" in plain \

@@ -1,0 +1,158 @@
+"""Choosing max_rows_contributed (T) from DP statistics of the data: the least expected error.
+
+Row-level aggregates (`Aggregate.row_level`) weight each user's rows by
+min(1, T / its rows in all groups): a user with more than T rows is counted as T
+rows spread over its groups in proportion, so its whole contribution is bounded by T
+rows (the noise's L1 sensitivity) and the rows beyond T are the bias. Where neither
+the query nor the session fixes T, it is chosen per query, with DP, to minimise the
+expected total absolute error of a count over the groups released:
+
+    lost(T) + G · E|noise of sensitivity T|
+
+where lost(T) = Σ_users max(0, rows − T) is estimated from a noisy histogram of the
+users' row counts (each user in one bin: sensitivity 1) and G, the groups released,
+from a noisy count of the groups that at least τ users have as their first group (the
+group of their most rows: each user has one, so sensitivity 1). Both spend
+`plan.TUNING_SHARE` of the query's ε, and the choice, a function of them alone, is
+post-processing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dp_core.errors import InternalError
+from dp_core.mechanism_choices import NoiseKind, SelectionKind
+from dp_core.mechanisms import NoiseSpec, users_kept_with
+from dp_core.plan import Component, DPQueryPlan
+from dp_core.quantiles import bounds_threshold
+
+
+def _edges() -> tuple[int, ...]:
+    out, e = [1, 2, 3], 4
+    while e <= 1 << 20:
+        out += [e, e * 3 // 2]
+        e *= 2
+    return tuple(x for x in out if x <= 1 << 20)
+
+
+ROW_EDGES = _edges()
+"""Bin edges of the users' row counts: 1, 2, 3, 4, 6, 8, 12, ... 2^20 (each bin [e_i, e_i+1);
+the last is every count from 2^20). T is chosen among them."""
+EMPTY_BINS_CLEAR = 0.95
+"""The probability that no empty bin's noisy count passes the threshold bins must pass."""
+BINS_ABOVE_SEEN = 6
+"""The bins above the highest seen whose noisy counts are kept (a factor of about 8 in rows)."""
+ROWS_KIND, GROUPS_KIND = 0, 1
+"""dp_kind of the tuning statement's rows: a histogram bin, or the groups count."""
+
+
+@dataclass(frozen=True)
+class TunedRows:
+    """max_rows_contributed as chosen, with DP estimates of what it cuts (for the notice)."""
+
+    max_rows: int
+    rows_cut: float
+    """The share of the rows beyond T (weighted away), estimated from the noisy histogram."""
+    users_cut: float
+    """The share of the users with more than T rows."""
+
+
+def groups_threshold(plan: DPQueryPlan) -> float:
+    """The user count from which a group is counted as released in the tuning statement:
+    τ, or for truncated-geometric selection the count kept with probability 1/2."""
+    if plan.tau is not None:
+        return plan.tau
+    t = plan.threshold
+    if t is None or plan.selection is not SelectionKind.TRUNCATED_GEOMETRIC:
+        return 1.0
+    return float(users_kept_with(0.5, plan.max_groups_contributed, float(t.epsilon),
+                                 float(t.delta)))
+
+
+def _representative(b: int) -> float:
+    """A typical row count of bin b (width_bucket's numbering: bin b holds [e_b-1, e_b))."""
+    if b <= 0:
+        raise InternalError()
+    if b >= len(ROW_EDGES):
+        return ROW_EDGES[-1] * 1.5
+    lo, hi = ROW_EDGES[b - 1], ROW_EDGES[b]
+    return (lo + hi - 1) / 2
+
+
+_REPS = np.array([_representative(b) for b in range(1, len(ROW_EDGES) + 1)])
+_CANDIDATES = np.array(ROW_EDGES, dtype=np.float64)
+_BEYOND = np.maximum(_REPS[None, :] - _CANDIDATES[:, None], 0.0)
+"""_BEYOND[j, b]: the rows beyond candidate T = ROW_EDGES[j] of a user in bin b + 1."""
+
+
+def unit_noise(kind: NoiseKind, epsilon: float, delta: float) -> float:
+    """The mean absolute noise of a quantity of sensitivity 1 with this share of ε/δ (its
+    noise grows in proportion to the sensitivity, so T times this for T)."""
+    spec = NoiseSpec.calibrate(kind, epsilon, delta, 1, 1.0)
+    return spec.scale if kind is NoiseKind.LAPLACE else spec.scale * math.sqrt(2 / math.pi)
+
+
+def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise: NoiseSpec,
+                    groups_noise: NoiseSpec | None, unit: float,
+                    rng: np.random.Generator) -> TunedRows:
+    """T from the true statistics of the tuning statement: users per bin (`histogram`, bins
+    1..len(ROW_EDGES)) and, with GROUP BY, the groups at least τ users count in. Every bin
+    gets noise (empty ones too), then T is the edge of least estimated error, `unit` being
+    the mean absolute noise per unit of T of the answer's counts (`unit_noise`)."""
+    bins = len(ROW_EDGES)
+    true = np.zeros(bins + 1)
+    for b, n in histogram.items():
+        if not 1 <= b <= bins:
+            raise InternalError()
+        true[b] = n
+    noisy = np.maximum(rows_noise.add(true[1:], rng), 0.0)
+    # bins far above the highest one whose noisy count an empty bin's would hardly reach are
+    # taken as empty: their rows are many, and noise there alone would push T up (the few
+    # users there are ones DP cannot count in full anyway); up to BINS_ABOVE_SEEN above it,
+    # their noisy counts are kept (a heavy tail's users are few per bin, but many together)
+    # (the seen bins: from the lowest passing one up, each with a passing one at most two bins
+    # below it; an empty bin's noise alone rarely passes, and one far above the rest is not
+    # taken as the top)
+    top = -1
+    for b in map(int, np.flatnonzero(noisy > bounds_threshold(rows_noise.scale, bins + 1,
+                                                              EMPTY_BINS_CLEAR))):
+        if top >= 0 and b - top > 3:
+            break
+        top = b
+    noisy[max(top, 0) + BINS_ABOVE_SEEN + 1:] = 0.0
+    g = 1.0
+    if groups_noise is not None:
+        g = max(1.0, float(groups_noise.add(np.array([float(groups or 0)]), rng)[0]))
+    lost = _BEYOND @ noisy  # rows beyond each candidate T
+    best = int(np.argmin(lost + g * unit * _CANDIDATES))
+    t = ROW_EDGES[best]
+    total_rows = max(float(noisy @ _REPS), 1.0)
+    total_users = max(float(np.sum(noisy)), 1.0)
+    over = float(np.sum(noisy[t < _REPS]))
+    return TunedRows(t, min(float(lost[best]) / total_rows, 1.0), min(over / total_users, 1.0))
+
+
+def tune_rows(plan: DPQueryPlan, rows: Iterable[Mapping[str, Any]],
+              rng: np.random.Generator) -> TunedRows:
+    """T for `plan` from the rows of its tuning statement (`rewrite._tuning_template`)."""
+    histogram: dict[int, int] = {}
+    groups = 0
+    for r in rows:
+        if int(r["dp_kind"]) == GROUPS_KIND:
+            groups = int(r["dp_n"])
+        else:
+            histogram[int(r["dp_bin"])] = int(r["dp_n"])
+    specs = {q.component: q.spec for q in plan.tuning}
+    counted = next((q for q in plan.quantities if q.aggregate is not None
+                    and q.component in (Component.COUNT, Component.N, Component.SUM)), None)
+    if counted is None or Component.ROWS not in specs:
+        raise InternalError("max_rows_contributed chosen for a plan without row-level counts")
+    unit = unit_noise(plan.noise_kind, float(counted.epsilon), float(counted.delta))
+    return choose_max_rows(histogram, groups, specs[Component.ROWS],
+                           specs.get(Component.GROUPS), unit, rng)
