@@ -318,7 +318,8 @@ class DefaultsConfig(_Strict):
 
 
 class ColumnBounds(_Strict):
-    """Contribution bounds of one numeric column: each user's per-group value is clamped to them."""
+    """Bounds of one numeric column: each row's value for plain (row-level) aggregates, each
+    user's per-group value for ANON_* ones, is clamped to them."""
 
     lower: float = Field(allow_inf_nan=False)
     upper: float = Field(allow_inf_nan=False)

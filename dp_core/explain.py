@@ -11,7 +11,7 @@ from pglast.stream import RawStream
 
 from dp_core.mechanisms import users_kept_with
 from dp_core.ownership import JOIN_ROWS_PER_USER
-from dp_core.plan import Component, DPQueryPlan
+from dp_core.plan import MEAN_KINDS, Component, DPQueryPlan
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold
 from dp_core.query import AggKind, AnalyzedQuery
 from dp_core.tuning import TunedRows, groups_threshold
@@ -142,7 +142,8 @@ def _row_level_lines(query: AnalyzedQuery, plan: DPQueryPlan) -> list[str]:
                      f"{fmt(q.spec.scale)}, epsilon {fmt(float(q.epsilon))}")
     if plan.tuning:
         lines.append("  T = the bin edge of least estimated error: rows beyond T + groups x "
-                     "the count's mean noise for T")
+                     "the count's mean noise for T; for AVG, VAR and STDDEV, at most the "
+                     "upper edge of the median user's bin")
     for i, a in enumerate(query.aggregates):
         if a.row_level and a.bounds is not None and a.arg is not None \
                 and a.kind is not AggKind.COUNT:
@@ -197,9 +198,13 @@ def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
             f"about {_pct(f.clamped_fraction)} of its per-user values were clamped")
     if tuned is not None:
         spent = sum(float(q.epsilon) for q in plan.tuning)
-        details.append(f"max_rows_contributed chose {tuned.max_rows} rows per user (epsilon "
-                       f"{fmt(spent)}); about {_pct(tuned.rows_cut)} of the rows (of "
-                       f"{_pct(tuned.users_cut)} of the users) were weighted away")
+        means = "" if tuned.mean_rows == tuned.max_rows or not any(
+            a.row_level and a.kind in MEAN_KINDS for a in query.aggregates) \
+            else f", {tuned.mean_rows} for averages and variances"
+        details.append(f"max_rows_contributed chose {tuned.max_rows} rows per user{means} "
+                       f"(epsilon {fmt(spent)}); about {_pct(tuned.rows_cut)} of the rows (of "
+                       f"{_pct(tuned.users_cut)} of the users) were weighted away, by a DP "
+                       "histogram that misses users too few to show in it")
     elif plan.max_rows is not None:
         details.append(f"max_rows_contributed {plan.max_rows} rows per user")
     return message, "; ".join(details) if details else None

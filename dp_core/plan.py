@@ -41,6 +41,7 @@ class Component:
     GROUPS = "groups"  # max_rows_contributed's choice: groups first of ≥ τ users
 
 
+MEAN_KINDS = frozenset({AggKind.AVG, AggKind.VAR, AggKind.STDDEV})
 APPROX_BOUNDS_SHARE = Fraction(1, 4)
 """The share of a query's ε that APPROX_BOUNDS spends, when some aggregate needs it."""
 TUNING_SHARE = Fraction(1, 10)
@@ -104,6 +105,13 @@ class DPQueryPlan:
     aggregate is row-level, or until `dp_core.tuning` has chosen it."""
     tuning: tuple[NoisyQuantity, ...] = ()
     """The DP statistics max_rows_contributed is chosen from, when it is chosen."""
+    mean_rows: int | None = None
+    """T of row-level AVG, VAR and STDDEV: `max_rows` where the query or the session fixes
+    it; chosen apart where T is (at most the users' median row count: `dp_core.tuning`)."""
+
+    def rows_for(self, agg: Aggregate) -> int | None:
+        """T of a row-level aggregate."""
+        return self.mean_rows if agg.kind in MEAN_KINDS else self.max_rows
 
     @property
     def groups_per_user(self) -> int:
@@ -150,7 +158,7 @@ class DPQueryPlan:
         if self.tau is not None:
             out["threshold"] = {"tau": self.tau}
         if self.max_rows is not None:
-            out["max_rows_contributed"] = {"rows": self.max_rows}
+            out["max_rows_contributed"] = {"rows": self.max_rows, "means": self.mean_rows}
         elif self.threshold is not None and self.selection is SelectionKind.TRUNCATED_GEOMETRIC:
             out[self.threshold.name].update(kind=self.selection.value, scale=None)
         return out
@@ -230,14 +238,15 @@ def check_noise_scales(query: AnalyzedQuery, plan: DPQueryPlan) -> None:
 def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: int,
               noise: NoiseKind, auto: frozenset[int] = frozenset(),
               selection: SelectionKind = SelectionKind.LAPLACE, max_rows: int | None = None,
-              tuned: bool = False) -> DPQueryPlan:
+              tuned: bool = False, mean_rows: int | None = None) -> DPQueryPlan:
     """Split (ε, δ) over the query's noisy quantities and calibrate each one's noise.
 
     Aggregates without bounds get an APPROX_BOUNDS histogram (together APPROX_BOUNDS_SHARE
     of ε) and noise that is calibrated only once the bounds are known: plan again with
     the found bounds filled in and `auto` naming those aggregates, for the same split.
     Likewise row-level aggregates without `max_rows` (T) get the statistics T is chosen
-    from (TUNING_SHARE of ε): plan again with the chosen T and `tuned`.
+    from (TUNING_SHARE of ε): plan again with the chosen T and `tuned` (and `mean_rows`, T
+    of the means, when it differs).
     """
     grouped = bool(query.keys)
     l0 = groups_per_user(grouped, max_groups)
@@ -249,8 +258,10 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     shared = any(reads_user_count(a) for a in query.aggregates)
     row_level = any(a.row_level for a in query.aggregates)
     max_rows = max_rows if row_level else None  # (T of row-level aggregates only)
+    mean_rows = max_rows if mean_rows is None or max_rows is None else mean_rows
     tune = row_level and (max_rows is None or tuned)
-    if max_rows is not None and not 1 <= max_rows <= MAX_ROWS:
+    if max_rows is not None and not (1 <= max_rows <= MAX_ROWS and mean_rows is not None
+                                     and 1 <= mean_rows <= max_rows):
         raise InternalError()
     specs: list[tuple[str, str, int | None, float | None]] = []
     if grouped or shared:
@@ -258,7 +269,8 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     for i, agg in enumerate(query.aggregates):
         if reads_user_count(agg):
             continue
-        for component, sensitivity in _components(agg, noise, max_rows):
+        rows = mean_rows if agg.kind in MEAN_KINDS else max_rows
+        for component, sensitivity in _components(agg, noise, rows):
             specs.append((f"dp_a{i}_{component}", component, i, sensitivity))
     if any(s is not None and s <= 0 for *_, s in specs):
         raise InternalError()
@@ -324,7 +336,7 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     cost = PrivacyCost(eps, delta_threshold + delta_each * n_gauss)
     plan = DPQueryPlan(eps, dlt, max_groups, noise, grouped, tau, threshold, tuple(quantities),
                        shared, cost, histograms, used if grouped else SelectionKind.LAPLACE,
-                       selection, max_rows, tuning)
+                       selection, max_rows, tuning, mean_rows)
     spent_eps = sum((q.epsilon for q in plan.all_quantities), Fraction(0))
     spent_delta = sum((q.delta for q in plan.all_quantities), Fraction(0))
     if spent_eps != cost.epsilon or spent_delta != cost.delta or cost.delta > dlt:
@@ -335,7 +347,8 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
 
 
 def replan_with_bounds(query: AnalyzedQuery, plan: DPQueryPlan, found: Mapping[int, Bounds],
-                       max_rows: int | None = None) -> tuple[AnalyzedQuery, DPQueryPlan]:
+                       max_rows: int | None = None, mean_rows: int | None = None
+                       ) -> tuple[AnalyzedQuery, DPQueryPlan]:
     """The second planning stage, after APPROX_BOUNDS and the choice of max_rows_contributed:
     the query with the bounds found filled in and its plan for them and for `max_rows` (the
     plan's own when None), the same split of ε/δ (the noise of the aggregates that had none
@@ -343,7 +356,8 @@ def replan_with_bounds(query: AnalyzedQuery, plan: DPQueryPlan, found: Mapping[i
     query = query.with_bounds(found)
     again = make_plan(query, float(plan.epsilon), float(plan.delta), plan.max_groups_contributed,
                       plan.noise_kind, plan.auto_bounds, plan.selection_asked,
-                      max_rows if max_rows is not None else plan.max_rows, bool(plan.tuning))
+                      max_rows if max_rows is not None else plan.max_rows, bool(plan.tuning),
+                      mean_rows if max_rows is not None else plan.mean_rows)
     if again.cost != plan.cost:
         raise InternalError("the plan's cost changed with its bounds (this is a bug)")
     return query, again

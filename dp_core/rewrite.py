@@ -71,13 +71,13 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
         f" FILTER (WHERE dp_rn <= {int(plan.max_groups_contributed)})"
     if plan.threshold is not None or plan.shared_users:
         finals.append(f"count(*){only_kept} AS dp_users")
-    weight = f"LEAST((1.0)::float8, ({plan.max_rows or 1})::float8 / dp_total)"
     for q in plan.quantities:
         if q.component in (Component.USERS, Component.TREE):
             continue  # dp_users, above; trees have their own statement
         assert q.aggregate is not None
         agg = query.aggregates[q.aggregate]
         if agg.row_level:
+            weight = f"LEAST((1.0)::float8, ({plan.rows_for(agg) or 1})::float8 / dp_total)"
             finals.append(f"{weighted(q.aggregate, agg, q.component, weight)} AS {q.name}")
             continue
         lo, hi = agg.known_bounds.lower, agg.known_bounds.upper

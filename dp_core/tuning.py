@@ -57,6 +57,9 @@ class TunedRows:
     """max_rows_contributed as chosen, with DP estimates of what it cuts (for the notice)."""
 
     max_rows: int
+    mean_rows: int
+    """T of the means (AVG, VAR, STDDEV): at most the users' median row count, by the noisy
+    histogram: their noise is over a weighted count, which grows more slowly than T."""
     rows_cut: float
     """The share of the rows beyond T (weighted away), estimated from the noisy histogram."""
     users_cut: float
@@ -111,31 +114,37 @@ def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise
         if not 1 <= b <= bins:
             raise InternalError()
         true[b] = n
-    noisy = np.maximum(rows_noise.add(true[1:], rng), 0.0)
-    # bins far above the highest one whose noisy count an empty bin's would hardly reach are
-    # taken as empty: their rows are many, and noise there alone would push T up (the few
-    # users there are ones DP cannot count in full anyway); up to BINS_ABOVE_SEEN above it,
-    # their noisy counts are kept (a heavy tail's users are few per bin, but many together)
-    # (the seen bins: from the lowest passing one up, each with a passing one at most two bins
-    # below it; an empty bin's noise alone rarely passes, and one far above the rest is not
-    # taken as the top)
+    raw = rows_noise.add(true[1:], rng)
+    # The seen bins: from the lowest whose noisy count passes a threshold an empty bin's
+    # would hardly reach, up, each with a passing one at most two bins below it (one far
+    # above the rest is an empty bin's noise). Their noisy counts are taken clipped at 0;
+    # those of the BINS_ABOVE_SEEN bins above as they are (a heavy tail's users are few per
+    # bin but many together; unclipped, the noise of empty bins adds nothing on average);
+    # higher bins count as empty (the few users there DP cannot count in full anyway).
     top = -1
-    for b in map(int, np.flatnonzero(noisy > bounds_threshold(rows_noise.scale, bins + 1,
-                                                              EMPTY_BINS_CLEAR))):
+    for b in map(int, np.flatnonzero(raw > bounds_threshold(rows_noise.scale, bins + 1,
+                                                            EMPTY_BINS_CLEAR))):
         if top >= 0 and b - top > 3:
             break
         top = b
-    noisy[max(top, 0) + BINS_ABOVE_SEEN + 1:] = 0.0
+    noisy = np.zeros(bins)
+    noisy[:top + 1] = np.maximum(raw[:top + 1], 0.0)
+    above = slice(top + 1, top + 1 + BINS_ABOVE_SEEN)
+    noisy[above] = raw[above]
     g = 1.0
     if groups_noise is not None:
         g = max(1.0, float(groups_noise.add(np.array([float(groups or 0)]), rng)[0]))
-    lost = _BEYOND @ noisy  # rows beyond each candidate T
+    lost = np.maximum(_BEYOND @ noisy, 0.0)  # rows beyond each candidate T
     best = int(np.argmin(lost + g * unit * _CANDIDATES))
     t = ROW_EDGES[best]
     total_rows = max(float(noisy @ _REPS), 1.0)
-    total_users = max(float(np.sum(noisy)), 1.0)
-    over = float(np.sum(noisy[t < _REPS]))
-    return TunedRows(t, min(float(lost[best]) / total_rows, 1.0), min(over / total_users, 1.0))
+    total_users = max(float(np.sum(np.maximum(noisy, 0.0))), 1.0)
+    over = max(float(np.sum(noisy[t < _REPS])), 0.0)
+    # the median user's bin (noisy counts: post-processing), its upper edge
+    median = int(np.searchsorted(np.cumsum(np.maximum(noisy, 0.0)), total_users / 2))
+    mean_t = min(t, ROW_EDGES[min(median + 1, len(ROW_EDGES) - 1)])
+    return TunedRows(t, mean_t, min(float(lost[best]) / total_rows, 1.0),
+                     min(over / total_users, 1.0))
 
 
 def tune_rows(plan: DPQueryPlan, rows: Iterable[Mapping[str, Any]],

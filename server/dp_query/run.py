@@ -176,7 +176,8 @@ class PushdownRunner:
             if "bounds" in statements or tuned is not None:
                 query, plan = replan_with_bounds(
                     query, plan, {i: Bounds(f.lower, f.upper) for i, f in found.items()},
-                    tuned.max_rows if tuned is not None else None)
+                    tuned.max_rows if tuned is not None else None,
+                    tuned.mean_rows if tuned is not None else None)
                 seed = prepared.pushdown.order_seed
                 if ranges:  # the ranges run every statement: their names are all that is used
                     ranged = ranged_pushdown(query, plan, prepared.arg_types, seed,

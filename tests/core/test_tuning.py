@@ -52,9 +52,13 @@ def test_t_chosen_per_query_spends_its_share_and_replans_at_the_same_cost() -> N
     assert [q.component for q in plan.tuning] == [Component.ROWS, Component.GROUPS]
     assert all(q.epsilon == TUNING_SHARE / 2 and q.sensitivity == 1.0 for q in plan.tuning)
     assert plan.tuning[0].spec.scale == pytest.approx(20.0)
-    _, again = replan_with_bounds(query, plan, {}, 48)
+    _, again = replan_with_bounds(query, plan, {}, 48, 6)
     assert again.cost == plan.cost and again.max_rows == 48 and not again.pending
     assert again.quantity("dp_a0_count").sensitivity == 48.0
+    assert again.quantity("dp_a1_sum").sensitivity == 48 * 3600.0
+    # the means' T is their own: 6 rows
+    assert again.quantity("dp_a2_n").sensitivity == 6.0
+    assert again.quantity("dp_a3_csq").sensitivity == 6 * 1800.0 ** 2
     # a global query has no groups count: all the share on the histogram
     (one, _, _) = build("SELECT COUNT(*) FROM visits")
     assert [q.epsilon for q in make_plan(one, 1.0, 1e-6, 1, NoiseKind.LAPLACE).tuning] == \
@@ -78,6 +82,8 @@ def test_choice_of_t_by_hand() -> None:
     assert choose_max_rows(hist, None, _exact(), None, 1e-6, rng).max_rows == 48
     chosen = choose_max_rows(hist, 100, _exact(), _exact(), 0.2, rng)
     assert chosen.max_rows == 6
+    # the median user is in [4, 6): the means' T is at most 6
+    assert choose_max_rows(hist, None, _exact(), None, 1e-6, rng).mean_rows == 6
     assert chosen.rows_cut == pytest.approx(10 * 33.5 / (1000 * 4.5 + 10 * 39.5))
     assert chosen.users_cut == pytest.approx(10 / 1010)
     assert choose_max_rows(hist, None, _exact(), None, 1000.0, rng).max_rows == 4
@@ -86,8 +92,8 @@ def test_choice_of_t_by_hand() -> None:
 def test_choice_of_t_is_stable_under_its_noise() -> None:
     """Statistical: 20,000 users with rows 1 + Exp(18) (as issue 30's bench), the histogram's
     noise at ε 0.05 (scale 20): in 500 draws, T is within one bin edge of its noise-free
-    choice in at least 70% of them, never more than one below, in 99% at most seven above (the
-    noise of sparse high bins, clipped at 0, can only push T up: more noise, less bias)."""
+    choice in at least 70% of them, and in 99% within three edges below and seven above (the
+    noise of the sparse bins above the seen ones moves the estimated rows beyond T)."""
     rng = np.random.default_rng(7)
     rows = 1 + np.floor(rng.exponential(18, 20_000)).astype(int)
     bins = np.searchsorted(ROW_EDGES, rows, side="right")
@@ -99,8 +105,8 @@ def test_choice_of_t_is_stable_under_its_noise() -> None:
     j = ROW_EDGES.index(exact)
     near = sum(ROW_EDGES[max(0, j - 1)] <= t <= ROW_EDGES[j + 1] for t in drawn)
     assert near >= 0.7 * len(drawn), (exact, sorted(set(drawn)))
-    assert all(ROW_EDGES[max(0, j - 1)] <= t for t in drawn)
-    assert sum(t <= ROW_EDGES[j + 7] for t in drawn) >= 0.99 * len(drawn), sorted(drawn)
+    assert sum(ROW_EDGES[j - 3] <= t <= ROW_EDGES[j + 7] for t in drawn) >= 0.99 * len(drawn), \
+        sorted(drawn)
 
 
 def test_max_rows_contributed_setting_and_option() -> None:

@@ -197,11 +197,12 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
         tuning = conn.execute(statements["tuning"]).fetchall() if "tuning" in statements \
             else []
         rng = secure_rng()
-        drawn = Counter[tuple[int | None, tuple[tuple[int, float, float], ...]]]()
+        drawn = Counter[tuple[tuple[int, int] | None, tuple[tuple[int, float, float], ...]]]()
         failed = 0
         for _ in range(samples):
             try:
-                rows = tune_rows(plan, tuning, rng).max_rows if tuning else None
+                tuned = tune_rows(plan, tuning, rng) if tuning else None
+                rows = None if tuned is None else (tuned.max_rows, tuned.mean_rows)
                 drawn[rows, tuple((q.aggregate, f.lower, f.upper) for q in plan.approx_bounds
                                   if q.aggregate is not None
                                   for f in [choose_bounds(bins[q.aggregate], q.spec, rng,
@@ -211,7 +212,7 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
         parts = [np.full(failed, ERROR)]
         for (rows, found), n in drawn.items():
             q, pl = replan_with_bounds(query, plan, {i: Bounds(lo, hi) for i, lo, hi in found},
-                                       rows)
+                                       *(rows or (None, None)))
             parts.append(outcomes(q, pl, main_rows(q, pl), n))
         return np.concatenate(parts)
 
