@@ -144,11 +144,21 @@ def _row_level_lines(query: AnalyzedQuery, plan: DPQueryPlan) -> list[str]:
         lines.append("  T = the bin edge of least estimated error: rows beyond T + groups x "
                      "the count's mean noise for T; for AVG, VAR and STDDEV, at most the "
                      "upper edge of the median user's bin")
+    clipped = {q.aggregate for q in plan.tuning if q.aggregate is not None}
+    for q in plan.tuning:
+        if q.aggregate is not None:
+            lines.append(f"Clip of {visible_name(query, q.aggregate)} from DP statistics: its "
+                         f"rows per value bin (each user's weighted by 1 / its rows), laplace "
+                         f"scale {fmt(q.spec.scale)}, epsilon {fmt(float(q.epsilon))}")
     for i, a in enumerate(query.aggregates):
         if a.row_level and a.bounds is not None and a.arg is not None \
                 and a.kind is not AggKind.COUNT:
+            how = (", or lower: the upper clip of least estimated error (value beyond it + "
+                   "groups x the noise its range brings)"
+                   if any(query.aggregates[j].arg == a.arg and query.aggregates[j].bounds
+                          == a.bounds for j in clipped) else "")
             lines.append(f"  {visible_name(query, i)}: each row's value clamped to "
-                         f"[{fmt(a.bounds.lower)}, {fmt(a.bounds.upper)}]")
+                         f"[{fmt(a.bounds.lower)}, {fmt(a.bounds.upper)}]{how}")
     return lines
 
 
@@ -205,6 +215,11 @@ def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
                        f"(epsilon {fmt(spent)}); about {_pct(tuned.rows_cut)} of the rows (of "
                        f"{_pct(tuned.users_cut)} of the users) were weighted away, by a DP "
                        "histogram that misses users too few to show in it")
+        for i, b in sorted(tuned.clips.items()):
+            if any(o.aggregate == i for o in query.outputs):
+                details.append(f"{visible_name(query, i)}: rows clipped to [{fmt(b.lower)}, "
+                               f"{fmt(b.upper)}], about {_pct(tuned.clipped[i])} of its value "
+                               "beyond")
     elif plan.max_rows is not None:
         details.append(f"max_rows_contributed {plan.max_rows} rows per user")
     return message, "; ".join(details) if details else None

@@ -39,6 +39,7 @@ class Component:
     BOUNDS = "bounds"  # APPROX_BOUNDS: user counts per log-scale bin, over all groups
     ROWS = "rows"  # max_rows_contributed's choice: users per log-scale bin of their rows
     GROUPS = "groups"  # max_rows_contributed's choice: groups first of ≥ τ users
+    VALUES = "values"  # a row-level aggregate's clip: its rows per value bin, users weighted
 
 
 MEAN_KINDS = frozenset({AggKind.AVG, AggKind.VAR, AggKind.STDDEV})
@@ -197,6 +198,25 @@ def _components(agg: Aggregate, noise: NoiseKind,
     raise InternalError()
 
 
+VALUE_STEPS = 12
+"""A configured range [L, U] is clipped, for one query, at one of L + (U − L)·2^−j, j < this."""
+
+
+def clip_tuned(query: AnalyzedQuery, auto: frozenset[int] = frozenset()) -> tuple[int, ...]:
+    """The row-level sums and means whose clip within their configured bounds [L, U] (L ≥ 0)
+    is chosen with T (`dp_core.tuning`): the first of each argument and bounds, others
+    sharing its choice; not those whose bounds APPROX_BOUNDS finds (`auto`)."""
+    out: list[int] = []
+    for i, a in enumerate(query.aggregates):
+        if not a.row_level or a.kind is AggKind.COUNT or a.bounds is None or i in auto \
+                or a.bounds.lower < 0 or a.arg is None:
+            continue
+        if not any(query.aggregates[j].arg == a.arg and query.aggregates[j].bounds == a.bounds
+                   for j in out):
+            out.append(i)
+    return tuple(out)
+
+
 def reads_user_count(agg: Aggregate) -> bool:
     """Aggregates equal to the user count of the group: one row per user, counted once."""
     return agg.kind is AggKind.COUNT_USERS or (
@@ -324,13 +344,18 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     if tune:
         # users per bin of their row count and, with GROUP BY, the groups that at least τ
         # users have as their first group: each user is in one bin, and first in one group
-        parts = ((Component.ROWS, 1), (Component.GROUPS, 1)) if grouped \
-            else ((Component.ROWS, 1),)
+        # and, per clipped argument (`clip_tuned`), its rows per value bin, each user's
+        # weighted by 1 / its rows (together at most 1)
+        parts: list[tuple[str, int | None]] = [(Component.ROWS, None)]
+        if grouped:
+            parts.append((Component.GROUPS, None))
+        parts += [(Component.VALUES, i) for i in clip_tuned(query, auto)]
         each = tuning_eps / len(parts)
-        tuning = tuple(NoisyQuantity(f"dp_{c}", c, None, float(s), each, Fraction(0),
+        tuning = tuple(NoisyQuantity(f"dp_{c}" if i is None else f"dp_a{i}_{c}", c, i, 1.0,
+                                     each, Fraction(0),
                                      NoiseSpec.calibrate(NoiseKind.LAPLACE, float(each), 0, 1,
-                                                         float(s)))
-                       for c, s in parts)
+                                                         1.0))
+                       for c, i in parts)
         if not all(math.isfinite(q.spec.scale) for q in tuning):
             raise _scale_error(query, None, eps, "overflow")
     cost = PrivacyCost(eps, delta_threshold + delta_each * n_gauss)

@@ -200,7 +200,7 @@ def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, 
     if plan.pending:
         raise InternalError("release before APPROX_BOUNDS found the bounds (this is a bug)")
     per_group = [q for q in plan.all_quantities if q.component not in (
-        Component.TREE, Component.BOUNDS, Component.ROWS, Component.GROUPS)]
+        Component.TREE, Component.BOUNDS, Component.ROWS, Component.GROUPS, Component.VALUES)]
     if not query.keys and not rows:
         rows = [{q.name: 0 for q in per_group}]  # an aggregate over no rows
     elif query.keys and any(a.row_level for a in query.aggregates):

@@ -29,12 +29,12 @@ from pglast.stream import RawStream
 
 from dp_core.bounding import Prefilter, kept_rows
 from dp_core.errors import InternalError
-from dp_core.partials import MEANS, clamp, f8, num, partial, present, value, weighted
+from dp_core.partials import MEANS, clamp, f8, num, partial, present, row_value, value, weighted
 from dp_core.plan import Component, DPQueryPlan, reads_user_count
 from dp_core.quantiles import EDGES, LEAVES, LEVEL_DIVISORS, LEVEL_OFFSETS
 from dp_core.query import AggKind, AnalyzedQuery, Bounds
 from dp_core.splice import PH, Splice
-from dp_core.tuning import ROW_EDGES, groups_threshold
+from dp_core.tuning import ROW_EDGES, groups_threshold, value_thresholds
 from dp_core.uid_ranges import UidRange, fill_range, null_uids, uid_in
 
 
@@ -191,23 +191,47 @@ def _bounds_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
             f"FROM ({' UNION ALL '.join(bins)}) AS dp_bins GROUP BY 1, 2")
 
 
-def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, order_seed: int) -> str | None:
+def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
+                     order_seed: int) -> str | None:
     """The statistics max_rows_contributed is chosen from (`dp_core.tuning`): users per bin
-    of their rows in all groups (dp_kind 0, by dp_bin) and, with GROUP BY, the groups that at
-    least τ users have as their first group (of their most rows; dp_kind 1)."""
+    of their rows in all groups (dp_kind 0, by dp_bin); with GROUP BY, the groups that at
+    least τ users have as their first group (of their most rows; dp_kind 1); for each
+    clipped argument (`plan.clip_tuned`), its rows per value bin (`tuning.value_bins`), each
+    user's weighted by 1 / its rows (dp_kind 2, dp_agg, by dp_bin)."""
     if not plan.tuning:
         return None
-    with_list, relation, _ = kept_rows(query, plan, [], order_seed)
+    clipped = [q.aggregate for q in plan.tuning if q.aggregate is not None]
+    partials = []
+    for i in clipped:
+        agg = query.aggregates[i]
+        r = row_value(i, agg, arg_types.get(i))
+        partials.append(f"count({PH}a{i}) AS dp_v{i}_n")
+        partials += [f"count(*) FILTER (WHERE {r} >= {f8(t)}) AS dp_v{i}_{j}"
+                     for j, t in enumerate(value_thresholds(agg.known_bounds), start=1)]
+    with_list, relation, _ = kept_rows(query, plan, partials, order_seed)
     edges = ", ".join(str(e) for e in ROW_EDGES)
     first = "dp_rn = 1" if query.keys else "TRUE"
-    users = (f"SELECT 0 AS dp_kind, width_bucket(dp_total, ARRAY[{edges}]::int8[]) AS dp_bin, "
-             f"count(*) AS dp_n FROM {relation} WHERE {first} GROUP BY 1, 2")
-    if not query.keys:
-        return f"WITH {with_list} {users}"
-    key_cols = ", ".join(f"dp_k{i}" for i in range(len(query.keys)))
-    groups = (f"SELECT 1, 0, count(*) FROM (SELECT {key_cols} FROM {relation} WHERE {first} "
-              f"GROUP BY {key_cols} HAVING count(*) >= {f8(groups_threshold(plan))}) AS dp_g")
-    return f"WITH {with_list} {users} UNION ALL {groups}"
+    parts = [f"SELECT 0 AS dp_kind, 0 AS dp_agg, width_bucket(dp_total, ARRAY[{edges}]::int8[]) "
+             f"AS dp_bin, (count(*))::float8 AS dp_n FROM {relation} WHERE {first} GROUP BY 3"]
+    if query.keys:
+        key_cols = ", ".join(f"dp_k{i}" for i in range(len(query.keys)))
+        parts.append(f"SELECT 1, 0, 0, (count(*))::float8 FROM (SELECT {key_cols} FROM {relation} "
+                     f"WHERE {first} GROUP BY {key_cols} "
+                     f"HAVING count(*) >= {f8(groups_threshold(plan))}) AS dp_g")
+    for i in clipped:
+        steps = len(value_thresholds(query.aggregates[i].known_bounds))
+        # bin 0 [t1, U], bin j [t(j+1), t(j)), the last [L, t(last)): from counts of r >= t(j)
+        ge = [f"dp_v{i}_{j}" for j in range(1, steps + 1)]
+        bins = [ge[0], *(f"({ge[j + 1]} - {ge[j]})" for j in range(steps - 1)),
+                f"(dp_v{i}_n - {ge[-1]})"]
+        # (counts added up per user total first: one division per distinct total, not per row)
+        counts = ", ".join(f"sum({b}) AS dp_b{j}" for j, b in enumerate(bins))
+        sums = ", ".join(f"sum(dp_b{j} / (dp_total)::float8)" for j in range(len(bins)))
+        parts.append(f"SELECT 2, {i}, (dp_o - 1)::int4, dp_w FROM (SELECT ARRAY[{sums}] AS dp_a "
+                     f"FROM (SELECT dp_total, {counts} FROM {relation} GROUP BY dp_total) "
+                     "AS dp_t) AS dp_s CROSS JOIN LATERAL unnest(dp_s.dp_a) "
+                     "WITH ORDINALITY AS dp_u(dp_w, dp_o)")
+    return f"WITH {with_list} {' UNION ALL '.join(parts)}"
 
 
 def _build(template: str, query: AnalyzedQuery, token: str | None = None) -> str:
@@ -312,7 +336,7 @@ def build_pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int,
     seed = secrets.randbits(62) if order_seed is None else order_seed
     types = arg_types or {}
     bounds_sql = _bounds_template(query, plan, types, seed, prefilter)
-    tuning_sql = _tuning_template(query, plan, seed)
+    tuning_sql = _tuning_template(query, plan, types, seed)
     # the statements' shape needs only the plan's quantity names, which bounds do not change
     query = query.with_bounds({i: Bounds(0.0, 1.0) for i, a in enumerate(query.aggregates)
                                if a.bounds is None})
@@ -344,6 +368,15 @@ SENTINELS = 1 << 62
 
 class NotSeedable(Exception):
     """A sentinel seed's digits are also elsewhere in the printed statements."""
+
+
+def main_sql(query: AnalyzedQuery, plan: DPQueryPlan, order_seed: int) -> str | None:
+    """The main statement alone, unsplit (as `pushdown(...).main`, without printing the
+    others): what the stochastic tester runs once per choice of bounds and T."""
+    query = query.with_bounds({i: Bounds(0.0, 1.0) for i, a in enumerate(query.aggregates)
+                               if a.bounds is None})
+    main = _template(query, plan, {}, order_seed)
+    return _build(main, query) if main else None
 
 
 def pushdown_sql(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str] | None = None,

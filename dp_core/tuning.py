@@ -20,8 +20,8 @@ post-processing.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -29,8 +29,9 @@ import numpy as np
 from dp_core.errors import InternalError
 from dp_core.mechanism_choices import NoiseKind, SelectionKind
 from dp_core.mechanisms import NoiseSpec, users_kept_with
-from dp_core.plan import Component, DPQueryPlan
+from dp_core.plan import MEAN_KINDS, VALUE_STEPS, Component, DPQueryPlan
 from dp_core.quantiles import bounds_threshold
+from dp_core.query import AnalyzedQuery, Bounds
 
 
 def _edges() -> tuple[int, ...]:
@@ -48,7 +49,7 @@ EMPTY_BINS_CLEAR = 0.95
 """The probability that no empty bin's noisy count passes the threshold bins must pass."""
 BINS_ABOVE_SEEN = 6
 """The bins above the highest seen whose noisy counts are kept (a factor of about 8 in rows)."""
-ROWS_KIND, GROUPS_KIND = 0, 1
+ROWS_KIND, GROUPS_KIND, VALUES_KIND = 0, 1, 2
 """dp_kind of the tuning statement's rows: a histogram bin, or the groups count."""
 
 
@@ -64,6 +65,15 @@ class TunedRows:
     """The share of the rows beyond T (weighted away), estimated from the noisy histogram."""
     users_cut: float
     """The share of the users with more than T rows."""
+    rows_total: float = 0.0
+    """The rows, estimated from the noisy histogram."""
+    groups: float = 1.0
+    """The groups to be released, estimated (1 without GROUP BY)."""
+    clips: Mapping[int, Bounds] = field(default_factory=dict)
+    """The bounds each clipped row-level aggregate gets (`plan.clip_tuned`, and those that
+    share their argument and bounds), within its configured ones."""
+    clipped: Mapping[int, float] = field(default_factory=dict)
+    """For each of them, the share of its rows' value beyond the clip (an estimate)."""
 
 
 def groups_threshold(plan: DPQueryPlan) -> float:
@@ -144,17 +154,51 @@ def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise
     median = int(np.searchsorted(np.cumsum(np.maximum(noisy, 0.0)), total_users / 2))
     mean_t = min(t, ROW_EDGES[min(median + 1, len(ROW_EDGES) - 1)])
     return TunedRows(t, mean_t, min(float(lost[best]) / total_rows, 1.0),
-                     min(over / total_users, 1.0))
+                     min(over / total_users, 1.0), total_rows, g)
+
+
+def value_thresholds(bounds: Bounds) -> list[float]:
+    """Where a configured range [L, U] may be clipped for one query, high to low:
+    L + (U − L)·2^−j for j = 1 … VALUE_STEPS − 1 (U itself is the first choice)."""
+    return [bounds.lower + (bounds.upper - bounds.lower) * 2.0 ** -j
+            for j in range(1, VALUE_STEPS)]
+
+
+def choose_clip(bins: Sequence[float], bounds: Bounds, rows: float, weight: float,
+                noise: NoiseSpec, rng: np.random.Generator) -> tuple[float, float]:
+    """(upper clip, share of the value beyond it) of a row-level aggregate whose rows fall
+    in value bins `bins` (true, each user's rows weighted by 1 / its rows: bin 0 holds
+    [t1, U], bin j [t(j+1), t(j)), the last [L, t(last)), t from `value_thresholds`): the
+    candidate of least estimated error, `rows` times the mean value beyond it plus `weight`
+    times its range (the noise a range brings, per unit: groups × T × a count's mean noise,
+    halved for a mean's centred sums)."""
+    t = value_thresholds(bounds)
+    if len(bins) != len(t) + 1:
+        raise InternalError()
+    edges = [bounds.upper, *t, bounds.lower]
+    reps = np.array([(edges[k] + edges[k + 1]) / 2 for k in range(len(bins))])
+    noisy = np.maximum(noise.add(np.asarray(bins, dtype=np.float64), rng), 0.0)
+    mass = max(float(noisy.sum()), 1e-12)
+    candidates = np.array([bounds.upper, *t])
+    beyond = np.maximum(reps[None, :] - candidates[:, None], 0.0) @ noisy / mass
+    best = int(np.argmin(rows * beyond + weight * (candidates - bounds.lower)))
+    total = max(float(noisy @ reps) / mass, 1e-300)
+    return float(candidates[best]), min(float(beyond[best]) / total, 1.0)
 
 
 def tune_rows(plan: DPQueryPlan, rows: Iterable[Mapping[str, Any]],
-              rng: np.random.Generator) -> TunedRows:
-    """T for `plan` from the rows of its tuning statement (`rewrite._tuning_template`)."""
+              rng: np.random.Generator, query: AnalyzedQuery | None = None) -> TunedRows:
+    """T for `plan` from the rows of its tuning statement (`rewrite._tuning_template`), and
+    the clips of `query`'s row-level aggregates it has value bins for."""
     histogram: dict[int, int] = {}
+    values: dict[int, dict[int, float]] = {}
     groups = 0
     for r in rows:
         if int(r["dp_kind"]) == GROUPS_KIND:
             groups = int(r["dp_n"])
+        elif int(r["dp_kind"]) == VALUES_KIND:
+            # (NULL: no rows at all, whose sums are NULL)
+            values.setdefault(int(r["dp_agg"]), {})[int(r["dp_bin"])] = float(r["dp_n"] or 0)
         else:
             histogram[int(r["dp_bin"])] = int(r["dp_n"])
     specs = {q.component: q.spec for q in plan.tuning}
@@ -163,5 +207,23 @@ def tune_rows(plan: DPQueryPlan, rows: Iterable[Mapping[str, Any]],
     if counted is None or Component.ROWS not in specs:
         raise InternalError("max_rows_contributed chosen for a plan without row-level counts")
     unit = unit_noise(plan.noise_kind, float(counted.epsilon), float(counted.delta))
-    return choose_max_rows(histogram, groups, specs[Component.ROWS],
-                           specs.get(Component.GROUPS), unit, rng)
+    tuned = choose_max_rows(histogram, groups, specs[Component.ROWS],
+                            specs.get(Component.GROUPS), unit, rng)
+    clips: dict[int, Bounds] = {}
+    clipped: dict[int, float] = {}
+    for q in plan.tuning:
+        if q.aggregate is None:
+            continue
+        if query is None:
+            raise InternalError("value bins without the query they clip")
+        agg = query.aggregates[q.aggregate]
+        b = agg.known_bounds
+        t = tuned.mean_rows if agg.kind in MEAN_KINDS else tuned.max_rows
+        steps = len(value_thresholds(b)) + 1
+        bins = [values.get(q.aggregate, {}).get(k, 0.0) for k in range(steps)]
+        upper, share = choose_clip(bins, b, tuned.rows_total, tuned.groups * unit * t *
+                                   (0.5 if agg.kind in MEAN_KINDS else 1.0), q.spec, rng)
+        for j, other in enumerate(query.aggregates):
+            if other.row_level and other.arg == agg.arg and other.bounds == b:
+                clips[j], clipped[j] = Bounds(b.lower, upper), share
+    return replace(tuned, clips=clips, clipped=clipped)

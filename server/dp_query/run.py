@@ -164,7 +164,7 @@ class PushdownRunner:
             if "tuning" in statements:
                 # (unsplit: its count of groups does not add up over ranges of users)
                 tuned = tune_rows(plan, await statements["tuning"].fetch(timeout=timeout + 5),
-                                  rng)
+                                  rng, query)
             if "bounds" in statements:
                 bins: dict[int, dict[int, int]] = {i: {} for i in plan.auto_bounds}
                 for r in await fetch_bounds():
@@ -174,8 +174,10 @@ class PushdownRunner:
                     found[q.aggregate] = choose_bounds(
                         bins[q.aggregate], q.spec, rng, query.aggregates[q.aggregate].output_name)
             if "bounds" in statements or tuned is not None:
+                chosen_bounds = {i: Bounds(f.lower, f.upper) for i, f in found.items()}
+                chosen_bounds.update(tuned.clips if tuned is not None else {})
                 query, plan = replan_with_bounds(
-                    query, plan, {i: Bounds(f.lower, f.upper) for i, f in found.items()},
+                    query, plan, chosen_bounds,
                     tuned.max_rows if tuned is not None else None,
                     tuned.mean_rows if tuned is not None else None)
                 seed = prepared.pushdown.order_seed

@@ -7,11 +7,19 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from dp_core.errors import InvalidParameterValue
+from dp_core.errors import InternalError, InvalidParameterValue
 from dp_core.mechanisms import NoiseKind, NoiseSpec
 from dp_core.plan import TUNING_SHARE, Component, make_plan, replan_with_bounds
+from dp_core.query import Bounds
 from dp_core.settings import Caps, DPSettings, query_settings
-from dp_core.tuning import ROW_EDGES, choose_max_rows, unit_noise
+from dp_core.tuning import (
+    ROW_EDGES,
+    choose_clip,
+    choose_max_rows,
+    tune_rows,
+    unit_noise,
+    value_thresholds,
+)
 from tests.support.engine import build
 
 GROUPED = "SELECT browser, COUNT(*), SUM(duration), AVG(duration), VAR_POP(duration) " \
@@ -49,9 +57,12 @@ def test_t_chosen_per_query_spends_its_share_and_replans_at_the_same_cost() -> N
     query, _, _ = build(GROUPED)
     plan = make_plan(query, 1.0, 1e-6, 5, NoiseKind.LAPLACE)
     assert plan.rows_pending and plan.pending and plan.max_rows is None
-    assert [q.component for q in plan.tuning] == [Component.ROWS, Component.GROUPS]
-    assert all(q.epsilon == TUNING_SHARE / 2 and q.sensitivity == 1.0 for q in plan.tuning)
-    assert plan.tuning[0].spec.scale == pytest.approx(20.0)
+    # the histogram of rows, the count of groups, and one value histogram for duration
+    # (SUM, AVG and VAR_POP share it: one argument, one configured range)
+    assert [(q.component, q.aggregate) for q in plan.tuning] == [
+        (Component.ROWS, None), (Component.GROUPS, None), (Component.VALUES, 1)]
+    assert all(q.epsilon == TUNING_SHARE / 3 and q.sensitivity == 1.0 for q in plan.tuning)
+    assert plan.tuning[0].spec.scale == pytest.approx(30.0)
     _, again = replan_with_bounds(query, plan, {}, 48, 6)
     assert again.cost == plan.cost and again.max_rows == 48 and not again.pending
     assert again.quantity("dp_a0_count").sensitivity == 48.0
@@ -121,3 +132,30 @@ def test_max_rows_contributed_setting_and_option() -> None:
     for bad in (0, 2.5, "many", 1 << 21):
         with pytest.raises(InvalidParameterValue):
             settings.with_value("dp.max_rows_contributed", bad, caps)
+
+
+def test_choice_of_clip_by_hand() -> None:
+    """[0, 1024] clipped at 512, 256, ... 0.5; all rows in [64, 128) (typical 96), no noise
+    to speak of, 1,000 rows. Where the range's noise is cheap, 128 clips nothing and is the
+    narrowest such range; at 600 per unit of range, 64 (32 lost per row: 32,000 + 38,400
+    against 76,800 at 128 and 64,000 + 19,200 at 32), a third of the value beyond it."""
+    bounds = Bounds(0.0, 1024.0)
+    assert value_thresholds(bounds)[:3] == [512.0, 256.0, 128.0]
+    bins = [0.0] * 12
+    bins[3] = 100.0  # [64, 128): bin 0 is [512, 1024]
+    rng = np.random.default_rng(3)
+    assert choose_clip(bins, bounds, 1000.0, 1e-6, _exact(), rng) == (128.0, pytest.approx(0.0, abs=1e-9))
+    upper, share = choose_clip(bins, bounds, 1000.0, 600.0, _exact(), rng)
+    assert upper == 64.0 and share == pytest.approx(1 / 3)
+    with pytest.raises(InternalError):
+        choose_clip(bins[:-1], bounds, 1000.0, 1.0, _exact(), rng)
+
+
+def test_tuning_rows_of_an_empty_table() -> None:
+    """Over no rows the value bins' sums are NULL (the statement's one row of an aggregate
+    over nothing): read as 0, T and the clip are chosen from noise alone, no error."""
+    query, _, _ = build("SELECT SUM(duration) FROM visits")
+    plan = make_plan(query, 1.0, 1e-6, 1, NoiseKind.LAPLACE)
+    rows = [{"dp_kind": 2, "dp_agg": 0, "dp_bin": b, "dp_n": None} for b in range(12)]
+    tuned = tune_rows(plan, rows, np.random.default_rng(5), query)
+    assert tuned.max_rows in ROW_EDGES and 0 in tuned.clips
