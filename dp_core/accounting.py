@@ -10,7 +10,6 @@ composition's.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -37,11 +36,10 @@ class AnswerCost:
             return q.noise.kind if q.noise is not None else plan.noise_kind
 
         def multiplier(q: NoisyQuantity) -> float:
-            if q.noise is None or q.sensitivity is None:
-                # not calibrated yet (APPROX_BOUNDS pending): σ is proportional to the
-                # sensitivity, so the multiplier is that of sensitivity 1
-                return gaussian_sigma(float(q.epsilon), float(q.delta), 1.0)
-            return q.noise.scale / (math.sqrt(plan.groups_per_user) * q.sensitivity)
+            # σ is calibrated in proportion to the quantity's L2 sensitivity (√C_u·Δ, or Δ
+            # for a row-level aggregate's, whose Δ bounds all groups together), so σ / L2 is
+            # that of sensitivity 1, calibrated or not yet (bounds or T pending)
+            return gaussian_sigma(float(q.epsilon), float(q.delta), 1.0)
 
         gauss = [q for q in plan.all_quantities if kind(q) is NoiseKind.GAUSSIAN]
         return cls(

@@ -198,7 +198,7 @@ def _components(agg: Aggregate, noise: NoiseKind,
     raise InternalError()
 
 
-VALUE_STEPS = 12
+VALUE_STEPS = 7
 """A configured range [L, U] is clipped, for one query, at one of L + (U − L)·2^−j, j < this."""
 
 

@@ -29,7 +29,7 @@ from pglast.stream import RawStream
 
 from dp_core.bounding import Prefilter, kept_rows
 from dp_core.errors import InternalError
-from dp_core.partials import MEANS, clamp, f8, num, partial, present, row_value, value, weighted
+from dp_core.partials import MEANS, clamp, f8, num, partial, present, value, weighted
 from dp_core.plan import Component, DPQueryPlan, reads_user_count
 from dp_core.quantiles import EDGES, LEAVES, LEVEL_DIVISORS, LEVEL_OFFSETS
 from dp_core.query import AggKind, AnalyzedQuery, Bounds
@@ -204,9 +204,12 @@ def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     partials = []
     for i in clipped:
         agg = query.aggregates[i]
-        r = row_value(i, agg, arg_types.get(i))
+        # (the value unclamped: within (L, U), a threshold splits the values as it splits
+        # them clamped; NULL is never counted, NaN is above every threshold as U is)
+        exact = arg_types.get(i) in ("int2", "int4", "int8", "float4", "float8")
+        r, lit = (f"({PH}a{i})::float8", f8) if exact else (f"({PH}a{i})::numeric", num)
         partials.append(f"count({PH}a{i}) AS dp_v{i}_n")
-        partials += [f"count(*) FILTER (WHERE {r} >= {f8(t)}) AS dp_v{i}_{j}"
+        partials += [f"count(*) FILTER (WHERE {r} >= {lit(t)}) AS dp_v{i}_{j}"
                      for j, t in enumerate(value_thresholds(agg.known_bounds), start=1)]
     with_list, relation, _ = kept_rows(query, plan, partials, order_seed)
     edges = ", ".join(str(e) for e in ROW_EDGES)

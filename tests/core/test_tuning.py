@@ -7,9 +7,10 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+from dp_core.accounting import AnswerCost
 from dp_core.errors import InternalError, InvalidParameterValue
 from dp_core.mechanisms import NoiseKind, NoiseSpec
-from dp_core.plan import TUNING_SHARE, Component, make_plan, replan_with_bounds
+from dp_core.plan import TUNING_SHARE, VALUE_STEPS, Component, make_plan, replan_with_bounds
 from dp_core.query import Bounds
 from dp_core.settings import Caps, DPSettings, query_settings
 from dp_core.tuning import (
@@ -135,13 +136,13 @@ def test_max_rows_contributed_setting_and_option() -> None:
 
 
 def test_choice_of_clip_by_hand() -> None:
-    """[0, 1024] clipped at 512, 256, ... 0.5; all rows in [64, 128) (typical 96), no noise
+    """[0, 1024] clipped at 512, 256, ... 16; all rows in [64, 128) (typical 96), no noise
     to speak of, 1,000 rows. Where the range's noise is cheap, 128 clips nothing and is the
     narrowest such range; at 600 per unit of range, 64 (32 lost per row: 32,000 + 38,400
     against 76,800 at 128 and 64,000 + 19,200 at 32), a third of the value beyond it."""
     bounds = Bounds(0.0, 1024.0)
     assert value_thresholds(bounds)[:3] == [512.0, 256.0, 128.0]
-    bins = [0.0] * 12
+    bins = [0.0] * VALUE_STEPS
     bins[3] = 100.0  # [64, 128): bin 0 is [512, 1024]
     rng = np.random.default_rng(3)
     assert choose_clip(bins, bounds, 1000.0, 1e-6, _exact(), rng) == (128.0, pytest.approx(0.0, abs=1e-9))
@@ -156,6 +157,19 @@ def test_tuning_rows_of_an_empty_table() -> None:
     over nothing): read as 0, T and the clip are chosen from noise alone, no error."""
     query, _, _ = build("SELECT SUM(duration) FROM visits")
     plan = make_plan(query, 1.0, 1e-6, 1, NoiseKind.LAPLACE)
-    rows = [{"dp_kind": 2, "dp_agg": 0, "dp_bin": b, "dp_n": None} for b in range(12)]
+    rows = [{"dp_kind": 2, "dp_agg": 0, "dp_bin": b, "dp_n": None} for b in range(VALUE_STEPS)]
     tuned = tune_rows(plan, rows, np.random.default_rng(5), query)
     assert tuned.max_rows in ROW_EDGES and 0 in tuned.clips
+
+
+def test_rdp_accountant_reads_row_level_gaussian_noise_exactly() -> None:
+    """A row-level aggregate's Gaussian noise is calibrated for L2 sensitivity T·Δ over all
+    groups (not √C_u·T·Δ): the RDP accountant's noise multiplier is σ / (T·Δ), whatever C_u,
+    as for the per-user quantities σ / (√C_u·Δ)."""
+    query, _, _ = build("SELECT browser, SUM(duration), ANON_SUM(duration, 0, 10) FROM visits "
+                        "GROUP BY browser")
+    plan = make_plan(query, 1.0, 1e-5, 4, NoiseKind.GAUSSIAN, max_rows=10)
+    row, per_user = plan.quantity("dp_a0_sum"), plan.quantity("dp_a1_sum")
+    got = dict(zip(("row", "user"), AnswerCost.of(plan).gaussian_multipliers[-2:], strict=True))
+    assert got["row"] == pytest.approx(row.spec.scale / (10 * 3600))
+    assert got["user"] == pytest.approx(per_user.spec.scale / (2 * 10))
