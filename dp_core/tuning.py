@@ -128,9 +128,10 @@ def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise
     # The seen bins: from the lowest whose noisy count passes a threshold an empty bin's
     # would hardly reach, up, each with a passing one at most two bins below it (one far
     # above the rest is an empty bin's noise). Their noisy counts are taken clipped at 0;
-    # those of the BINS_ABOVE_SEEN bins above as they are (a heavy tail's users are few per
-    # bin but many together; unclipped, the noise of empty bins adds nothing on average);
-    # higher bins count as empty (the few users there DP cannot count in full anyway).
+    # those of the BINS_ABOVE_SEEN bins above less the noise's scale, clipped at 0 (a heavy
+    # tail's users are few per bin but many together, and the rows of these bins are many:
+    # an empty bin's noise alone would move T far up); higher bins count as empty (the few
+    # users there DP cannot count in full anyway).
     top = -1
     for b in map(int, np.flatnonzero(raw > bounds_threshold(rows_noise.scale, bins + 1,
                                                             EMPTY_BINS_CLEAR))):
@@ -140,7 +141,7 @@ def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise
     noisy = np.zeros(bins)
     noisy[:top + 1] = np.maximum(raw[:top + 1], 0.0)
     above = slice(top + 1, top + 1 + BINS_ABOVE_SEEN)
-    noisy[above] = raw[above]
+    noisy[above] = np.maximum(raw[above] - rows_noise.scale, 0.0)
     g = 1.0
     if groups_noise is not None:
         g = max(1.0, float(groups_noise.add(np.array([float(groups or 0)]), rng)[0]))
