@@ -1028,3 +1028,26 @@ def test_plain_count_counts_rows_with_t_chosen_and_said(proxy: Proxy, fresh_budg
         (n3,), = conn.execute("SELECT count(*) FROM visits").fetchall()
         assert "max_rows_contributed 3 rows per user" in details[-1]
         assert n3 < 3.2 * users
+
+
+def test_row_level_and_per_user_aggregates_in_one_query(proxy: Proxy, fresh_budgets: None,
+                                                       backend: Backend) -> None:
+    """Grouped, the plain aggregates read every (user, group) row and the ANON_ ones only the
+    C_u groups each user counts in (the groups of its most rows): with C_u large enough for
+    every user's groups, ANON_COUNT(*) and COUNT(DISTINCT uid) are the users of each browser
+    and COUNT(*) its visits, each near the truth."""
+    with psycopg.connect(backend.admin_dsn) as admin:
+        truth = {b: (n, u) for b, n, u in admin.execute(
+            "SELECT browser, count(*), count(DISTINCT uid) FROM visits GROUP BY browser")}
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT WITH ANONYMIZATION OPTIONS(epsilon=4, max_groups_contributed=20) browser, "
+            "COUNT(*) AS n, ANON_COUNT(*) AS users, COUNT(DISTINCT uid) AS du, "
+            "ANON_AVG(duration, 0, 100) AS a FROM visits GROUP BY browser").fetchall()
+    big = [(b, n, u, du) for b, n, u, du, _ in rows if truth[b][1] >= 1000]
+    assert len(big) >= 3 and any(truth[b][0] >= 20_000 for b, *_ in big)
+    for b, n, u, du in big:
+        true_n, true_u = truth[b]
+        assert abs(u - true_u) < 0.1 * true_u and abs(du - true_u) < 0.1 * true_u, (b, u, du)
+        if true_n >= 20_000:  # (T is large on the demo's data: its noise is too, on few rows)
+            assert 0.75 * true_n < n < 1.1 * true_n, (b, n, true_n)
