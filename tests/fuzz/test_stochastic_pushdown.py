@@ -199,15 +199,16 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
         if "bounds" in statements:
             for r in conn.execute(statements["bounds"]).fetchall():
                 bins[int(r["dp_agg"])][int(r["dp_bin"])] = int(r["dp_n"])
-        tuning = conn.execute(statements["tuning"]).fetchall() if "tuning" in statements \
-            else []
+        tuned_here = "tuning" in statements
+        tuning = conn.execute(statements["tuning"]).fetchall() if tuned_here else []
         rng = secure_rng()
         drawn = Counter[tuple[tuple[int, int] | None, tuple[tuple[int, float, float], ...],
                               tuple[tuple[int, float, float], ...]]]()
         failed = 0
         for _ in range(samples):
             try:
-                tuned = tune_rows(plan, tuning, rng, query) if tuning else None
+                # (over no users the statement has no rows: T is then chosen from noise)
+                tuned = tune_rows(plan, tuning, rng, query) if tuned_here else None
                 rows = None if tuned is None else (tuned.max_rows, tuned.mean_rows)
                 clips = () if tuned is None else tuple(
                     (i, b.lower, b.upper) for i, b in sorted(tuned.clips.items()))
