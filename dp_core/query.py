@@ -61,7 +61,9 @@ class Aggregate:
     arg: ast.Node | None
     """The (totalised) argument; None for COUNT(*) and COUNT(DISTINCT uid)."""
     bounds: Bounds | None
-    """Per-user contribution bounds: [0, U] for counts; None when APPROX_BOUNDS finds them."""
+    """Contribution bounds: of each user's value in a group (per-user aggregates; [0, U] for
+    counts), or of each row's value (row-level ones; [0, 1] for counts); None when
+    APPROX_BOUNDS finds them."""
     output_name: str
     quantile: float | None = None
     """The quantile (0…1) of a QUANTILE aggregate."""
