@@ -11,7 +11,8 @@ from pglast.stream import RawStream
 
 from dp_core.mechanisms import users_kept_with
 from dp_core.ownership import JOIN_ROWS_PER_USER
-from dp_core.plan import MEAN_KINDS, Component, DPQueryPlan
+from dp_core.partials import MEANS
+from dp_core.plan import Component, DPQueryPlan
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold
 from dp_core.query import AggKind, AnalyzedQuery
 from dp_core.tuning import TunedRows, groups_threshold
@@ -209,7 +210,7 @@ def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
     if tuned is not None:
         spent = sum(float(q.epsilon) for q in plan.tuning)
         means = "" if tuned.mean_rows == tuned.max_rows or not any(
-            a.row_level and a.kind in MEAN_KINDS for a in query.aggregates) \
+            a.row_level and a.kind in MEANS for a in query.aggregates) \
             else f", {tuned.mean_rows} for averages and variances"
         details.append(f"max_rows_contributed chose {tuned.max_rows} rows per user{means} "
                        f"(epsilon {fmt(spent)}); about {_pct(tuned.rows_cut)} of the rows (of "

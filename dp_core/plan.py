@@ -20,6 +20,7 @@ from dp_core.mechanisms import (
     selection_parameters,
     threshold_tau,
 )
+from dp_core.partials import MEANS
 from dp_core.quantiles import DEPTH
 from dp_core.query import AggKind, Aggregate, AnalyzedQuery, Bounds
 from dp_core.settings import MAX_ROWS
@@ -42,7 +43,6 @@ class Component:
     VALUES = "values"  # a row-level aggregate's clip: its rows per value bin, users weighted
 
 
-MEAN_KINDS = frozenset({AggKind.AVG, AggKind.VAR, AggKind.STDDEV})
 APPROX_BOUNDS_SHARE = Fraction(1, 4)
 """The share of a query's ε that APPROX_BOUNDS spends, when some aggregate needs it."""
 TUNING_SHARE = Fraction(1, 10)
@@ -112,7 +112,7 @@ class DPQueryPlan:
 
     def rows_for(self, agg: Aggregate) -> int | None:
         """T of a row-level aggregate."""
-        return self.mean_rows if agg.kind in MEAN_KINDS else self.max_rows
+        return self.mean_rows if agg.kind in MEANS else self.max_rows
 
     @property
     def groups_per_user(self) -> int:
@@ -289,7 +289,7 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     for i, agg in enumerate(query.aggregates):
         if reads_user_count(agg):
             continue
-        rows = mean_rows if agg.kind in MEAN_KINDS else max_rows
+        rows = mean_rows if agg.kind in MEANS else max_rows
         for component, sensitivity in _components(agg, noise, rows):
             specs.append((f"dp_a{i}_{component}", component, i, sensitivity))
     if any(s is not None and s <= 0 for *_, s in specs):

@@ -29,7 +29,8 @@ import numpy as np
 from dp_core.errors import InternalError
 from dp_core.mechanism_choices import NoiseKind, SelectionKind
 from dp_core.mechanisms import NoiseSpec, users_kept_with
-from dp_core.plan import MEAN_KINDS, VALUE_STEPS, Component, DPQueryPlan
+from dp_core.partials import MEANS
+from dp_core.plan import VALUE_STEPS, Component, DPQueryPlan
 from dp_core.quantiles import bounds_threshold
 from dp_core.query import AnalyzedQuery, Bounds
 
@@ -219,11 +220,11 @@ def tune_rows(plan: DPQueryPlan, rows: Iterable[Mapping[str, Any]],
             raise InternalError("value bins without the query they clip")
         agg = query.aggregates[q.aggregate]
         b = agg.known_bounds
-        t = tuned.mean_rows if agg.kind in MEAN_KINDS else tuned.max_rows
+        t = tuned.mean_rows if agg.kind in MEANS else tuned.max_rows
         steps = len(value_thresholds(b)) + 1
         bins = [values.get(q.aggregate, {}).get(k, 0.0) for k in range(steps)]
         upper, share = choose_clip(bins, b, tuned.rows_total, tuned.groups * unit * t *
-                                   (0.5 if agg.kind in MEAN_KINDS else 1.0), q.spec, rng)
+                                   (0.5 if agg.kind in MEANS else 1.0), q.spec, rng)
         for j, other in enumerate(query.aggregates):
             if other.row_level and other.arg == agg.arg and other.bounds == b:
                 clips[j], clipped[j] = Bounds(b.lower, upper), share
