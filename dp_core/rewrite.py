@@ -120,8 +120,12 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
     if not query.keys:
         return f"WITH {with_list} SELECT {', '.join(finals)} FROM {relation}"
     key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
+    # the keys' types (read from the prepared statement) with no value to decode: the client
+    # gets the key texts back as constants of these types, and a driver's decoding of some
+    # values (year 5874897, time 24:00, a huge interval) would fail on one user's key
+    key_types = [f"CASE WHEN false THEN dp_k{i} END AS dp_k{i}" for i in range(len(query.keys))]
     key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
-    columns = [*key_cols, *key_text, *_key_hashes(query), *finals]
+    columns = [*key_types, *key_text, *_key_hashes(query), *finals]
     # (with row-level aggregates, groups whose dp_users is 0 are no candidates: `release`)
     return (f"WITH {with_list} SELECT {', '.join(columns)} "
             f"FROM {relation} WHERE {kept} GROUP BY {', '.join(key_cols)}")

@@ -161,6 +161,13 @@ class WithLocalAnswers(WithStartup):
                 if current is not None and current.cancelling():
                     raise  # the session itself is closing
                 raise QueryCanceled("canceling statement due to user request") from None
+            except (DPError, AlreadyReported):
+                raise
+            except Exception:
+                # a bug in the DP path (which has not touched the session's backend): this
+                # statement fails, as any error of one user's data would, the session lives on
+                log.exception("session %s: internal error in a DP query", self.process_id)
+                raise InternalError() from None
             finally:
                 self._dp_task = None
             await self.relay_result(_wrapped(st, sql), bind, execute=execute)

@@ -4,7 +4,7 @@ Generated DP queries aimed at one user (CASE on its uid, divisions by its values
 literals, outer joins, per-user windows, ordered or distinct subqueries, public subqueries)
 run through the proxy on the demo data without and with that user, whose rows hold extreme
 values (the ends of integer and numeric ranges, zero, NULL, a long text, a country no lookup
-has). The outcome of each query, answered or the SQLSTATE of its refusal or failure, must be
+has; dates and times at the ends of their types' ranges and infinite). The outcome of each query, answered or the SQLSTATE of its refusal or failure, must be
 the same on both databases (issue 26: each class of leak there made the outcome differ). The
 answers themselves are noisy; the stochastic tester checks their distributions.
 Seeded (DPPROXY_TEST_FUZZ_SEED replays a failure; DPPROXY_TEST_FUZZ_ROUNDS runs longer).
@@ -18,9 +18,11 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from psycopg.types.string import TextLoader
 
 from config import Config
-from tests.support.backend import Backend
+from config.models import TableConfig
+from tests.support.backend import Backend, init_backend
 from tests.support.proxy import LoopThread, Proxy, running_proxy, spent
 
 SEED = int(os.environ.get("DPPROXY_TEST_FUZZ_SEED", random.randrange(1 << 30)))
@@ -36,7 +38,30 @@ _TARGET_ROWS = [
     "INSERT INTO purchases (uid, category, amount) VALUES "
     f"({TARGET}, 'books', 99999999.99), ({TARGET}, 'books', -99999999.99), ({TARGET}, 'zz', 0)",
 ]
-_REMOVE = [f"DELETE FROM visits WHERE uid = {TARGET}", f"DELETE FROM purchases WHERE uid = {TARGET}"]
+_REMOVE = [f"DELETE FROM {t} WHERE uid = {TARGET}" for t in ("visits", "purchases", "events")]
+
+EVENTS_SQL = [
+    "DROP TABLE IF EXISTS events",
+    "CREATE TABLE events (uid bigint NOT NULL, kind text NOT NULL, ts timestamptz, "
+    "at timestamp, d date, t time, tz timetz, iv interval)",
+    "INSERT INTO events SELECT uid, browser, ts, ts AT TIME ZONE 'UTC', ts::date, ts::time, "
+    "ts::timetz, duration * interval '1 second' FROM (SELECT uid, browser, duration, "
+    "timestamptz '2024-01-01 00:00+00' + (uid % 997) * interval '7 hours' AS ts "
+    "FROM visits WHERE uid % 3 = 0) s",
+]
+"""A protected table of dates and times (the demo has none), filled from a third of the
+demo's users: timestamps over most of a year, their dates, times of day, durations."""
+_TARGET_EVENTS = [
+    "INSERT INTO events (uid, kind, ts, at, d, t, tz, iv) VALUES "
+    f"({TARGET}, 'a', 'infinity', 'infinity', 'infinity', '24:00', '24:00-15:59', "
+    "'178000000 years'), "
+    f"({TARGET}, 'a', '-infinity', '-infinity', '-infinity', '00:00', '00:00+15:59', "
+    "'-178000000 years'), "
+    f"({TARGET}, 'b', '294276-12-31 23:59:59+00', '294276-12-31 23:59:59', '5874897-12-31', "
+    "'23:59:59.999999', '10:00+02', '1 month 3 days 10:00:01.5'), "
+    f"({TARGET}, 'b', '4714-11-24 00:00:00+00 BC', '4714-11-24 00:00:00 BC', '4713-01-01 BC', "
+    "NULL, NULL, NULL)",
+]
 
 _SOURCES = [
     ("visits v", ["v.browser", "v.country"], ["v.duration"], "v.uid"),
@@ -64,6 +89,14 @@ _SOURCES = [
     ("visits v JOIN (SELECT code, 1 / (length(code) - 2) AS x FROM countries) c ON c.code = v.country",
      ["c.code"], ["v.duration", "c.x"], "v.uid"),
     ("w", ["w.browser"], ["w.duration"], "w.uid"),
+    ("events e", ["e.kind", "e.d", "date_trunc('month', e.ts)", "date_trunc('day', e.at)",
+                  "extract(year FROM e.d)", "e.ts::date", "date_trunc('week', e.ts)",
+                  "date_part('hour', e.t)", "extract(isodow FROM e.ts)"],
+     ["extract(epoch FROM e.iv)", "extract(epoch FROM e.ts)", "date_part('year', e.at)",
+      "extract(minute FROM e.tz)", "extract(day FROM e.d)", "e.d - date '2024-01-01'",
+      "extract(epoch FROM e.t)"], "e.uid"),
+    ("events e JOIN visits v ON v.uid = e.uid", ["e.kind", "v.browser", "e.d"],
+     ["v.duration", "extract(month FROM e.ts)"], "e.uid"),
 ]
 _WITH = ("WITH w AS (SELECT uid, browser, duration FROM visits WHERE duration / (uid - {t}) "
          "IS NOT NULL OR uid = {t}) ")
@@ -84,6 +117,21 @@ def _value(rng: random.Random, nums: list[str], uid: str) -> str:
     ])
 
 
+_DATETIME = [
+    "date_trunc('decade', e.ts)", "date_trunc('month', e.at + e.iv)", "e.d + 1",
+    "e.d + interval '1 day'", "e.ts - interval '300000 years'", "e.at::timestamptz",
+    "e.d::timestamp", "extract(hour FROM e.d)", "age(e.ts)", "e.ts + e.iv",
+    "to_char(e.ts, 'YYYY-MM')", "e.ts AT TIME ZONE 'Pacific/Kiritimati'",
+    "date_trunc('year', e.ts AT TIME ZONE 'Pacific/Pago_Pago')", "justify_interval(e.iv)",
+    "e.iv * 1000", "make_date(extract(year FROM e.d)::int, 1, 1)", "e.t + e.iv",
+    "CASE WHEN e.uid = {t} THEN 'infinity'::date ELSE e.d END - date '2024-01-01'",
+    "extract(epoch FROM e.ts)::int", "date_part('millennium', e.d::timestamp)",
+    "extract(julian FROM e.at)", "e.ts::date - e.d",
+]
+"""Date/time expressions that fail on some values (out of range, infinite, past a unit's
+end) or never: what of them a DP query may use must not depend on the target's dates."""
+
+
 def _condition(rng: random.Random, keys: list[str], nums: list[str], uid: str) -> str:
     k = rng.choice(keys)
     return rng.choice([
@@ -93,12 +141,16 @@ def _condition(rng: random.Random, keys: list[str], nums: list[str], uid: str) -
         f"{k} IN (SELECT code FROM countries WHERE 1 / (length(code) - 2) > 0)",
         f"{k} IN (SELECT code FROM countries ORDER BY 1 / (length(code) - 2))",
         f"EXISTS (SELECT 1 FROM countries WHERE code = {k}::text AND 1 / ({uid} - {{t}}) > 0)",
+        *([f"{rng.choice(_DATETIME)} IS NOT NULL", f"{rng.choice(_DATETIME)}::text > '2'"]
+          if uid == "e.uid" else []),
     ])
 
 
 def _query(rng: random.Random) -> str:
     source, keys, nums, uid = rng.choice(_SOURCES)
     key = rng.choice([*keys, ""])
+    if uid == "e.uid" and rng.random() < 0.3:
+        key = rng.choice(_DATETIME)
     aggs = rng.sample([
         "ANON_COUNT(*)", f"ANON_SUM({_value(rng, nums, uid)}, 0, 100)",
         f"ANON_AVG({_value(rng, nums, uid)}, -10, 10)", f"ANON_COUNT(DISTINCT {uid})",
@@ -118,15 +170,33 @@ def _query(rng: random.Random) -> str:
     return sql.replace("{t}", str(TARGET))
 
 
+@pytest.fixture(scope="module")
+def events_config(demo_config: Config, backend: Backend) -> Iterator[Config]:
+    """The demo config with `events` protected too, its table made and set up as
+    init-backend would; dropped afterwards."""
+    config = demo_config.model_copy(update={"tables": {
+        **demo_config.tables, "events": TableConfig(uid_column="uid")}})
+    with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
+        for stmt in EVENTS_SQL:
+            su.execute(stmt)
+    init_backend(backend, config)
+    try:
+        yield config
+    finally:
+        with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
+            su.execute("DROP TABLE events")
+        init_backend(backend, demo_config)
+
+
 @pytest.fixture(params=["plain", "split"])
 def plain_or_split_proxy(request: pytest.FixtureRequest, loop_thread: LoopThread,
-                         demo_config: Config, backend: Backend) -> Iterator[Proxy]:
-    """The demo proxy; "split": every pushdown that can be is split by uid ranges."""
-    config = demo_config
+                         events_config: Config, backend: Backend) -> Iterator[Proxy]:
+    """The demo proxy, with `events`; "split": every pushdown that can be is split by uid
+    ranges."""
+    config = events_config
     if request.param == "split":
-        b = demo_config.backend.model_copy(update={"pushdown_split": 3,
-                                                   "pushdown_split_min_rows": 0})
-        config = demo_config.model_copy(update={"backend": b})
+        b = config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0})
+        config = config.model_copy(update={"backend": b})
     with running_proxy(loop_thread, config, backend) as px:
         yield px
 
@@ -156,7 +226,7 @@ def test_one_users_data_never_changes_whether_a_query_fails(plain_or_split_proxy
     without = _outcomes(plain_or_split_proxy, queries)
     with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
         try:
-            for stmt in _TARGET_ROWS:
+            for stmt in [*_TARGET_ROWS, *_TARGET_EVENTS]:
                 su.execute(stmt)
             with_user = _outcomes(plain_or_split_proxy, queries)
         finally:
@@ -167,3 +237,40 @@ def test_one_users_data_never_changes_whether_a_query_fails(plain_or_split_proxy
         f"{a} / {b}: {q}" for q, a, b in differ)
     # the generator reaches both sides, or it tests little
     assert "answered" in without and any(o != "answered" for o in without), without
+
+
+def test_keys_at_the_ends_of_date_and_time_types_are_released_as_postgres_prints_them(
+        loop_thread: LoopThread, events_config: Config, backend: Backend) -> None:
+    """Grouped by a date, timestamp, time or interval column where many users hold values no
+    driver's types can hold (year 5874897, 294276 AD, 4714 BC, infinity, 24:00, 178 million
+    years): every query answers (the pushdown returned such keys typed, and decoding them
+    after the charge closed the session: issue 26), the session lives on, and the released
+    extreme keys read back as Postgres prints them."""
+    crowd = range(TARGET + 1, TARGET + 301)
+    inserts = [stmt.replace(str(TARGET), "{u}") for stmt in _TARGET_EVENTS]
+    columns = ["d", "at", "ts", "t", "tz", "iv"]
+    with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
+        try:
+            for u in crowd:
+                for stmt in inserts:
+                    su.execute(stmt.replace("{u}", str(u)))
+            truth = {c: {r[0] for r in su.execute(
+                f"SELECT DISTINCT {c}::text FROM events WHERE uid >= {crowd[0]} "
+                f"AND {c} IS NOT NULL")} for c in columns}
+            with running_proxy(loop_thread, events_config, backend) as px, \
+                    psycopg.connect(px.dsn("admin"), autocommit=True) as admin, \
+                    psycopg.connect(px.dsn(), autocommit=True) as conn:
+                admin.execute("SELECT dp_reset_budget('alice')")
+                for name in ("date", "timestamp", "timestamptz", "time", "timetz", "interval"):
+                    conn.adapters.register_loader(name, TextLoader)  # (as Postgres prints)
+                for c in columns:
+                    rows = conn.execute(
+                        "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.5, delta=1e-6, "
+                        f"max_groups_contributed=4) {c}, ANON_COUNT(*) FROM events "
+                        f"GROUP BY {c}").fetchall()
+                    released = {r[0] for r in rows}
+                    # the crowd's values are each held by 300 users: all released
+                    assert truth[c] <= released, (c, truth[c] - released)
+                    assert conn.execute("SELECT 1").fetchone() == (1,)
+        finally:
+            su.execute(f"DELETE FROM events WHERE uid >= {crowd[0]}")

@@ -894,7 +894,7 @@ def test_each_user_keeps_a_uniform_choice_of_groups(backend: Backend, max_groups
         finally:
             await conn.close()
 
-    users = {r["dp_k0"]: r["dp_users"] for r in asyncio.run(go())}
+    users = {r["dp_t0"]: r["dp_users"] for r in asyncio.run(go())}
     assert sum(users.values()) == 3000 * max_groups
     p = max_groups / 3
     sd = math.sqrt(3000 * p * (1 - p))

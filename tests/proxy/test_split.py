@@ -543,10 +543,10 @@ def test_prefilter_keeps_a_null_key_apart_from_empty_and_zero(backend: Backend, 
                 plain = pushdown(query, plan, order_seed=7).main
                 pre = pushdown(query, plan, order_seed=7, prefilter=("int8", key_type)).main
                 assert plain is not None and pre is not None and "dp_rows AS" in pre
-                got = {r["dp_k0"]: dict(r) for r in await conn.fetch(pre)}
-                assert None in got and ("" if key_type == "text" else 0) in got, got.keys()
+                got = {r["dp_t0"]: dict(r) for r in await conn.fetch(pre)}
+                assert None in got and ("" if key_type == "text" else "0") in got, got.keys()
                 if max_groups > 1:
-                    expected = {r["dp_k0"]: dict(r) for r in await conn.fetch(plain)}
+                    expected = {r["dp_t0"]: dict(r) for r in await conn.fetch(plain)}
                     assert got == expected
                 else:
                     assert sum(r["dp_users"] for r in got.values()) == users
@@ -581,7 +581,7 @@ def test_each_user_keeps_a_group_chosen_uniformly_at_random(backend: Backend,
             query, plan, _ = build(sql, max_groups=1)
             pd = pushdown(query, plan, prefilter=("int8", "text") if prefiltered else None)
             assert pd.main is not None and ("dp_rows AS" in pd.main) == prefiltered
-            got = {r["dp_k0"]: r["dp_users"] for r in await conn.fetch(pd.main)}
+            got = {r["dp_t0"]: r["dp_users"] for r in await conn.fetch(pd.main)}
             assert got.keys() == expected.keys()
             for b, e in expected.items():
                 assert abs(got[b] - e) <= 5 * variance[b] ** 0.5, (b, got[b], e)
