@@ -23,7 +23,7 @@ from numpy.typing import NDArray
 from dp_core.errors import InternalError
 from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import keep_probability, secure_rng
-from dp_core.plan import Component, DPQueryPlan, reads_user_count
+from dp_core.plan import Component, DPQueryPlan, NoisyQuantity, reads_user_count
 from dp_core.quantiles import LEAVES, LEVEL_OFFSETS, walk
 from dp_core.query import AggKind, Aggregate, AnalyzedQuery
 
@@ -189,20 +189,26 @@ def _matched(rows: Sequence[Mapping[str, Any]], kept: list[int],
     return frozenset(seen - shared)
 
 
+def _per_group(plan: DPQueryPlan) -> list[NoisyQuantity]:
+    return [q for q in plan.all_quantities if q.component not in (
+        Component.TREE, Component.BOUNDS, Component.ROWS, Component.GROUPS, Component.VALUES)]
+
+
 def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, Any]],
-           rng: np.random.Generator | None = None) -> Selection:
+           rng: np.random.Generator | None = None, deferred: bool = False) -> Selection:
     """Add noise to every group's quantities and keep the groups whose noisy user count
     reaches τ, or, with truncated-geometric selection, each group of n users with
     probability π(n) (every group when there is no threshold). The selection's indexes are
     into its `rows`, which leaves out groups that are no candidates. Run before the quantile
-    trees are walked, so that only kept groups' trees are."""
+    trees are walked, so that only kept groups' trees are. `deferred`: the row-level
+    quantities still wait for T (`plan.rows_pending`): they get their noise from
+    `noise_deferred` once it is chosen (each group's noise is its own: the same outcome)."""
     rng = rng or secure_rng()
-    if plan.pending:
+    if plan.pending and not (deferred and plan.rows_pending):
         raise InternalError("release before APPROX_BOUNDS found the bounds (this is a bug)")
-    per_group = [q for q in plan.all_quantities if q.component not in (
-        Component.TREE, Component.BOUNDS, Component.ROWS, Component.GROUPS, Component.VALUES)]
+    per_group = [q for q in _per_group(plan) if q.noise is not None or not deferred]
     if not query.keys and not rows:
-        rows = [{q.name: 0 for q in per_group}]  # an aggregate over no rows
+        rows = [{q.name: 0 for q in _per_group(plan)}]  # an aggregate over no rows
     elif query.keys and any(a.row_level for a in query.aggregates):
         # a group is a candidate only where some user's count goes: one in which users only
         # have rows they weight but count in other groups is never released (else a user
@@ -226,6 +232,20 @@ def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, 
     return Selection(rows, noisy, kept, matched)
 
 
+def noise_deferred(selection: Selection, plan: DPQueryPlan,
+                   rng: np.random.Generator) -> Selection:
+    """`selection` (made with `deferred`) with noise on the quantities it left out, now that
+    `plan` has them calibrated (its rows hold their true values)."""
+    noisy = dict(selection.noisy)
+    for q in _per_group(plan):
+        if q.name not in noisy:
+            if q.spec is None:
+                raise InternalError("a quantity without noise after T was chosen")
+            noisy[q.name] = q.spec.add(_column(selection.rows, q.name), rng) \
+                if selection.rows else np.zeros(0)
+    return Selection(selection.rows, noisy, selection.kept, selection.matched)
+
+
 class SelectionStream:
     """Partition selection over the pushdown's rows a batch at a time (`select` on each): only
     the kept groups' rows and noisy quantities stay, so memory grows with the answer, not with
@@ -233,8 +253,9 @@ class SelectionStream:
     outcome has the distribution of one `select` over all the rows."""
 
     def __init__(self, query: AnalyzedQuery, plan: DPQueryPlan,
-                 rng: np.random.Generator | None = None) -> None:
+                 rng: np.random.Generator | None = None, deferred: bool = False) -> None:
         self.query, self.plan, self.rng = query, plan, rng or secure_rng()
+        self.deferred = deferred
         self._rows: list[Mapping[str, Any]] = []
         self._noisy: dict[str, list[NDArray[np.float64]]] = {}
         self._seen = 0
@@ -243,7 +264,7 @@ class SelectionStream:
         if not rows:
             return
         self._seen += len(rows)
-        chosen = select(self.query, self.plan, rows, self.rng)
+        chosen = select(self.query, self.plan, rows, self.rng, self.deferred)
         self._rows.extend(chosen.rows[r] for r in chosen.kept)
         for name, values in chosen.noisy.items():
             self._noisy.setdefault(name, []).append(values[chosen.kept])
@@ -251,7 +272,7 @@ class SelectionStream:
     def done(self) -> Selection:
         """The selection over every row added (as `select` over them all would make it)."""
         if not self._seen:
-            return select(self.query, self.plan, [], self.rng)
+            return select(self.query, self.plan, [], self.rng, self.deferred)
         rows = self._rows
         kept = list(range(len(rows)))
         noisy = {name: np.concatenate(parts) for name, parts in self._noisy.items()}

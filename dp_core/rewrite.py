@@ -27,9 +27,10 @@ from pglast import ast, parse_sql
 from pglast.enums import BoolExprType
 from pglast.stream import RawStream
 
+from dp_core.binned import binned_plan, value_bin_columns
 from dp_core.bounding import Prefilter, kept_rows
 from dp_core.errors import InternalError
-from dp_core.partials import MEANS, clamp, f8, num, partial, present, value, weighted
+from dp_core.partials import MEANS, clamp, f8, num, partial, present, row_value, value, weighted
 from dp_core.plan import Component, DPQueryPlan, reads_user_count
 from dp_core.quantiles import EDGES, LEAVES, LEVEL_DIVISORS, LEVEL_OFFSETS
 from dp_core.query import AggKind, AnalyzedQuery, Bounds
@@ -59,8 +60,18 @@ def _groups_template(query: AnalyzedQuery) -> str:
             "SELECT count(*) AS dp_groups, count(DISTINCT dp_uid) AS dp_users FROM dp_per_user")
 
 
+def binned(plan: DPQueryPlan) -> bool:
+    """Whether the main statement returns its row-level sums per bin of the users' row
+    counts (`dp_core.binned`): where T is chosen from the data and every other final adds
+    up over bins (COUNT(DISTINCT x, k)'s does not: the tuning statement runs first there)."""
+    return plan.rows_pending and not any(q.component == Component.DISTINCT
+                                         for q in plan.quantities)
+
+
 def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
               order_seed: int, prefilter: Prefilter | None = None) -> str | None:
+    if binned(plan):
+        return _binned_template(query, plan, arg_types, order_seed)
     partials = [partial(i, agg, arg_types.get(i)) for i, agg in enumerate(query.aggregates)
                 if not reads_user_count(agg) and agg.kind is not AggKind.QUANTILE]
     finals = []
@@ -129,6 +140,92 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
     # (with row-level aggregates, groups whose dp_users is 0 are no candidates: `release`)
     return (f"WITH {with_list} SELECT {', '.join(columns)} "
             f"FROM {relation} WHERE {kept} GROUP BY {', '.join(key_cols)}")
+
+
+def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
+                     order_seed: int) -> str:
+    """The main statement in `dp_core.binned`'s form: per group, the sums of the other
+    aggregates (as `_template`'s), and per bin of the users' row counts, the users first in
+    the group and A and B of each row-level quantity and candidate clip; per clipped
+    aggregate, its rows per value bin weighted by 1 / the user's rows."""
+    columns, _ = binned_plan(query, plan)
+    partials = [partial(i, agg, arg_types.get(i)) for i, agg in enumerate(query.aggregates)
+                if not agg.row_level and not reads_user_count(agg)
+                and agg.kind is not AggKind.QUANTILE]
+    for c in columns:  # each argument's counts and (candidate) sums once
+        if c.kind == "rows":
+            partials.append("count(*) AS dp_rows")
+        elif c.kind == "n":
+            partials.append(f"count({PH}a{c.aggregate}) AS {c.partial}")
+        else:
+            assert c.bounds is not None
+            agg = replace(query.aggregates[c.aggregate], bounds=c.bounds)
+            r = row_value(c.aggregate, agg, arg_types.get(c.aggregate))
+            partials.append(f"sum({r}) AS {c.partial}" if c.kind == "s"
+                            else f"sum({r} * {r}) AS {c.partial}")
+    value_bins = value_bin_columns(query, plan)
+    for i in value_bins:  # rows at or above each threshold, as the tuning statement's
+        exact = arg_types.get(i) in ("int2", "int4", "int8", "float4", "float8")
+        r, lit = (f"({PH}a{i})::float8", f8) if exact else (f"({PH}a{i})::numeric", num)
+        partials.append(f"count({PH}a{i}) AS dp_v{i}_n")
+        partials += [f"count(*) FILTER (WHERE {r} >= {lit(t)}) AS dp_v{i}_{j}" for j, t in
+                     enumerate(value_thresholds(query.aggregates[i].known_bounds), start=1)]
+    with_list, relation, _ = kept_rows(query, plan, partials, order_seed)
+    keyed = bool(query.keys)
+    c_u = int(plan.max_groups_contributed)
+    inner = [f"width_bucket(dp_total, ARRAY[{', '.join(str(e) for e in ROW_EDGES)}]::int8[]) "
+             "AS dp_bin", "count(*) FILTER (WHERE dp_rn = 1) AS dp_first" if keyed
+             else "count(*) AS dp_first"]
+    outer = []
+    if plan.threshold is not None or plan.shared_users:
+        inner.append(f"count(*) FILTER (WHERE dp_rn <= {c_u}) AS dp_users" if keyed
+                     else "count(*) AS dp_users")
+        outer.append("(coalesce(sum(dp_users), 0))::int8 AS dp_users")
+    for q in plan.quantities:
+        if q.component in (Component.USERS, Component.TREE):
+            continue
+        assert q.aggregate is not None
+        agg = query.aggregates[q.aggregate]
+        if agg.row_level:
+            continue
+        lo, hi = agg.known_bounds.lower, agg.known_bounds.upper
+        p = value(q.aggregate, agg, arg_types.get(q.aggregate))
+        kept = f" FILTER (WHERE dp_rn <= {c_u})" if keyed else ""
+        term = {Component.COUNT: f"LEAST({p}, {num(hi)})", Component.SUM: clamp(p, lo, hi),
+                Component.N: None, Component.CENTERED_SUM: f"{clamp(p, lo, hi)} - {num((lo + hi) / 2)}",
+                Component.CENTERED_SQUARES: "({c}) * ({c})".format(
+                    c=f"{clamp(p, lo, hi)} - {num((lo + hi) / 2)}")}
+        if q.component == Component.N:
+            inner.append(f"count({p}){kept} AS {q.name}")
+        elif q.component in term:
+            inner.append(f"sum({term[q.component]}){kept} AS {q.name}")
+        else:
+            raise InternalError()
+        outer.append(f"sum({q.name}) AS {q.name}")
+    sums = ["dp_first"]
+    for j, column in enumerate(columns):
+        inner += [f"sum(({column.partial})::float8) AS dp_c{j}a",
+                  f"sum(({column.partial})::float8 / (dp_total)::float8) AS dp_c{j}b"]
+        sums += [f"dp_c{j}a", f"dp_c{j}b"]
+    for i, names in value_bins.items():
+        steps = len(names)
+        ge = [f"dp_v{i}_{j}" for j in range(1, steps)]
+        parts = [ge[0], *(f"({ge[j + 1]} - {ge[j]})" for j in range(steps - 2)),
+                 f"(dp_v{i}_n - {ge[-1]})"]
+        for name, part in zip(names, parts, strict=True):
+            inner.append(f"sum(({part})::float8 / (dp_total)::float8) AS {name}")
+            outer.append(f"sum({name}) AS {name}")
+    outer += ["array_agg(dp_bin ORDER BY dp_bin) AS dp_bins",
+              f"array_agg((ARRAY[{', '.join(sums)}])::float8[] ORDER BY dp_bin) AS dp_sums"]
+    key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
+    per_bin = (f"SELECT {', '.join([*key_cols, *inner])} FROM {relation} "
+               f"GROUP BY {', '.join([*key_cols, 'dp_bin'])}")
+    if not keyed:
+        return f"WITH {with_list} SELECT {', '.join(outer)} FROM ({per_bin}) AS dp_binned"
+    key_types = [f"CASE WHEN false THEN dp_k{i} END AS dp_k{i}" for i in range(len(query.keys))]
+    key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
+    return (f"WITH {with_list} SELECT {', '.join([*key_types, *key_text, *_key_hashes(query), *outer])} "
+            f"FROM ({per_bin}) AS dp_binned GROUP BY {', '.join(key_cols)}")
 
 
 def _key_hashes(query: AnalyzedQuery) -> list[str]:
@@ -343,7 +440,7 @@ def build_pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int,
     seed = secrets.randbits(62) if order_seed is None else order_seed
     types = arg_types or {}
     bounds_sql = _bounds_template(query, plan, types, seed, prefilter)
-    tuning_sql = _tuning_template(query, plan, types, seed)
+    tuning_sql = None if binned(plan) else _tuning_template(query, plan, types, seed)
     # the statements' shape needs only the plan's quantity names, which bounds do not change
     query = query.with_bounds({i: Bounds(0.0, 1.0) for i, a in enumerate(query.aggregates)
                                if a.bounds is None})

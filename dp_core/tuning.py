@@ -203,6 +203,15 @@ def tune_rows(plan: DPQueryPlan, rows: Iterable[Mapping[str, Any]],
             values.setdefault(int(r["dp_agg"]), {})[int(r["dp_bin"])] = float(r["dp_n"] or 0)
         else:
             histogram[int(r["dp_bin"])] = int(r["dp_n"])
+    return tune(plan, histogram, groups, values, rng, query)
+
+
+def tune(plan: DPQueryPlan, histogram: Mapping[int, int], groups: int,
+         values: Mapping[int, Mapping[int, float]], rng: np.random.Generator,
+         query: AnalyzedQuery | None = None) -> TunedRows:
+    """T and the clips from the true statistics: users per bin of their row count
+    (`histogram`), the groups at least τ users have first (`groups`) and, per clipped
+    aggregate, its rows per value bin, each user's weighted by 1 / its rows (`values`)."""
     specs = {q.component: q.spec for q in plan.tuning}
     counted = next((q for q in plan.quantities if q.aggregate is not None
                     and q.component in (Component.COUNT, Component.N, Component.SUM)), None)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from config import Config
+from dp_core.binned import TuningStats, binned_plan, binned_row, resolve, value_bin_columns
 from dp_core.errors import InternalError
 from dp_core.mechanisms import secure_rng
 from dp_core.plan import DPQueryPlan, replan_with_bounds
@@ -25,13 +26,14 @@ from dp_core.release import (
     add_rows,
     add_trees,
     group_key,
+    noise_deferred,
     row_order,
     tree_answer,
     tree_nodes,
     tree_order,
 )
-from dp_core.rewrite import pushdown, ranged_pushdown
-from dp_core.tuning import TunedRows, tune_rows
+from dp_core.rewrite import binned, pushdown, ranged_pushdown
+from dp_core.tuning import TunedRows, groups_threshold, tune, tune_rows
 from dp_core.uid_ranges import UidRange, uid_ranges
 
 if TYPE_CHECKING:
@@ -46,6 +48,9 @@ _ROWS_PER_FETCH = 2048
 _ROWS_PER_SELECTION = 4096
 """Main-statement rows partition selection takes at a time (`SelectionStream`)."""
 _SNAPSHOT = re.compile(r"^[0-9A-Fa-f-]+$")
+_BINNED_HASH_MEM = 8
+"""hash_mem_multiplier of binned pushdowns (Postgres's default is 2): hash tables of up to
+8 × work_mem, which a binned main statement's estimate of its groups needs to be hashed."""
 
 
 @dataclass(frozen=True)
@@ -75,13 +80,18 @@ async def _tree_stream(cursor: Any, timeout: float, streams: int = 1) -> AsyncIt
         batch = max(1, min(_TREE_ROWS_PER_FETCH, nodes_per_fetch * len(rows) // max(nodes, 1)))
 
 
-async def _row_stream(cursor: Any, timeout: float, streams: int = 1) -> AsyncIterator[Any]:
+async def _row_stream(cursor: Any, timeout: float, streams: int = 1,
+                      binned_columns: int | None = None) -> AsyncIterator[Any]:
     """The rows of a main statement's cursor, fetched _ROWS_PER_FETCH at a time (shared by
-    `streams` merged at once)."""
+    `streams` merged at once); with `binned_columns`, as dicts whose per-bin arrays are one
+    `Binned` (which the rows of several ranges add up as)."""
     batch = max(1, _ROWS_PER_FETCH // streams)
     while rows := await cursor.fetch(batch, timeout=timeout + 5):
         for r in rows:
-            yield r
+            if binned_columns is None:
+                yield r
+                continue
+            yield binned_row(r, binned_columns)
 
 
 async def _merged(streams: list[AsyncIterator[Any]], order: Callable[[Any], tuple[Any, ...]],
@@ -143,8 +153,9 @@ class PushdownRunner:
             # asyncpg prepares without a Sync, which leaves an implicit transaction open that
             # BEGIN ISOLATION LEVEL could not start in: a simple query ends it
             await conn.execute("SELECT")
-            await self._begin(conn, stack)
-            ranges, conns = await self._split_run(prepared, conn, stack)
+            per_bin = binned(plan)  # T chosen from the main statement's own rows
+            await self._begin(conn, stack, per_bin=per_bin)
+            ranges, conns = await self._split_run(prepared, conn, stack, per_bin)
             ranged = prepared.ranged
             shards = [ranged.of(r).statements() for r in ranges] if ranged else []
 
@@ -173,7 +184,7 @@ class PushdownRunner:
                     assert q.aggregate is not None
                     found[q.aggregate] = choose_bounds(
                         bins[q.aggregate], q.spec, rng, query.aggregates[q.aggregate].output_name)
-            if "bounds" in statements or tuned is not None:
+            if "bounds" in statements or (tuned is not None and not per_bin):
                 chosen_bounds = {i: Bounds(f.lower, f.upper) for i, f in found.items()}
                 chosen_bounds.update(tuned.clips if tuned is not None else {})
                 query, plan = replan_with_bounds(
@@ -196,24 +207,39 @@ class PushdownRunner:
                                   if name not in ("bounds", "tuning")}
             # partition selection first (only the kept groups' trees are walked), over the
             # rows as they stream: a worker holds one batch and the kept groups, not every group
-            chosen = SelectionStream(query, plan, rng)
+            chosen = SelectionStream(query, plan, rng, deferred=per_bin)
+            columns, terms = binned_plan(query, plan) if per_bin else ([], {})
+            value_bins = value_bin_columns(query, plan) if per_bin else {}
+            stats = TuningStats(groups_threshold(plan))
             if "main" in statements:
                 if ranges:
                     streams = [_row_stream(await (await c.prepare(sqls["main"])).cursor(
-                        timeout=timeout + 5), timeout, len(conns))
-                        for c, sqls in zip(conns, shards, strict=True)]
+                        timeout=timeout + 5), timeout, len(conns), len(columns) if per_bin
+                        else None) for c, sqls in zip(conns, shards, strict=True)]
                     rows_in: AsyncIterator[Any] = _merged_rows(streams, len(query.keys))
                 else:
                     rows_in = _row_stream(await statements["main"].cursor(timeout=timeout + 5),
-                                          timeout)
+                                          timeout, 1, len(columns) if per_bin else None)
                 batch: list[Any] = []
                 async for r in rows_in:
+                    if per_bin:
+                        stats.add(r, value_bins)
                     batch.append(r)
                     if len(batch) >= _ROWS_PER_SELECTION:
                         chosen.add(batch)
                         batch = []
                 chosen.add(batch)
             selection = chosen.done()
+            if per_bin:
+                # T and the clips from the statistics of every group's rows, then each kept
+                # group's sums for them, and their noise
+                tuned = tune(plan, stats.rows(), stats.groups,
+                             {i: dict(enumerate(v)) for i, v in stats.values.items()}, rng, query)
+                before = query
+                query, plan = replan_with_bounds(query, plan, dict(tuned.clips), tuned.max_rows,
+                                                 tuned.mean_rows)
+                resolve(selection.rows, before, plan, terms, tuned.clips)
+                selection = noise_deferred(selection, plan, rng)
             rows = selection.rows
             quantiles: dict[tuple[GroupKey, int], float] = {}
             if "trees" in statements:
@@ -239,18 +265,23 @@ class PushdownRunner:
         return PushdownRun(query, plan, rows, quantiles, found, selection, tuned)
 
     async def _begin(self, conn: Any, stack: contextlib.AsyncExitStack,
-                     snapshot: str | None = None) -> None:
+                     snapshot: str | None = None, per_bin: bool = False) -> None:
         """Start a pushdown's read-only transaction on `conn` (in `snapshot`, exported by the
-        first connection of a split run), ended by `stack`."""
+        first connection of a split run), ended by `stack`. `per_bin`: the main statement
+        groups by bins of the users' row counts too (`dp_core.binned`): a few per group, but
+        Postgres cannot know, and would sort every (user, group) row rather than hash them
+        unless hash tables may be larger than work_mem's default share."""
         await stack.enter_async_context(conn.transaction(readonly=True, isolation="repeatable_read"))
         if snapshot is not None:
             await conn.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
         # enforced by Postgres for each statement (the ledger's have none)
         timeout = self.config.backend.statement_timeout
         await conn.execute(f"SET LOCAL statement_timeout = {int(timeout * 1000)}")
+        if per_bin:
+            await conn.execute(f"SET LOCAL hash_mem_multiplier = {_BINNED_HASH_MEM}")
 
-    async def _split_run(self, prepared: Prepared, conn: Any,
-                         stack: contextlib.AsyncExitStack) -> tuple[list[UidRange], list[Any]]:
+    async def _split_run(self, prepared: Prepared, conn: Any, stack: contextlib.AsyncExitStack,
+                         per_bin: bool = False) -> tuple[list[UidRange], list[Any]]:
         """The uid ranges this run splits into and a connection for each (`conn` first, the
         others in its snapshot, released by `stack`); ([], [conn]) when it does not split."""
         split, b = prepared.split, self.config.backend
@@ -272,7 +303,7 @@ class PushdownRunner:
             except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError):
                 break
             stack.push_async_callback(pool.release, other)
-            await self._begin(other, stack, snapshot)
+            await self._begin(other, stack, snapshot, per_bin)
             conns.append(other)
         if len(conns) < len(ranges):
             ranges = uid_ranges(split.histogram, len(conns))

@@ -28,6 +28,7 @@ from numpy.typing import NDArray
 from psycopg.rows import dict_row
 
 from dp_core.analysis import analyze, parse_select
+from dp_core.binned import TuningStats, binned_plan, binned_row, resolve, value_bin_columns
 from dp_core.classify import Classifier, ProtectionPolicy
 from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import NoiseKind, secure_rng
@@ -35,8 +36,8 @@ from dp_core.plan import DPQueryPlan, make_plan, replan_with_bounds
 from dp_core.quantiles import NoBoundsFound, choose_bounds, walk
 from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
 from dp_core.release import add_rows, release, tree_arrays
-from dp_core.rewrite import main_sql, pushdown, ranged_pushdown
-from dp_core.tuning import tune_rows
+from dp_core.rewrite import binned, main_sql, pushdown, ranged_pushdown
+from dp_core.tuning import groups_threshold, tune, tune_rows
 from dp_core.uid_ranges import UidRange
 from tests.support.backend import Backend
 from tests.support.dp_tester import Mechanism, test_mechanism
@@ -89,6 +90,8 @@ SHAPES = {
     "row-level avg, T chosen, bounds found": f"{DP}) AVG(duration) FROM visits",
     "grouped row-level count, T chosen": f"{DP}, delta=0.2, max_groups_contributed=2) browser, "
                                          "COUNT(*) FROM visits GROUP BY browser",
+    "row-level variance, T and clip chosen": f"{DP}) VAR_POP(CASE WHEN duration > 3 THEN 1 "
+                                             "ELSE 0.25 END) FROM visits",
 }
 """Global queries, and grouped ones with a large δ (so that groups of a few users are
 sometimes released): the first group's value, or NOT_RELEASED."""
@@ -163,14 +166,20 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
                                 ["tuning", "bounds", "main"]), statements
 
     def main_rows(q: AnalyzedQuery, pl: DPQueryPlan) -> list[dict[str, Any]]:
-        """The main statement's rows: one statement, or the two ranges' added up."""
+        """The main statement's rows: one statement, or the two ranges' added up (per-bin
+        sums as the run reads them: `binned_row`)."""
+        width = len(binned_plan(q, pl)[0]) if binned(pl) else None
+
+        def read(sql: str) -> list[dict[str, Any]]:
+            rows = conn.execute(sql).fetchall()
+            return rows if width is None else [binned_row(r, width) for r in rows]
+
         if not split:
             main = main_sql(q, pl, secrets.randbits(62))
             assert main is not None
-            return conn.execute(main).fetchall()
+            return read(main)
         ranged = ranged_pushdown(q, pl, None, None, ("int8", "text") if prefiltered else None)
-        parts = [conn.execute(ranged.of(r).statements()["main"]).fetchall()
-                 for r in ranges]
+        parts = [read(ranged.of(r).statements()["main"]) for r in ranges]
         keys = range(len(q.keys))
         return add_rows(parts, [f"dp_t{i}" for i in keys], [f"dp_k{i}" for i in keys])
 
@@ -226,9 +235,53 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
             parts.append(outcomes(q, pl, main_rows(q, pl), n))
         return np.concatenate(parts)
 
+    def with_binned(samples: int) -> NDArray[np.float64]:
+        """T chosen from the main statement's own rows (`dp_core.binned`): per APPROX_BOUNDS
+        draw, the main statement once; per sample, T and the clips drawn from its statistics
+        and its rows resolved for them, as `PushdownRunner.run` does."""
+        rng = secure_rng()
+        bins: dict[int, dict[int, int]] = {i: {} for i in plan.auto_bounds}
+        if "bounds" in statements:
+            for r in conn.execute(statements["bounds"]).fetchall():
+                bins[int(r["dp_agg"])][int(r["dp_bin"])] = int(r["dp_n"])
+        found_drawn = Counter[tuple[tuple[int, float, float], ...]]()
+        failed = 0
+        for _ in range(samples):
+            try:
+                found_drawn[tuple((q.aggregate, f.lower, f.upper) for q in plan.approx_bounds
+                                  if q.aggregate is not None
+                                  for f in [choose_bounds(bins[q.aggregate], q.spec, rng,
+                                                          "x")])] += 1
+            except NoBoundsFound:
+                failed += 1
+        parts = [np.full(failed, ERROR)]
+        for found, n in found_drawn.items():
+            q1, pl1 = replan_with_bounds(query, plan, {i: Bounds(lo, hi) for i, lo, hi in found})
+            rows = main_rows(q1, pl1)
+            _, terms = binned_plan(q1, pl1)
+            stats = TuningStats(groups_threshold(pl1))
+            value_bins = value_bin_columns(q1, pl1)
+            for r in rows:
+                stats.add(r, value_bins)
+            values = {i: dict(enumerate(v)) for i, v in stats.values.items()}
+            drawn = Counter[tuple[int, int, tuple[tuple[int, float, float], ...]]]()
+            for _ in range(n):
+                tuned = tune(pl1, stats.rows(), stats.groups, values, rng, q1)
+                drawn[tuned.max_rows, tuned.mean_rows, tuple(
+                    (i, b.lower, b.upper) for i, b in sorted(tuned.clips.items()))] += 1
+            for (t, mean_t, clips), m in drawn.items():
+                chosen = {i: Bounds(lo, hi) for i, lo, hi in clips}
+                q2, pl2 = replan_with_bounds(q1, pl1, chosen, t, mean_t)
+                resolved = [dict(r) for r in rows]
+                resolve(resolved, q1, pl2, terms, chosen)
+                parts.append(outcomes(q2, pl2, resolved, m))
+        return np.concatenate(parts)
+
     def run(values: list[float], samples: int) -> NDArray[np.float64]:  # type: ignore[override]
         _write(conn, values)
         try:
+            if binned(plan):
+                return with_binned(samples)
             if "bounds" in statements or "tuning" in statements:
                 return with_found_bounds(samples)
             if "trees" in statements:  # a global quantile: its tree (none without users), walked
@@ -258,7 +311,8 @@ def test_split_pushdowns_are_differentially_private(
     assert verdict.failure_rate <= TOLERANCE, verdict
 
 
-LONG_ONLY = ("grouped row-level count, T chosen", "row-level avg, T chosen, bounds found")
+LONG_ONLY = ("grouped row-level count, T chosen", "row-level avg, T chosen, bounds found",
+             "row-level variance, T and clip chosen")
 """Shapes whose T is drawn for every sample (a choice each, and a pushdown per choice): in the
 long mode only; the short mode runs the other two such shapes. All shapes whose T is chosen
 run a quarter of the samples (one `tune_rows` per sample is most of their time)."""

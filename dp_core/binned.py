@@ -1,0 +1,247 @@
+"""One-pass row-level sums: split by the users' row-count bins, resolved once T is chosen.
+
+Where max_rows_contributed (T) is chosen from the data (`dp_core.tuning`), the main
+statement does not wait for it: for each group and each bin b of the users' row counts
+(`tuning.ROW_EDGES`, as width_bucket numbers them: bin b holds [e(b-1), e(b))), it returns
+per row-level quantity A_b, the sum of its users' partials, and B_b, the sum of their
+partials divided by their rows n. A user weighted min(1, T / n) then adds, for T the
+edge e(j), A to the bins b ≤ j (n < T) and T·B to the others, so the value for any edge T is
+
+    Σ_{b ≤ j} A_b + T · Σ_{b > j} B_b
+
+exactly. For a clipped aggregate (`plan.clip_tuned`) each candidate clip has its own A and
+B. The same rows carry what T and the clips are chosen from (users per bin in their first
+group, each group's first users, the rows per value bin weighted by 1 / n): the data is
+read once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from dp_core.errors import InternalError
+from dp_core.plan import Component, DPQueryPlan, clip_tuned
+from dp_core.query import AnalyzedQuery, Bounds
+from dp_core.tuning import ROW_EDGES, value_thresholds
+
+BINS = len(ROW_EDGES) + 1
+"""width_bucket's numbers for the users' row counts: 1 .. len(ROW_EDGES) (0 is never used)."""
+
+
+@dataclass(frozen=True)
+class BinnedColumn:
+    """A sum over a group's (user, group) rows, per bin: "rows" (COUNT(*)), "n" (the values
+    of an argument present: COUNT(x)), "s" (its values clamped to a candidate's bounds) or
+    "q" (their squares). `aggregate` is the first aggregate with this argument (and, for s
+    and q, bounds): the one whose per-user partial it reads."""
+
+    kind: str
+    aggregate: int = -1
+    candidate: int = 0
+    bounds: Bounds | None = None
+    """The candidate's bounds (s and q)."""
+
+    @property
+    def partial(self) -> str:
+        """Its per-user partial's column."""
+        if self.kind == "rows":
+            return "dp_rows"
+        if self.kind == "n":
+            return f"dp_n{self.aggregate}"
+        return f"dp_{self.kind}{self.aggregate}c{self.candidate}"
+
+
+def candidates(bounds: Bounds, clipped: bool) -> list[Bounds]:
+    """The bounds a row-level aggregate may end up with: its own and, if it is clipped,
+    each of `tuning.value_thresholds` as the upper one."""
+    if not clipped:
+        return [bounds]
+    return [bounds, *(Bounds(bounds.lower, t) for t in value_thresholds(bounds))]
+
+
+def clipped_aggregates(query: AnalyzedQuery, plan: DPQueryPlan) -> set[int]:
+    """The row-level aggregates whose clip is chosen with T: those of `plan.clip_tuned` and
+    the ones that share their argument and bounds (`tuning.tune_rows` gives them its clip)."""
+    tuned = [query.aggregates[q.aggregate] for q in plan.tuning
+             if q.component == Component.VALUES and q.aggregate is not None]
+    return {i for i, a in enumerate(query.aggregates)
+            if a.row_level and any(a.arg == t.arg and a.bounds == t.bounds for t in tuned)}
+
+
+def _first(query: AnalyzedQuery, i: int, same_bounds: bool) -> int:
+    a = query.aggregates[i]
+    return next(j for j, b in enumerate(query.aggregates) if b.row_level and b.arg == a.arg
+                and (not same_bounds or b.bounds == a.bounds))
+
+
+Terms = list[tuple[int, float]]
+"""A quantity as a linear combination of binned columns: (column index, coefficient)."""
+
+
+def binned_plan(query: AnalyzedQuery, plan: DPQueryPlan
+                ) -> tuple[list[BinnedColumn], dict[str, list[tuple[Bounds | None, Terms]]]]:
+    """The per-bin columns of the main statement, in order (each an A and a B sum), and for
+    each row-level quantity, per candidate bounds (None: any), its terms over them. A sum
+    is s; a mean's count n, its centred sum s − m·n and centred squares q − 2m·s + m²·n
+    (m the candidate's midpoint): the same values as sums of (v − m) and (v − m)², so one
+    set of s, q and n columns serves every aggregate of an argument."""
+    clipped = clipped_aggregates(query, plan)
+    columns: list[BinnedColumn] = []
+    index: dict[tuple[str, int, int], int] = {}
+
+    def col(kind: str, a: int = -1, k: int = 0, b: Bounds | None = None) -> int:
+        key = (kind, a, k)
+        if key not in index:
+            index[key] = len(columns)
+            columns.append(BinnedColumn(kind, a, k, b))
+        return index[key]
+
+    terms: dict[str, list[tuple[Bounds | None, Terms]]] = {}
+    for q in plan.quantities:
+        if q.aggregate is None or not query.aggregates[q.aggregate].row_level:
+            continue
+        if q.component not in BINNED_COMPONENTS:
+            raise InternalError(f"a row-level {q.component} cannot be binned")
+        i, agg = q.aggregate, query.aggregates[q.aggregate]
+        if q.component == Component.COUNT:
+            c = col("rows") if agg.arg is None else col("n", _first(query, i, False))
+            terms[q.name] = [(None, [(c, 1.0)])]
+            continue
+        if q.component == Component.N:
+            terms[q.name] = [(None, [(col("n", _first(query, i, False)), 1.0)])]
+            continue
+        a = _first(query, i, True)
+        options: list[tuple[Bounds | None, Terms]] = []
+        for k, b in enumerate(candidates(agg.known_bounds, i in clipped)):
+            m = (b.lower + b.upper) / 2
+            s_ = col("s", a, k, b)
+            if q.component == Component.SUM:
+                options.append((b, [(s_, 1.0)]))
+                continue
+            n = col("n", _first(query, i, False))
+            if q.component == Component.CENTERED_SUM:
+                options.append((b, [(s_, 1.0), (n, -m)]))
+            else:
+                options.append((b, [(col("q", a, k, b), 1.0), (s_, -2 * m), (n, m * m)]))
+        terms[q.name] = options
+    return columns, terms
+
+
+BINNED_COMPONENTS = frozenset({Component.COUNT, Component.SUM, Component.N,
+                               Component.CENTERED_SUM, Component.CENTERED_SQUARES})
+
+
+def value_bin_columns(query: AnalyzedQuery, plan: DPQueryPlan) -> dict[int, list[str]]:
+    """Per aggregate whose clip is chosen (`plan.clip_tuned`), the main statement's columns of
+    its rows per value bin, each user's weighted by 1 / its rows (`tuning.choose_clip`)."""
+    out = {}
+    for i in clip_tuned(query, plan.auto_bounds):
+        steps = len(value_thresholds(query.aggregates[i].known_bounds)) + 1
+        out[i] = [f"dp_a{i}_vb{j}" for j in range(steps)]
+    return out
+
+
+class Binned:
+    """A group's per-bin sums: `bins` (the bins some user of the group is in, ascending) and
+    `sums`, one row per bin: the users first in this group, then A and B of each
+    `BinnedColumn`. Groups of several uid ranges add up (`release.add_rows` uses +)."""
+
+    __slots__ = ("bins", "sums")
+
+    def __init__(self, bins: NDArray[np.int64], sums: NDArray[np.float64]) -> None:
+        self.bins, self.sums = bins, sums
+
+    @classmethod
+    def of(cls, bins: Sequence[int] | None, sums: Sequence[Sequence[Any]] | None,
+           columns: int) -> Binned:
+        """From the statement's arrays (NULL entries are 0: sums over no rows)."""
+        if not bins:
+            return cls(np.zeros(0, dtype=np.int64), np.zeros((0, 1 + 2 * columns)))
+        b = np.asarray(bins, dtype=np.int64)
+        m = np.array([[0.0 if x is None else float(x) for x in row] for row in (sums or [])],
+                     dtype=np.float64)
+        if m.shape != (len(b), 1 + 2 * columns) or np.any(b < 1) or np.any(b >= BINS):
+            raise InternalError("unexpected per-bin sums")
+        return cls(b, m)
+
+    def __add__(self, other: Binned) -> Binned:
+        bins = np.union1d(self.bins, other.bins)
+        sums = np.zeros((len(bins), self.sums.shape[1]))
+        for part in (self, other):
+            sums[np.searchsorted(bins, part.bins)] += part.sums
+        return Binned(bins, sums)
+
+    def first_users(self) -> NDArray[np.float64]:
+        """Users first in this group, per bin 1 .. BINS - 1 (index b - 1)."""
+        out = np.zeros(BINS - 1)
+        out[self.bins - 1] = self.sums[:, 0]
+        return out
+
+    def value(self, column: int, max_rows: int) -> float:
+        """Column `column`'s sum with each user weighted min(1, T / its rows), T an edge."""
+        j = ROW_EDGES.index(max_rows)
+        low = self.bins <= j
+        return float(self.sums[low, 1 + 2 * column].sum()
+                     + max_rows * self.sums[~low, 2 + 2 * column].sum())
+
+
+def binned_row(row: Mapping[str, Any], columns: int) -> dict[str, Any]:
+    """A main-statement row with its per-bin arrays (`dp_bins`, `dp_sums`) as one `Binned`."""
+    out = dict(row.items())
+    out["dp_binned"] = Binned.of(out.pop("dp_bins"), out.pop("dp_sums"), columns)
+    return out
+
+
+@dataclass
+class TuningStats:
+    """What T and the clips are chosen from, added up over every group's row as it streams
+    (before partition selection: the statistics are of all users)."""
+
+    groups_threshold: float
+    histogram: NDArray[np.float64] = field(default_factory=lambda: np.zeros(BINS - 1))
+    groups: int = 0
+    values: dict[int, NDArray[np.float64]] = field(default_factory=dict)
+
+    def add(self, row: Mapping[str, Any], value_bins: Mapping[int, list[str]]) -> None:
+        first = row["dp_binned"].first_users()
+        self.histogram += first
+        if first.sum() >= self.groups_threshold:
+            self.groups += 1
+        for i, names in value_bins.items():
+            v = np.array([float(row[n] or 0) for n in names])
+            self.values[i] = self.values.get(i, np.zeros(len(names))) + v
+
+    def rows(self) -> dict[int, int]:
+        """The histogram as `tuning.choose_max_rows` takes it (users per bin number)."""
+        return {b + 1: round(float(n)) for b, n in enumerate(self.histogram) if n}
+
+
+def resolve(rows: Sequence[dict[str, Any]], query: AnalyzedQuery, plan: DPQueryPlan,
+            terms: Mapping[str, list[tuple[Bounds | None, Terms]]],
+            clips: Mapping[int, Bounds]) -> None:
+    """Each row's row-level quantities (`q.name`) for the chosen T (`plan.rows_for`) and
+    clips (`clips`, else each aggregate's own bounds), from its per-bin sums (`binned_plan`'s
+    terms); in place. `query` has the bounds the main statement was built with."""
+    chosen: dict[str, tuple[Terms, int]] = {}
+    for q in plan.quantities:
+        if q.name not in terms:
+            continue
+        assert q.aggregate is not None
+        agg = query.aggregates[q.aggregate]
+        want = clips.get(q.aggregate, agg.known_bounds)
+        found = [t for b, t in terms[q.name] if b is None or b == want]
+        t = plan.rows_for(agg)
+        if len(found) != 1 or t is None:
+            raise InternalError("per-bin sums resolved for no single clip, or before T")
+        chosen[q.name] = (found[0], t)
+    if len(chosen) != len(terms):
+        raise InternalError("a binned quantity the plan does not have")
+    for row in rows:
+        binned = row.pop("dp_binned")
+        for name, (linear, t) in chosen.items():
+            row[name] = sum(coef * binned.value(c, t) for c, coef in linear)

@@ -1,0 +1,113 @@
+"""Binned main statements (`dp_core.binned`): per-bin sums resolved for T and a clip give the
+values the statement written for that T and clip computes, on the demo data in Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import asyncpg
+import numpy as np
+import pytest
+
+from dp_core.binned import Binned, TuningStats, binned_plan, binned_row, resolve, value_bin_columns
+from dp_core.plan import Component, replan_with_bounds
+from dp_core.query import Bounds
+from dp_core.rewrite import binned, pushdown
+from dp_core.tuning import ROW_EDGES, groups_threshold, value_thresholds
+from tests.support.backend import Backend
+from tests.support.engine import build
+
+
+def test_a_bin_adds_its_rows_below_t_and_t_times_its_shares_above() -> None:
+    """Hand-computed: two users of 1 row each (bin 1) and partials summing to 5 (A = 5, and
+    B = 5 / 1); one user of 3 rows (bin 3: [3, 4)) with a partial of 6 (A = 6, B = 6 / 3)."""
+    # column 0: first users; column 1: A, column 2: B of one quantity
+    b = Binned(np.array([1, 3]), np.array([[2.0, 5.0, 5.0], [1.0, 6.0, 2.0]]))
+    # T = 1 (edge index 0): every bin is above it: 1 · (5 + 2)
+    assert b.value(0, 1) == 7.0
+    # T = 2 (index 1): bin 1 below (5), bin 3 above: 2 · 2
+    assert b.value(0, 2) == 9.0
+    # T = 4 (index 3): both below: 5 + 6
+    assert b.value(0, 4) == 11.0
+    assert b.first_users()[[0, 2]].tolist() == [2.0, 1.0]
+    # ranges of users add up bin by bin
+    c = b + Binned(np.array([2, 3]), np.array([[1.0, 1.0, 0.5], [0.0, 3.0, 1.0]]))
+    assert c.bins.tolist() == [1, 2, 3]
+    assert c.sums.tolist() == [[2.0, 5.0, 5.0], [1.0, 1.0, 0.5], [1.0, 9.0, 3.0]]
+    with pytest.raises(ValueError):
+        b.value(0, 5)  # T is an edge
+
+
+def test_weighting_by_bins_is_exact_for_every_edge() -> None:
+    """Random users with random row counts: Σ min(1, T / n) · p from per-bin A and B equals
+    the direct sum for every edge T."""
+    rng = np.random.default_rng(5)
+    n = rng.integers(1, 5000, size=400)
+    p = rng.uniform(0, 10, size=400) * n  # a partial over the user's rows in the group
+    bins = np.searchsorted(np.array(ROW_EDGES), n, side="right")  # width_bucket's numbers
+    present = np.unique(bins)
+    sums = np.array([[0.0, p[bins == b].sum(), (p[bins == b] / n[bins == b]).sum()]
+                     for b in present])
+    binned_sums = Binned(present, sums)
+    for t in ROW_EDGES[:30]:
+        direct = float(np.sum(np.minimum(1.0, t / n) * p))
+        assert math.isclose(binned_sums.value(0, t), direct, rel_tol=1e-12), t
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT browser, count(*), sum(duration), avg(duration) FROM visits GROUP BY browser",
+    "SELECT count(duration), var_pop(duration), stddev(duration) FROM visits",
+    "SELECT country, sum(duration), count(*) FROM visits WHERE duration > 100 GROUP BY country",
+])
+def test_resolved_sums_are_the_statement_for_that_t_and_clip(backend: Backend, sql: str) -> None:
+    """For several T and clips: the binned statement's rows resolved for them equal the rows
+    of the statement written with that T and clip (which T's choice replaces), up to float
+    rounding; so does the users' count and selection input, and the tuning statistics are
+    the users' row counts (every user in one bin, first in one group)."""
+    query, plan, _ = build(sql, max_groups=2)
+    assert binned(plan)
+    columns, terms = binned_plan(query, plan)
+    pd = pushdown(query, plan, order_seed=11)
+    assert list(pd.statements()) == ["main"]
+    clipped = {q.aggregate for q in plan.tuning if q.component == Component.VALUES}
+
+    async def go() -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            await conn.execute("SET hash_mem_multiplier = 8")
+            assert pd.main is not None
+            rows = [binned_row(r, len(columns)) for r in await conn.fetch(pd.main)]
+            stats = TuningStats(groups_threshold(plan))
+            for r in rows:
+                stats.add(r, value_bin_columns(query, plan))
+            users = await conn.fetchval("SELECT count(DISTINCT uid) FROM visits"
+                                        + (" WHERE duration > 100" if "WHERE" in sql else ""))
+            assert sum(stats.rows().values()) == users
+            for t, clip_step in ((1, 0), (4, 2), (24, 1), (1048576, 6)):
+                clips = {i: Bounds(0.0, ([3600.0, *value_thresholds(Bounds(0, 3600))])[clip_step])
+                         for i in clipped}
+                q2, p2 = replan_with_bounds(query, plan, clips, t, t)
+                written = pushdown(q2, p2, order_seed=11)
+                assert written.main is not None and "width_bucket" not in written.main
+                expected = {tuple(r.get(f"dp_t{i}") for i in range(len(query.keys))): dict(r)
+                            for r in await conn.fetch(written.main)}
+                got = [dict(r) for r in rows]
+                resolve(got, query, p2, terms, clips)
+                assert len(got) == len(expected)
+                for r in got:
+                    e = expected[tuple(r.get(f"dp_t{i}") for i in range(len(query.keys)))]
+                    for q in p2.quantities:
+                        if q.name in terms:
+                            assert _close(r[q.name], e[q.name]), (t, clip_step, q.name)
+                    if "dp_users" in e:
+                        assert r["dp_users"] == e["dp_users"]
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
+
+
+def _close(a: Any, e: Any) -> bool:
+    return math.isclose(float(a), float(e or 0), rel_tol=1e-9, abs_tol=1e-6)
