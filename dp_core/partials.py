@@ -83,20 +83,19 @@ def row_value(i: int, agg: Aggregate, arg_type: str | None) -> str:
     return f"({clamp(f'({PH}a{i})', b.lower, b.upper)})::float8"
 
 
-def partial(i: int, agg: Aggregate, arg_type: str | None, suffix: str = "") -> str:
+def partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
     """Aggregate i's per-user partial columns (one row per user and group); `value(i, ...)`
     is its value over them. A row-level aggregate's are sums over the user's rows in the
-    group of its clamped row values (`row_value`), weighted later (`weighted`), their names
-    ending in `suffix` (one set per candidate bounds: `dp_core.binned`)."""
+    group of its clamped row values (`row_value`), weighted later (`weighted`)."""
     if agg.row_level and agg.kind is not AggKind.COUNT:
         _check_number(agg, arg_type)
         r = row_value(i, agg, arg_type)
         if agg.kind is AggKind.SUM:
-            return f"sum({r}) AS dp_p{i}{suffix}"
+            return f"sum({r}) AS dp_p{i}"
         mid = f8((agg.known_bounds.lower + agg.known_bounds.upper) / 2)
-        cols = [f"sum({r}) AS dp_s{i}{suffix}", f"count({PH}a{i}) AS dp_n{i}{suffix}"]
+        cols = [f"sum({r}) AS dp_s{i}", f"count({PH}a{i}) AS dp_n{i}"]
         if agg.kind is not AggKind.AVG:
-            cols.append(f"sum(({r} - {mid}) * ({r} - {mid})) AS dp_q{i}{suffix}")
+            cols.append(f"sum(({r} - {mid}) * ({r} - {mid})) AS dp_q{i}")
         return ", ".join(cols)
     if agg.kind is AggKind.COUNT:
         return f"count({PH}a{i}) AS dp_p{i}" if agg.arg is not None else f"count(*) AS dp_p{i}"
@@ -135,14 +134,12 @@ def _check_number(agg: Aggregate, arg_type: str | None) -> None:
             hint="cast it in the query, e.g. x::numeric, where every value converts")
 
 
-def weighted(i: int, agg: Aggregate, component: str, weight: str, suffix: str = "") -> str:
+def weighted(i: int, agg: Aggregate, component: str, weight: str) -> str:
     """The sum over (user, group) rows of a row-level aggregate's `component` (a
-    `dp_core.plan.Component` value), each user's partials (named with `suffix`, as
-    `partial` made them) times its `weight`."""
+    `dp_core.plan.Component` value), each user's partials times its `weight`."""
     mid = f8((agg.known_bounds.lower + agg.known_bounds.upper) / 2)
-    i_ = f"{i}{suffix}"
-    term = {"count": f"dp_p{i}", "sum": f"dp_p{i_}", "n": f"dp_n{i_}",
-            "csum": f"(dp_s{i_} - {mid} * dp_n{i_})", "csq": f"dp_q{i_}"}[component]
+    term = {"count": f"dp_p{i}", "sum": f"dp_p{i}", "n": f"dp_n{i}",
+            "csum": f"(dp_s{i} - {mid} * dp_n{i})", "csq": f"dp_q{i}"}[component]
     return f"sum({term} * {weight})"
 
 
