@@ -317,18 +317,53 @@ class DefaultsConfig(_Strict):
         return self
 
 
-class ColumnBounds(_Strict):
-    """Bounds of one numeric column: each row's value for plain (row-level) aggregates, each
-    user's per-group value for ANON_* ones, is clamped to them."""
+MAX_PUBLIC_KEYS = 100_000
+"""The most keys a public key domain (or the product of several a query groups by) may list."""
 
-    lower: float = Field(allow_inf_nan=False)
-    upper: float = Field(allow_inf_nan=False)
+
+class ColumnBounds(_Strict):
+    """One column of a protected table: bounds of a numeric column (each row's value for plain
+    (row-level) aggregates, each user's per-group value for ANON_* ones, is clamped to them),
+    and/or its public key domain (grouping by it releases every listed key, no partition
+    selection)."""
+
+    lower: float | None = Field(default=None, allow_inf_nan=False)
+    upper: float | None = Field(default=None, allow_inf_nan=False)
+    public_keys: list[str | int] | None = Field(default=None, description=(
+        "the column's every key, as Postgres prints them (its ::text)"))
+    public_keys_from: str | None = Field(default=None, description=(
+        "\"schema.table.column\" (or \"table.column\", in public) of a public table holding "
+        "the column's keys"))
 
     @model_validator(mode="after")
     def _ordered(self) -> Self:
-        if not self.lower < self.upper:
+        if (self.lower is None) != (self.upper is None):
+            raise ValueError("lower and upper come together")
+        if self.lower is not None and self.upper is not None and not self.lower < self.upper:
             raise ValueError(f"lower {_num(self.lower)} is not below upper {_num(self.upper)}")
+        if self.public_keys is not None and self.public_keys_from is not None:
+            raise ValueError("public_keys and public_keys_from exclude each other")
+        if self.lower is None and self.public_keys is None and self.public_keys_from is None:
+            raise ValueError("give bounds (lower, upper) or public keys")
+        if self.public_keys is not None and not 0 < len(self.public_keys) <= MAX_PUBLIC_KEYS:
+            raise ValueError(f"public_keys lists 1 to {MAX_PUBLIC_KEYS} keys")
+        if self.public_keys_from is not None:
+            parts = self.public_keys_from.split(".")
+            if len(parts) not in (2, 3) or not all(_IDENTIFIER.match(p) for p in parts):
+                raise ValueError("public_keys_from is \"schema.table.column\" or "
+                                 "\"table.column\" of plain identifiers")
         return self
+
+    @property
+    def bounded(self) -> bool:
+        return self.lower is not None
+
+    def keys_source(self) -> tuple[str, str, str] | None:
+        """(schema, table, column) of `public_keys_from`."""
+        if self.public_keys_from is None:
+            return None
+        parts = self.public_keys_from.split(".")
+        return (parts[0], parts[1], parts[2]) if len(parts) == 3 else ("public", parts[0], parts[1])
 
 
 class TableConfig(_Strict):
@@ -436,6 +471,20 @@ class Config(_Strict):
                     f"auth_method is scram-sha-256 but analysts {', '.join(missing)} "
                     "have no scram_verifier"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _public_keys_readable(self) -> Self:
+        public = set(self.public.qualified())
+        for name, t in self.tables.items():
+            for column, c in t.columns.items():
+                source = c.keys_source()
+                if source is not None and (source[0], source[1]) not in public \
+                        and source[0] not in self.public.schemas:
+                    raise ValueError(
+                        f"tables.{name}.columns.{column}.public_keys_from: "
+                        f"{source[0]}.{source[1]} is not a public table (public.tables or "
+                        "public.schemas): analysts could not read the keys it releases")
         return self
 
     def protected(self, schema: str, table: str) -> TableConfig | None:

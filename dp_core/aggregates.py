@@ -24,7 +24,7 @@ from dp_core.errors import (
     InvalidParameterValue,
 )
 from dp_core.ownership import FromAnalysis
-from dp_core.query import AggKind, Aggregate, Bounds, TablePolicy
+from dp_core.query import AggKind, Aggregate, Bounds, KeyDomain, TablePolicy
 from dp_core.sqlnodes import const_number, func_name, node_sql, refuse
 from dp_core.totality import Totalizer
 
@@ -266,6 +266,20 @@ def is_uid(node: Any, fa: FromAnalysis) -> bool:
         return False
     parts = [str(f.sval) for f in node.fields if isinstance(f, ast.String)]
     return any(parts == [t.uid_column] or parts == [t.alias, t.uid_column] for t in fa.tables)
+
+
+def configured_domain(node: Any, fa: FromAnalysis,
+                      policy: Mapping[str, TablePolicy]) -> KeyDomain | None:
+    """The public key domain the config gives a column a key reads as it is (a plain column
+    reference to a protected table, not a derived one), or None."""
+    if not isinstance(node, ast.ColumnRef):
+        return None
+    parts = [str(f.sval) for f in node.fields if isinstance(f, ast.String)]
+    if len(parts) != len(node.fields) or len(parts) > 2:
+        return None
+    found = [policy[t.name].domains.get(parts[-1]) for t in fa.tables
+             if not t.derived and (len(parts) == 1 or parts[0] == t.alias)]
+    return found[0] if len(found) == 1 else None
 
 
 _WIDENING_CASTS = frozenset({"float8", "float4", "numeric", "int8"})

@@ -22,7 +22,13 @@ from pglast.enums import BoolExprType, NullTestType
 from pglast.parser import ParseError
 from pglast.visitors import Visitor
 
-from dp_core.aggregates import aggregate_call, dp_aggregates_in, is_uid, make_aggregate
+from dp_core.aggregates import (
+    aggregate_call,
+    configured_domain,
+    dp_aggregates_in,
+    is_uid,
+    make_aggregate,
+)
 from dp_core.cost import RowWorkBudget
 from dp_core.errors import (
     StatementTooComplex,
@@ -260,7 +266,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
             key_reads.append(parts)
             select.append(SelectItem(name, expr=val))
             continue
-        keys.append(Key(totalize(val, "GROUP BY key"), name))
+        keys.append(Key(totalize(val, "GROUP BY key"), name,
+                        domain=configured_domain(val, fa, policy)))
         outputs.append(OutputColumn(name, key=len(keys) - 1, source=val))
         select.append(SelectItem(name, column=len(outputs) - 1))
     for expr in (stmt.havingClause, *(s.node for s in stmt.sortClause or ())):
@@ -269,7 +276,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     for parts in key_reads:
         for g in parts:  # each key the expression reads, released hidden if not selected
             if not any(o.key is not None and same_node(o.source, g) for o in outputs):
-                keys.append(Key(totalize(g, "GROUP BY key"), f"dp_hidden{len(outputs)}"))
+                keys.append(Key(totalize(g, "GROUP BY key"), f"dp_hidden{len(outputs)}",
+                                domain=configured_domain(g, fa, policy)))
                 outputs.append(OutputColumn(f"dp_hidden{len(outputs)}", key=len(keys) - 1,
                                             source=g))
     selected = [(o.source, o.name) for o in outputs if o.key is not None]
@@ -278,7 +286,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         # became `x % NULLIF(2, 0)`, and would not match `GROUP BY x % 2` or `GROUP BY 1`)
         if not any(same_node(g, source) or is_ref_to(g, name) for source, name in selected):
             # a GROUP BY key that is not selected still partitions the result
-            keys.append(Key(totalize(g, "GROUP BY key"), f"__key{len(keys)}"))
+            keys.append(Key(totalize(g, "GROUP BY key"), f"__key{len(keys)}",
+                            domain=configured_domain(g, fa, policy)))
     if not aggregates and not keys:  # (keys alone: the groups partition selection releases)
         raise refuse("a DP query needs at least one DP aggregate, e.g. ANON_COUNT(*)")
     for k in keys:

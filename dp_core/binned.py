@@ -169,6 +169,11 @@ class Binned:
             raise InternalError("unexpected per-bin sums")
         return cls(b, m)
 
+    @classmethod
+    def empty(cls, columns: int) -> Binned:
+        """A group no user is in."""
+        return cls.of(None, None, columns)
+
     def __add__(self, other: Binned) -> Binned:
         bins = np.union1d(self.bins, other.bins)
         sums = np.zeros((len(bins), self.sums.shape[1]))

@@ -57,6 +57,10 @@ class StatementTooComplex(DPError):
     sqlstate = "54001"
 
 
+class ProgramLimitExceeded(DPError):
+    sqlstate = "54000"
+
+
 class InternalError(DPError):
     """A bug in dp-proxy; the message says so and reveals nothing about data."""
 

@@ -15,6 +15,7 @@ from dp_core.partials import MEANS
 from dp_core.plan import Component, DPQueryPlan
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold
 from dp_core.query import AggKind, AnalyzedQuery
+from dp_core.sqlnodes import node_sql
 from dp_core.tuning import TunedRows, groups_threshold
 
 
@@ -77,6 +78,11 @@ def explain_lines(query: AnalyzedQuery, plan: DPQueryPlan, sql: Sequence[str],
                      f"users is kept with probability pi(n), at least 0.5 from "
                      f"{users_kept_with(0.5, *args)} users and 1 from "
                      f"{users_kept_with(1.0, *args)}")
+    elif query.public_groups:
+        lines.append("Public groups: every key the configuration lists for "
+                     + ", ".join(node_sql(k.expr) for k in query.keys)
+                     + " is released (absent ones with noise around zero), no partition "
+                     "selection, nothing spent on it")
     if query.joins_capped:
         lines.append(f"Protected tables joined row by row: each reads at most "
                      f"{JOIN_ROWS_PER_USER} rows of a user (chosen by a hash of each row's "

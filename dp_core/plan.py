@@ -269,6 +269,8 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     of the means, when it differs).
     """
     grouped = bool(query.keys)
+    # public groups (`AnalyzedQuery.public_groups`): every key is released, none selected
+    selecting = grouped and not query.public_groups
     l0 = groups_per_user(grouped, max_groups)
     # the decimal the analyst wrote (1e-6), not the binary expansion of the float
     eps, dlt = Fraction(repr(float(epsilon))), Fraction(repr(float(delta)))
@@ -284,7 +286,7 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
                                      and 1 <= mean_rows <= max_rows):
         raise InternalError()
     specs: list[tuple[str, str, int | None, float | None]] = []
-    if grouped or shared:
+    if selecting or shared:
         specs.append(("dp_users", Component.USERS, None, 1.0))
     for i, agg in enumerate(query.aggregates):
         if reads_user_count(agg):
@@ -298,15 +300,16 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     tuning_eps = eps * TUNING_SHARE if tune else Fraction(0)
     share = (eps - bounds_eps - tuning_eps) / len(specs)
     gaussian = noise is NoiseKind.GAUSSIAN
-    n_gauss = sum(1 for name, *_ in specs if name != "dp_users" or not grouped) if gaussian else 0
-    delta_threshold = (dlt / 2 if gaussian else dlt) if grouped else Fraction(0)
+    n_gauss = sum(1 for name, *_ in specs if name != "dp_users" or not selecting) \
+        if gaussian else 0
+    delta_threshold = (dlt / 2 if gaussian else dlt) if selecting else Fraction(0)
     delta_each = (dlt - delta_threshold) / n_gauss if n_gauss else Fraction(0)
     threshold: NoisyQuantity | None = None
     tau = None
     used = SelectionKind.LAPLACE if shared else selection
     quantities = []
     for name, component, agg_index, sensitivity in specs:
-        if name == "dp_users" and grouped:
+        if name == "dp_users" and selecting:
             spec = NoiseSpec.calibrate(NoiseKind.LAPLACE, float(share), 0, max_groups, 1.0)
             if not math.isfinite(spec.scale):
                 raise _scale_error(query, None, eps, "overflow")
@@ -347,7 +350,7 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
         # and, per clipped argument (`clip_tuned`), its rows per value bin, each user's
         # weighted by 1 / its rows (together at most 1)
         parts: list[tuple[str, int | None]] = [(Component.ROWS, None)]
-        if grouped:
+        if selecting:  # (public groups: their number is known)
             parts.append((Component.GROUPS, None))
         parts += [(Component.VALUES, i) for i in clip_tuned(query, auto)]
         each = tuning_eps / len(parts)

@@ -120,6 +120,8 @@ class Key:
     expr: ast.Node
     output_name: str
     hashed: bool = False
+    domain: KeyDomain | None = None
+    """The public keys of the column it reads, where it is one configured with them."""
     """Matched between the pushdown's statements (a group's row and its quantile trees) by a
     hash of its value (`dp_h{i}`) instead of its text (`dp_t{i}`): for types whose equal
     values can print differently (numeric 1.0 = 1.00, float -0 = 0, ...)."""
@@ -151,6 +153,17 @@ class TablePolicy:
     uid_column: str
     columns: Mapping[str, Bounds] = field(default_factory=dict)
     """Configured contribution bounds of numeric columns."""
+    domains: Mapping[str, KeyDomain] = field(default_factory=dict)
+    """Configured public key domains of columns."""
+
+
+@dataclass(frozen=True)
+class KeyDomain:
+    """A column's public keys: listed (as Postgres prints them), or a public table's column."""
+
+    keys: tuple[str, ...] | None = None
+    source: tuple[str, str, str] | None = None
+    """(schema, table, column) holding the keys."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +215,14 @@ class AnalyzedQuery:
         which = set(hashed)
         return replace(self, keys=tuple(replace(k, hashed=i in which)
                                         for i, k in enumerate(self.keys)))
+
+    @property
+    def public_groups(self) -> bool:
+        """Grouped only by columns with public key domains, with DP aggregates: every
+        combination of their keys is released (absent ones with noise around zero), no
+        partition selection. (Keys alone, `SELECT DISTINCT k`, keep partition selection.)"""
+        return bool(self.keys) and bool(self.aggregates) \
+            and all(k.domain is not None for k in self.keys)
 
     @property
     def has_quantiles(self) -> bool:

@@ -209,7 +209,7 @@ def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, 
     per_group = [q for q in _per_group(plan) if q.noise is not None or not deferred]
     if not query.keys and not rows:
         rows = [{q.name: 0 for q in _per_group(plan)}]  # an aggregate over no rows
-    elif query.keys and any(a.row_level for a in query.aggregates):
+    elif query.keys and any(a.row_level for a in query.aggregates) and not query.public_groups:
         # a group is a candidate only where some user's count goes: one in which users only
         # have rows they weight but count in other groups is never released (else a user
         # could make any number of its groups candidates, each with a small chance)
@@ -244,6 +244,23 @@ def noise_deferred(selection: Selection, plan: DPQueryPlan,
             noisy[q.name] = q.spec.add(_column(selection.rows, q.name), rng) \
                 if selection.rows else np.zeros(0)
     return Selection(selection.rows, noisy, selection.kept, selection.matched)
+
+
+def absent_groups(query: AnalyzedQuery, plan: DPQueryPlan, keys: Iterable[tuple[str, ...]],
+                  seen: set[tuple[str | None, ...]], binned: Any = None) -> list[dict[str, Any]]:
+    """Public groups (`AnalyzedQuery.public_groups`) the pushdown returned no row for: rows
+    of zeros, released with noise as any other (`binned`: their empty per-bin sums)."""
+    out = []
+    for key in keys:
+        if key in seen:
+            continue
+        row: dict[str, Any] = {q.name: 0 for q in _per_group(plan)}
+        for i, text in enumerate(key):
+            row[f"dp_t{i}"], row[f"dp_k{i}"], row[f"dp_h{i}"] = text, None, None
+        if binned is not None:
+            row["dp_binned"] = binned
+        out.append(row)
+    return out
 
 
 class SelectionStream:

@@ -34,6 +34,7 @@ from dp_core.partials import MEANS, clamp, f8, num, partial, present, row_value,
 from dp_core.plan import Component, DPQueryPlan, reads_user_count
 from dp_core.quantiles import EDGES, LEAVES, LEVEL_DIVISORS, LEVEL_OFFSETS
 from dp_core.query import AggKind, AnalyzedQuery, Bounds
+from dp_core.result import quoted
 from dp_core.splice import PH, Splice
 from dp_core.tuning import ROW_EDGES, groups_threshold, value_thresholds
 from dp_core.uid_ranges import UidRange, fill_range, null_uids, uid_in
@@ -343,6 +344,8 @@ def _build(template: str, query: AnalyzedQuery, token: str | None = None) -> str
     where = query.where or ast.A_Const(val=ast.Boolean(boolval=True))
     if token is not None:
         where = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(where, uid_in(query, token)))
+    if query.public_groups:
+        where = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(where, *_in_domains(query)))
     nodes: dict[str, Any] = {f"{PH}uid": query.uid, f"{PH}where": where}
     for i, key in enumerate(query.keys):
         nodes[f"{PH}k{i}"] = key.expr
@@ -353,6 +356,27 @@ def _build(template: str, query: AnalyzedQuery, token: str | None = None) -> str
     if query.ctes:
         stmt.withClause.ctes = tuple(copy.deepcopy(query.ctes)) + tuple(stmt.withClause.ctes)
     return str(RawStream()(stmt))
+
+
+def _in_domains(query: AnalyzedQuery) -> list[Any]:
+    """For public groups, that each key's text is one of its domain's keys: rows of other
+    keys are never released, and do not use a user's contribution bounds."""
+    out = []
+    for key in query.keys:
+        d = key.domain
+        assert d is not None
+        if d.keys is not None:
+            listed = ", ".join(quoted(k) for k in d.keys)
+            sql = f"SELECT (dp_key)::text = ANY ((ARRAY[{listed}])::text[])"
+        else:
+            assert d.source is not None
+            schema, table, column = ('"' + p.replace('"', '""') + '"' for p in d.source)
+            sql = f"SELECT (dp_key)::text IN (SELECT ({column})::text FROM {schema}.{table})"
+        cond = parse_sql(sql)[0].stmt.targetList[0].val
+        cast = cond.lexpr if isinstance(cond, ast.A_Expr) else cond.testexpr
+        cast.arg = copy.deepcopy(key.expr)
+        out.append(cond)
+    return out
 
 
 @dataclass(frozen=True)

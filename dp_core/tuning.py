@@ -114,11 +114,12 @@ def unit_noise(kind: NoiseKind, epsilon: float, delta: float) -> float:
 
 def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise: NoiseSpec,
                     groups_noise: NoiseSpec | None, unit: float,
-                    rng: np.random.Generator) -> TunedRows:
+                    rng: np.random.Generator, groups_known: bool = False) -> TunedRows:
     """T from the true statistics of the tuning statement: users per bin (`histogram`, bins
-    1..len(ROW_EDGES)) and, with GROUP BY, the groups at least τ users count in. Every bin
-    gets noise (empty ones too), then T is the edge of least estimated error, `unit` being
-    the mean absolute noise per unit of T of the answer's counts (`unit_noise`)."""
+    1..len(ROW_EDGES)) and, with GROUP BY, the groups at least τ users count in (or, with
+    `groups_known`, the public groups released: used as they are). Every bin gets noise
+    (empty ones too), then T is the edge of least estimated error, `unit` being the mean
+    absolute noise per unit of T of the answer's counts (`unit_noise`)."""
     bins = len(ROW_EDGES)
     true = np.zeros(bins + 1)
     for b, n in histogram.items():
@@ -144,7 +145,9 @@ def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise
     above = slice(top + 1, top + 1 + BINS_ABOVE_SEEN)
     noisy[above] = np.maximum(raw[above] - rows_noise.scale, 0.0)
     g = 1.0
-    if groups_noise is not None:
+    if groups_known:
+        g = max(1.0, float(groups or 0))
+    elif groups_noise is not None:
         g = max(1.0, float(groups_noise.add(np.array([float(groups or 0)]), rng)[0]))
     lost = np.maximum(_BEYOND @ noisy, 0.0)  # rows beyond each candidate T
     best = int(np.argmin(lost + g * unit * _CANDIDATES))
@@ -208,10 +211,11 @@ def tune_rows(plan: DPQueryPlan, rows: Iterable[Mapping[str, Any]],
 
 def tune(plan: DPQueryPlan, histogram: Mapping[int, int], groups: int,
          values: Mapping[int, Mapping[int, float]], rng: np.random.Generator,
-         query: AnalyzedQuery | None = None) -> TunedRows:
+         query: AnalyzedQuery | None = None, groups_known: bool = False) -> TunedRows:
     """T and the clips from the true statistics: users per bin of their row count
-    (`histogram`), the groups at least τ users have first (`groups`) and, per clipped
-    aggregate, its rows per value bin, each user's weighted by 1 / its rows (`values`)."""
+    (`histogram`), the groups at least τ users have first (`groups`; `groups_known`: the
+    groups released, public and exact, which get no noise) and, per clipped aggregate, its
+    rows per value bin, each user's weighted by 1 / its rows (`values`)."""
     specs = {q.component: q.spec for q in plan.tuning}
     counted = next((q for q in plan.quantities if q.aggregate is not None
                     and q.component in (Component.COUNT, Component.N, Component.SUM)), None)
@@ -219,7 +223,7 @@ def tune(plan: DPQueryPlan, histogram: Mapping[int, int], groups: int,
         raise InternalError("max_rows_contributed chosen for a plan without row-level counts")
     unit = unit_noise(plan.noise_kind, float(counted.epsilon), float(counted.delta))
     tuned = choose_max_rows(histogram, groups, specs[Component.ROWS],
-                            specs.get(Component.GROUPS), unit, rng)
+                            specs.get(Component.GROUPS), unit, rng, groups_known)
     clips: dict[int, Bounds] = {}
     clipped: dict[int, float] = {}
     for q in plan.tuning:

@@ -61,7 +61,8 @@ _NUMBER_TYPES = frozenset({"int2", "int4", "int8", "numeric", "float4", "float8"
 async def config_problems(conn: asyncpg.Connection, config: Config) -> list[str]:
     """Each way the configuration does not match the database (empty: none), all at once:
     a protected table, its uid column or a bounded column that is not there, a bounded
-    column that is not a number, a public table or schema that is not there."""
+    column that is not a number, a public table or schema or a public key column that is
+    not there."""
     from server.backend_setup import quote_ident
 
     problems: list[str] = []
@@ -83,9 +84,16 @@ async def config_problems(conn: asyncpg.Connection, config: Config) -> list[str]
             if column not in columns:
                 problems.append(f"{where}.columns.{column}: {table.schema_}.{name} has no such "
                                 f"column (its columns: {known})")
-            elif columns[column] not in _NUMBER_TYPES:
+            elif table.columns[column].bounded and columns[column] not in _NUMBER_TYPES:
                 problems.append(f"{where}.columns.{column}: bounds on a column of type "
                                 f"{columns[column]}, not a number")
+            source = table.columns[column].keys_source()
+            if source is not None and not await conn.fetchval(
+                    "SELECT EXISTS (SELECT FROM pg_attribute WHERE attrelid = "
+                    "to_regclass($1) AND attname = $2 AND NOT attisdropped)",
+                    f"{quote_ident(source[0])}.{quote_ident(source[1])}", source[2]):
+                problems.append(f"{where}.columns.{column}.public_keys_from: there is no "
+                                f"column {'.'.join(source)}")
     for schema, name in config.public.qualified():
         if await conn.fetchval("SELECT to_regclass($1)",
                                f"{quote_ident(schema)}.{quote_ident(name)}") is None:

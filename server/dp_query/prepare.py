@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,15 +11,22 @@ import asyncpg
 from pglast import ast
 
 from config import Config
+from config.models import MAX_PUBLIC_KEYS, TableConfig
 from dp_core.analysis import analyze, parse_select
 from dp_core.catalogue import INTEGER_TYPES, NUMBER_TYPES, check_casts
 from dp_core.classify import Statement
 from dp_core.cost import RowWorkBudget
-from dp_core.errors import DPError, FeatureNotSupported, InsufficientPrivilege, InvalidParameterValue
+from dp_core.errors import (
+    DPError,
+    FeatureNotSupported,
+    InsufficientPrivilege,
+    InvalidParameterValue,
+    ProgramLimitExceeded,
+)
 from dp_core.plan import make_plan
 from dp_core.probes import argument_probe_sql, standalone_subqueries
 from dp_core.pushdown_cache import PushdownCache
-from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
+from dp_core.query import AnalyzedQuery, Bounds, KeyDomain, TablePolicy
 from dp_core.result import TypeRef
 from dp_core.settings import query_settings
 from server import wire as p
@@ -43,17 +52,24 @@ def _planning_error(e: asyncpg.PostgresError) -> DPError:
     return err
 
 
+def table_policy(t: TableConfig) -> TablePolicy:
+    """What the analysis needs of a protected table's configuration."""
+    return TablePolicy(
+        t.schema_, t.uid_column,
+        {c: Bounds(b.lower, b.upper) for c, b in t.columns.items()
+         if b.lower is not None and b.upper is not None},
+        {c: KeyDomain(None if b.public_keys is None else tuple(str(k) for k in b.public_keys),
+                      b.keys_source())
+         for c, b in t.columns.items() if b.public_keys is not None or b.public_keys_from})
+
+
 class Preparer:
     """Analyses, plans and prepares DP queries on pushdown connections, reading no row."""
 
     def __init__(self, config: Config, pool: asyncpg.Pool, restricted_role: str) -> None:
         self.config = config
         self.pool = pool
-        self.policy = {
-            name: TablePolicy(t.schema_, t.uid_column,
-                              {c: Bounds(b.lower, b.upper) for c, b in t.columns.items()})
-            for name, t in config.tables.items()
-        }
+        self.policy = {name: table_policy(t) for name, t in config.tables.items()}
         self.pushdowns = PushdownCache()
         self._type_names: dict[int, TypeRef] = {}
         self._nondeterministic: bool | None = None
@@ -141,6 +157,8 @@ class Preparer:
             param_oids = found if len(found) > len(param_oids) else param_oids
         prepared = Prepared(query, plan, pd, statements, arg_types, key_types, key_oids,
                             param_oids, cache_key=cache_key)
+        if query.public_groups:
+            prepared.public_keys = await self._public_keys(query, conn)
         # The result query (HAVING, ORDER BY and expressions over the released values), with
         # no rows: what it cannot use is refused here, before any charge, not after the run.
         try:
@@ -149,6 +167,30 @@ class Preparer:
             raise _planning_error(e) from None
         prepared.columns = list(result.get_attributes())
         return prepared
+
+    @staticmethod
+    async def _public_keys(query: AnalyzedQuery, conn: Any) -> list[tuple[str, ...]]:
+        """Every combination of the keys' public domains (a public table's keys read now, as
+        the analysts could): the groups a query of public groups releases."""
+        domains: list[list[str]] = []
+        for key in query.keys:
+            d = key.domain
+            assert d is not None
+            if d.keys is not None:
+                domains.append(list(dict.fromkeys(d.keys)))
+                continue
+            assert d.source is not None
+            schema, table, column = (quote_ident(p) for p in d.source)
+            rows = await conn.fetch(f"SELECT DISTINCT ({column})::text AS k FROM {schema}.{table} "
+                                    f"WHERE {column} IS NOT NULL LIMIT {MAX_PUBLIC_KEYS + 1}")
+            domains.append([str(r["k"]) for r in rows])
+        total = math.prod(len(d) for d in domains)
+        if total > MAX_PUBLIC_KEYS or total == 0:
+            raise ProgramLimitExceeded(
+                f"the public keys of this GROUP BY make {total} groups (a query of public groups "
+                f"releases 1 to {MAX_PUBLIC_KEYS} of them)",
+                hint="filter in a subquery, or group by fewer columns with public keys")
+        return list(itertools.product(*domains))
 
     async def _check_relations(self, query: AnalyzedQuery, conn: Any) -> None:
         """Refuse (42501) a DP query that reads by name a table the analysts may not read

@@ -68,6 +68,8 @@ class Prepared:
     aggregating them (`UidSplitter`)."""
     cache_key: Any = None
     """What the pushdown's statements depend on but the order seed (`PushdownCache`)."""
+    public_keys: list[tuple[str, ...]] | None = None
+    """Of a query of public groups, the key texts of every group it releases."""
 
     @property
     def sql(self) -> list[str]:

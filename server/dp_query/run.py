@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from config import Config
-from dp_core.binned import TuningStats, binned_plan, binned_row, resolve, value_bin_columns
+from dp_core.binned import Binned, TuningStats, binned_plan, binned_row, resolve, value_bin_columns
 from dp_core.errors import InternalError
 from dp_core.mechanisms import secure_rng
 from dp_core.plan import DPQueryPlan, replan_with_bounds
@@ -23,6 +23,7 @@ from dp_core.release import (
     GroupKey,
     Selection,
     SelectionStream,
+    absent_groups,
     add_rows,
     add_trees,
     group_key,
@@ -221,20 +222,29 @@ class PushdownRunner:
                     rows_in = _row_stream(await statements["main"].cursor(timeout=timeout + 5),
                                           timeout, 1, len(columns) if per_bin else None)
                 batch: list[Any] = []
+                public, seen = prepared.public_keys, set[tuple[str | None, ...]]()
                 async for r in rows_in:
                     if per_bin:
                         stats.add(r, value_bins)
+                    if public is not None:
+                        seen.add(tuple(r[f"dp_t{i}"] for i in range(len(query.keys))))
                     batch.append(r)
                     if len(batch) >= _ROWS_PER_SELECTION:
                         chosen.add(batch)
                         batch = []
                 chosen.add(batch)
+                if public is not None:  # every listed group, those without rows too
+                    chosen.add(absent_groups(query, plan, public, seen,
+                                             Binned.empty(len(columns)) if per_bin else None))
             selection = chosen.done()
             if per_bin:
                 # T and the clips from the statistics of every group's rows, then each kept
                 # group's sums for them, and their noise
-                tuned = tune(plan, stats.rows(), stats.groups,
-                             {i: dict(enumerate(v)) for i, v in stats.values.items()}, rng, query)
+                groups = stats.groups if prepared.public_keys is None \
+                    else len(prepared.public_keys)
+                tuned = tune(plan, stats.rows(), groups,
+                             {i: dict(enumerate(v)) for i, v in stats.values.items()}, rng, query,
+                             groups_known=prepared.public_keys is not None)
                 before = query
                 query, plan = replan_with_bounds(query, plan, dict(tuned.clips), tuned.max_rows,
                                                  tuned.mean_rows)

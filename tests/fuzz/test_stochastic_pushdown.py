@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -34,8 +34,8 @@ from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import NoiseKind, secure_rng
 from dp_core.plan import DPQueryPlan, make_plan, replan_with_bounds
 from dp_core.quantiles import NoBoundsFound, choose_bounds, walk
-from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
-from dp_core.release import add_rows, release, tree_arrays
+from dp_core.query import AnalyzedQuery, Bounds, KeyDomain, TablePolicy
+from dp_core.release import absent_groups, add_rows, release, tree_arrays
 from dp_core.rewrite import binned, main_sql, pushdown, ranged_pushdown
 from dp_core.tuning import groups_threshold, tune, tune_rows
 from dp_core.uid_ranges import UidRange
@@ -55,6 +55,9 @@ NOT_RELEASED = -1e11
 """The outcome of a group that partition selection did not release."""
 
 POLICY = {"visits": TablePolicy(SCHEMA, "uid", {}), "purchases": TablePolicy(SCHEMA, "uid", {})}
+PUBLIC_POLICY = {**POLICY, "visits": TablePolicy(SCHEMA, "uid", {},
+                                                  {"browser": KeyDomain(("a", "b", "q"))})}
+"""With the browsers' public keys 'a', 'b' (which users have) and 'q' (which none has)."""
 CLASSIFIER = Classifier(ProtectionPolicy({"visits": SCHEMA, "purchases": SCHEMA}))
 
 DP = f"SELECT WITH ANONYMIZATION OPTIONS(epsilon={EPSILON}"
@@ -149,11 +152,12 @@ def _write(conn: psycopg.Connection[dict[str, Any]], values: list[float]) -> Non
 
 def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = False,
               prefiltered: bool = False,
-              ranges: tuple[UidRange, ...] = ((None, SPLIT_AT), (SPLIT_AT, None))) -> Mechanism:
+              ranges: tuple[UidRange, ...] = ((None, SPLIT_AT), (SPLIT_AT, None)),
+              policy: Mapping[str, TablePolicy] = POLICY) -> Mechanism:
     (st,) = CLASSIFIER.classify(sql)
     assert st.dp_clause is not None
     options = dict(st.dp_clause.options)
-    query = analyze(parse_select(st.stripped_sql), POLICY, plain_form=False)
+    query = analyze(parse_select(st.stripped_sql), policy, plain_form=False)
     epsilon, delta = float(options["epsilon"]), float(options.get("delta", 1e-6))
     groups = int(options.get("max_groups_contributed", 1))
     noise = NoiseKind(options.get("noise", "laplace"))
@@ -191,6 +195,8 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
             return np.array([float(r[-1]) if r[-1] is not None else ERROR for r in out.rows])
         # grouped: the group 'a', released or not, `samples` times (each copy its own group)
         first = [r for r in rows if r["dp_t0"] == "a"]
+        if not first and q.public_groups:  # released all the same, from zeros
+            first = absent_groups(q, pl, [("a",)], set(), None)
         if not first:
             return np.full(samples, NOT_RELEASED)
         copies = [{**first[0], "dp_k0": f"a{i}", "dp_t0": f"a{i}"} for i in range(samples)]
@@ -328,6 +334,25 @@ def test_real_pushdowns_are_differentially_private(
                              0.2 if "grouped" in name else 1e-5, databases=DATABASES,
                              max_users=4, lower=LOWER, upper=UPPER,
                              samples=SAMPLES // 4 if tuned else SAMPLES, depth=1)
+    assert verdict.bins_checked > 0
+    assert verdict.failure_rate <= TOLERANCE, verdict
+
+
+PUBLIC_SHAPES = {
+    "public groups, C_u 2": f"{DP}, max_groups_contributed=2) browser, ANON_SUM(duration, 0, 10) "
+                            "FROM visits GROUP BY browser",
+    "public groups, row-level count, T = 2": f"{DP}, max_rows_contributed=2) browser, COUNT(*) "
+                                             "FROM visits GROUP BY browser",
+}
+"""Grouped by a column with public keys: group 'a' is released whether users have it or not."""
+
+
+@pytest.mark.parametrize("name", list(PUBLIC_SHAPES))
+def test_public_groups_are_differentially_private(
+        tester_db: psycopg.Connection[dict[str, Any]], name: str) -> None:
+    verdict = test_mechanism(mechanism(tester_db, PUBLIC_SHAPES[name], policy=PUBLIC_POLICY),
+                             EPSILON, 1e-5, databases=DATABASES, max_users=4, lower=LOWER,
+                             upper=UPPER, samples=SAMPLES, depth=1)
     assert verdict.bins_checked > 0
     assert verdict.failure_rate <= TOLERANCE, verdict
 

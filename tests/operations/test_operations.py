@@ -232,7 +232,7 @@ def test_ordinary_mistakes_get_one_line_not_a_traceback(backend: Backend, tmp_pa
 def test_check_config_connect_lists_every_mismatch_and_serve_refuses_to_start(
         backend: Backend, tmp_path: Path) -> None:
     """Issue 29: a misspelt uid column, a bound on a column that is not there or not a number,
-    a public table that is not there: all listed at once by `check-config --connect` and by
+    a public table or public keys' column that is not there: all listed at once by `check-config --connect` and by
     `serve` at start-up (exit 2), before any analyst meets them."""
     from dataclasses import replace
 
@@ -245,7 +245,8 @@ def test_check_config_connect_lists_every_mismatch_and_serve_refuses_to_start(
     bad_text = (text.replace('[tables.visits]\nuid_column = "uid"',
                              '[tables.visits]\nuid_column = "user_id"\n'
                              'columns.browser = { lower = 0, upper = 1 }\n'
-                             'columns.seconds = { lower = 0, upper = 1 }')
+                             'columns.seconds = { lower = 0, upper = 1 }\n'
+                             'columns.country = { public_keys_from = "countries.nope" }')
                 .replace('tables = ["countries"]', 'tables = ["countries", "ops.nope"]'))
     assert bad_text != text
     bad = tmp_path / "bad.toml"
@@ -256,7 +257,9 @@ def test_check_config_connect_lists_every_mismatch_and_serve_refuses_to_start(
     for problem in ("tables.visits.uid_column: public.visits has no column 'user_id'",
                     "tables.visits.columns.browser: bounds on a column of type text",
                     "tables.visits.columns.seconds: public.visits has no such column",
-                    "public.tables: there is no table ops.nope"):
+                    "public.tables: there is no table ops.nope",
+                    "tables.visits.columns.country.public_keys_from: there is no column "
+                    "public.countries.nope"):
         assert problem in out.stderr, out.stderr
     assert "(its columns: browser, country, duration, uid)" in out.stderr
     served = _cli("serve", "--config", str(bad))
