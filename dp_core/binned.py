@@ -37,8 +37,8 @@ BINS = len(ROW_EDGES) + 1
 class BinnedColumn:
     """A sum over a group's (user, group) rows, per bin: "rows" (COUNT(*)), "n" (the values
     of an argument present: COUNT(x)), "s" (its values clamped to a candidate's bounds) or
-    "q" (their squares). `aggregate` is the first aggregate with this argument (and, for s
-    and q, bounds): the one whose per-user partial it reads."""
+    "q" (their squared distances to the candidate's midpoint). `aggregate` is the first
+    aggregate with this argument (and, for s and q, bounds): whose partial it reads."""
 
     kind: str
     aggregate: int = -1
@@ -88,7 +88,7 @@ def binned_plan(query: AnalyzedQuery, plan: DPQueryPlan
     """The per-bin columns of the main statement, in order (each an A and a B sum), and for
     each row-level quantity, per candidate bounds (None: any), its terms over them. A sum
     is s; a mean's count n, its centred sum s − m·n and centred squares q − 2m·s + m²·n
-    (m the candidate's midpoint): the same values as sums of (v − m) and (v − m)², so one
+    (m the candidate's midpoint) and centred squares q (summed centred, as `partial`'s): one
     set of s, q and n columns serves every aggregate of an argument."""
     clipped = clipped_aggregates(query, plan)
     columns: list[BinnedColumn] = []
@@ -126,8 +126,8 @@ def binned_plan(query: AnalyzedQuery, plan: DPQueryPlan
             n = col("n", _first(query, i, False))
             if q.component == Component.CENTERED_SUM:
                 options.append((b, [(s_, 1.0), (n, -m)]))
-            else:
-                options.append((b, [(col("q", a, k, b), 1.0), (s_, -2 * m), (n, m * m)]))
+            else:  # (q is centred on m already)
+                options.append((b, [(col("q", a, k, b), 1.0)]))
         terms[q.name] = options
     return columns, terms
 
@@ -239,10 +239,11 @@ def resolve(rows: Sequence[dict[str, Any]], query: AnalyzedQuery, plan: DPQueryP
         assert q.aggregate is not None
         agg = query.aggregates[q.aggregate]
         want = clips.get(q.aggregate, agg.known_bounds)
+        # (candidates that round to one float are the same clip: the first serves)
         found = [t for b, t in terms[q.name] if b is None or b == want]
         t = plan.rows_for(agg)
-        if len(found) != 1 or t is None:
-            raise InternalError("per-bin sums resolved for no single clip, or before T")
+        if not found or t is None:
+            raise InternalError("per-bin sums resolved for no clip, or before T")
         chosen[q.name] = (found[0], t)
     if len(chosen) != len(terms):
         raise InternalError("a binned quantity the plan does not have")

@@ -88,7 +88,7 @@ def partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
     is its value over them. A row-level aggregate's are sums over the user's rows in the
     group of its clamped row values (`row_value`), weighted later (`weighted`)."""
     if agg.row_level and agg.kind is not AggKind.COUNT:
-        _check_number(agg, arg_type)
+        check_number(agg, arg_type)
         r = row_value(i, agg, arg_type)
         if agg.kind is AggKind.SUM:
             return f"sum({r}) AS dp_p{i}"
@@ -112,7 +112,7 @@ def partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
         return (f"(SELECT array_agg(dp_v) FROM (SELECT dp_v FROM unnest(array_agg(DISTINCT "
                 f"{PH}a{i})) AS dp_v WHERE dp_v IS NOT NULL ORDER BY hashtext(dp_v::text) "
                 f"LIMIT {int(agg.known_bounds.upper)}) AS dp_d) AS dp_p{i}")
-    _check_number(agg, arg_type)
+    check_number(agg, arg_type)
     if agg.kind is AggKind.SUM:
         return f"sum({_arg(i, arg_type)}) AS dp_p{i}"
     if agg.kind is AggKind.QUANTILE:
@@ -127,7 +127,8 @@ def partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
     return f"sum({arg}) AS dp_s{i}, count({arg}) AS dp_n{i}"
 
 
-def _check_number(agg: Aggregate, arg_type: str | None) -> None:
+def check_number(agg: Aggregate, arg_type: str | None) -> None:
+    """Refuse a sum or mean of something that is not a number (before any charge)."""
     if agg.arg is not None and arg_type is not None and arg_type not in NUMERIC_TYPES:
         raise FeatureNotSupported(
             f"{agg.output_name}: the argument of {agg.kind.value} must be a number, not {arg_type}",

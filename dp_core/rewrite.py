@@ -30,7 +30,18 @@ from pglast.stream import RawStream
 from dp_core.binned import binned_plan, value_bin_columns
 from dp_core.bounding import Prefilter, kept_rows
 from dp_core.errors import InternalError
-from dp_core.partials import MEANS, clamp, f8, num, partial, present, row_value, value, weighted
+from dp_core.partials import (
+    MEANS,
+    check_number,
+    clamp,
+    f8,
+    num,
+    partial,
+    present,
+    row_value,
+    value,
+    weighted,
+)
 from dp_core.plan import Component, DPQueryPlan, reads_user_count
 from dp_core.quantiles import EDGES, LEAVES, LEVEL_DIVISORS, LEVEL_OFFSETS
 from dp_core.query import AggKind, AnalyzedQuery, Bounds
@@ -81,7 +92,8 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
     row_level = bool(query.keys) and any(a.row_level for a in query.aggregates)
     only_kept = "" if not row_level else \
         f" FILTER (WHERE dp_rn <= {int(plan.max_groups_contributed)})"
-    if plan.threshold is not None or plan.shared_users:
+    if plan.threshold is not None or plan.shared_users or query.public_groups:
+        # (public groups: not released, but a row for each group with users, quantiles too)
         finals.append(f"count(*){only_kept} AS dp_users")
     for q in plan.quantities:
         if q.component in (Component.USERS, Component.TREE):
@@ -161,9 +173,12 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
         else:
             assert c.bounds is not None
             agg = replace(query.aggregates[c.aggregate], bounds=c.bounds)
+            check_number(agg, arg_types.get(c.aggregate))
             r = row_value(c.aggregate, agg, arg_types.get(c.aggregate))
+            # (squares centred on the candidate's midpoint, as `partial`'s: no cancellation)
+            m = f8((c.bounds.lower + c.bounds.upper) / 2)
             partials.append(f"sum({r}) AS {c.partial}" if c.kind == "s"
-                            else f"sum({r} * {r}) AS {c.partial}")
+                            else f"sum(({r} - {m}) * ({r} - {m})) AS {c.partial}")
     value_bins = value_bin_columns(query, plan)
     for i in value_bins:  # rows at or above each threshold, as the tuning statement's
         exact = arg_types.get(i) in ("int2", "int4", "int8", "float4", "float8")

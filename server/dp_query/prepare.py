@@ -36,6 +36,12 @@ from server.dp_query.request import DPRequest
 from server.wire.params import param_text
 
 TEXT_KEY_OIDS = frozenset({18, 19, 25, 1042, 1043})
+ONE_TEXT_KEY_OIDS = frozenset({16, 18, 19, 20, 21, 23, 25, 1042, 1043, 1082, 1083, 1114, 1184,
+                               2950})
+"""Group-key types whose text is one per value (bool, "char", name, integers, text, bpchar
+(its text drops the trailing blanks that equality ignores), varchar, date, time,
+timestamp(tz), uuid): rows matched by their key texts are the rows of one group. Not numeric
+(1.0 = 1.00) nor floats (0 = -0), whose equal values can print differently."""
 HASHED_KEY_OIDS = frozenset({700, 701, 1021, 1022, 1186, 1187, 1231, 1700, 3802, 3807, 3906,
                               3907, 4532, 6151})
 """Group-key types whose equal values can print differently and that have a hash function
@@ -158,6 +164,15 @@ class Preparer:
         prepared = Prepared(query, plan, pd, statements, arg_types, key_types, key_oids,
                             param_oids, cache_key=cache_key)
         if query.public_groups:
+            odd = [query.keys[i] for i, o in enumerate(key_oids) if o not in ONE_TEXT_KEY_OIDS]
+            if odd or (any(o in TEXT_KEY_OIDS for o in key_oids)
+                       and await self.has_nondeterministic(conn)):
+                # (a group's text would be whichever of its values' texts Postgres kept)
+                raise FeatureNotSupported(
+                    "public keys of a column whose equal values can print differently "
+                    "(numeric, floats, intervals, or a database with a nondeterministic "
+                    "collation)", hint="group by a cast of it to text, which partition "
+                    "selection releases")
             prepared.public_keys = await self._public_keys(query, conn)
         # The result query (HAVING, ORDER BY and expressions over the released values), with
         # no rows: what it cannot use is refused here, before any charge, not after the run.

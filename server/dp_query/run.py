@@ -118,7 +118,8 @@ async def _merged(streams: list[AsyncIterator[Any]], order: Callable[[Any], tupl
 
 def _merged_rows(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIterator[Any]:
     """The main rows of several ranges (`row_order`): one row per group (`add_rows`)."""
-    by, keep = [f"dp_t{i}" for i in range(keys)], [f"dp_k{i}" for i in range(keys)]
+    by = [f"dp_t{i}" for i in range(keys)]
+    keep = [f"dp_{c}{i}" for c in "kh" for i in range(keys)]  # (hashes are no sums)
     return _merged(streams, lambda r: row_order(r, keys),
                    lambda parts: parts[0] if len(parts) == 1 else add_rows([parts], by, keep)[0],
                    "pushdown rows")
@@ -209,6 +210,9 @@ class PushdownRunner:
             # partition selection first (only the kept groups' trees are walked), over the
             # rows as they stream: a worker holds one batch and the kept groups, not every group
             chosen = SelectionStream(query, plan, rng, deferred=per_bin)
+            public = prepared.public_keys
+            listed = set(public or ())
+            present: dict[tuple[str, ...], Any] = {}
             columns, terms = binned_plan(query, plan) if per_bin else ([], {})
             value_bins = value_bin_columns(query, plan) if per_bin else {}
             stats = TuningStats(groups_threshold(plan))
@@ -222,20 +226,27 @@ class PushdownRunner:
                     rows_in = _row_stream(await statements["main"].cursor(timeout=timeout + 5),
                                           timeout, 1, len(columns) if per_bin else None)
                 batch: list[Any] = []
-                public, seen = prepared.public_keys, set[tuple[str | None, ...]]()
                 async for r in rows_in:
                     if per_bin:
                         stats.add(r, value_bins)
                     if public is not None:
-                        seen.add(tuple(r[f"dp_t{i}"] for i in range(len(query.keys))))
+                        key = tuple(r[f"dp_t{i}"] for i in range(len(query.keys)))
+                        if key in listed:  # (a key listed since the plan was made is not)
+                            present[key] = r
+                        continue
                     batch.append(r)
                     if len(batch) >= _ROWS_PER_SELECTION:
                         chosen.add(batch)
                         batch = []
                 chosen.add(batch)
-                if public is not None:  # every listed group, those without rows too
-                    chosen.add(absent_groups(query, plan, public, seen,
-                                             Binned.empty(len(columns)) if per_bin else None))
+            if public is not None:
+                # every listed group, those without rows too, in the listed order (the
+                # order the rows come in must not tell which groups had none)
+                absent = iter(absent_groups(query, plan, public, set(present),
+                                            Binned.empty(len(columns)) if per_bin else None))
+                ordered = [present[k] if k in present else next(absent) for k in public]
+                for at in range(0, len(ordered), _ROWS_PER_SELECTION):
+                    chosen.add(ordered[at:at + _ROWS_PER_SELECTION])
             selection = chosen.done()
             if per_bin:
                 # T and the clips from the statistics of every group's rows, then each kept

@@ -18,17 +18,14 @@ from dp_core.query import AggKind, AnalyzedQuery, TablePolicy, TableRef
 from dp_core.rewrite import groups_sql
 from dp_core.uid_ranges import uid_ranges
 from server.backend_setup import quote_ident
-from server.dp_query.prepare import TEXT_KEY_OIDS
+from server.dp_query.prepare import ONE_TEXT_KEY_OIDS, TEXT_KEY_OIDS
 from server.dp_query.prepared import Prepared, UidColumn
 
 log = logging.getLogger("dp_proxy.dp")
 
-_SPLIT_KEY_OIDS = frozenset({16, 18, 19, 20, 21, 23, 25, 1042, 1043, 1082, 1083, 1114, 1184,
-                             2950})
-"""Group-key types whose text is one per value (bool, "char", name, integers, text, bpchar
-(its text drops the trailing blanks that equality ignores), varchar, date, time,
-timestamp(tz), uuid): the rows of several uid ranges add up by their key texts. Not numeric
-(1.0 = 1.00) nor floats (0 = -0), whose equal values can print differently."""
+_SPLIT_KEY_OIDS = ONE_TEXT_KEY_OIDS
+"""Group-key types whose text is one per value: the rows of several uid ranges add up by
+their key texts."""
 _STATS_SECONDS = 300.0
 """How long a uid column's histogram (for splitting pushdowns) is reused before it is read again."""
 _SAMPLE_ROWS = 20_000

@@ -23,8 +23,9 @@ from dp_core.rewrite import pushdown
 from tests.support.backend import Backend
 from tests.support.proxy import LoopThread, Proxy, reset_budget, running_proxy, spent
 
-BROWSERS = ["Chrome", "Firefox", "Netscape"]
-"""Two browsers of the demo data and one it does not have (Safari, Edge... are not listed)."""
+BROWSERS = ["Netscape", "Chrome", "Firefox"]
+"""One browser the demo data does not have, listed first, and two it has (Safari, Edge... are
+not listed)."""
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +56,12 @@ def test_every_listed_key_is_released_and_no_other(public_proxy: Proxy, backend:
     with psycopg.connect(public_proxy.dsn(), autocommit=True) as conn:
         conn.execute("SET dp.epsilon = 1")
         before = spent(conn)
-        rows = dict(conn.execute("SELECT browser, count(*) FROM visits GROUP BY browser"
-                                 ).fetchall())
+        listed = conn.execute("SELECT browser, count(*) FROM visits GROUP BY browser"
+                              ).fetchall()
         after = spent(conn)
-        assert set(rows) == set(BROWSERS)
+        # in the listed order, whichever groups have rows (their order must not tell)
+        assert [r[0] for r in listed] == BROWSERS
+        rows = dict(listed)
         assert abs(rows["Netscape"]) < 2000  # noise around zero (T·Laplace at ε 0.9)
         assert rows["Chrome"] > 0.7 * truth["Chrome"]
         # laplace noise and no partition selection: no δ spent
@@ -82,10 +85,32 @@ def test_keys_read_from_a_public_table_and_their_combinations(public_proxy: Prox
         both = conn.execute("SELECT WITH ANONYMIZATION browser, country, ANON_COUNT(*) "
                             "FROM visits GROUP BY browser, country").fetchall()
         assert {(r[0], r[1]) for r in both} == {(b, c) for b in BROWSERS for c in codes}
+        # quantiles alone: every listed group too (an empty one's answer is the empty tree's)
+        medians = conn.execute("SELECT browser, percentile_cont(0.5) WITHIN GROUP (ORDER BY "
+                               "duration) FROM visits GROUP BY browser").fetchall()
+        assert [r[0] for r in medians] == BROWSERS
         # a key that is an expression of the column is not public: partition selection
         explain = "\n".join(r[0] for r in conn.execute(
             "EXPLAIN SELECT lower(browser), count(*) FROM visits GROUP BY 1").fetchall())
         assert "Partition selection" in explain and "Public groups" not in explain
+
+
+def test_public_keys_of_values_that_print_several_ways_are_refused(
+        loop_thread: LoopThread, public_config: Config, backend: Backend) -> None:
+    """numeric 1.0 = 1.00: a group's text would be whichever of its values' texts Postgres
+    kept, and one user could move a group's whole value to another listed key. Refused
+    (0A000) before anything is spent."""
+    purchases = public_config.tables["purchases"]
+    columns = {**purchases.columns, "amount": ColumnBounds(public_keys=["1.0", "1.00"])}
+    config = public_config.model_copy(update={"tables": {
+        **public_config.tables, "purchases": purchases.model_copy(update={"columns": columns})}})
+    with running_proxy(loop_thread, config, backend) as px, \
+            psycopg.connect(px.dsn(), autocommit=True) as conn:
+        reset_budget(px)
+        before = spent(conn)
+        with pytest.raises(psycopg.errors.FeatureNotSupported, match="print differently"):
+            conn.execute("SELECT amount, count(*) FROM purchases GROUP BY amount")
+        assert spent(conn) == before
 
 
 def test_public_keys_configuration_is_checked(demo_config: Config) -> None:
