@@ -165,6 +165,7 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     partials = [partial(i, agg, arg_types.get(i)) for i, agg in enumerate(query.aggregates)
                 if not agg.row_level and not reads_user_count(agg)
                 and agg.kind is not AggKind.QUANTILE]
+    squared = {(c.aggregate, c.candidate) for c in columns if c.kind == "q"}
     for c in columns:  # each argument's counts and (candidate) sums once
         if c.kind == "rows":
             partials.append("count(*) AS dp_rows")
@@ -175,10 +176,16 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
             agg = replace(query.aggregates[c.aggregate], bounds=c.bounds)
             check_number(agg, arg_types.get(c.aggregate))
             r = row_value(c.aggregate, agg, arg_types.get(c.aggregate))
-            # (squares centred on the candidate's midpoint, as `partial`'s: no cancellation)
-            m = f8((c.bounds.lower + c.bounds.upper) / 2)
-            partials.append(f"sum({r}) AS {c.partial}" if c.kind == "s"
-                            else f"sum(({r} - {m}) * ({r} - {m})) AS {c.partial}")
+            if (c.aggregate, c.candidate) not in squared:
+                partials.append(f"sum({r}) AS {c.partial}")
+                continue
+            # with squares: avg and var_pop of float8 share one transition state (Postgres
+            # evaluates the clamped value once per row for both), a numerically stable one;
+            # the squares centred on the candidate's midpoint m: n·var + n·(mean − m)²
+            n, m = f"count({PH}a{c.aggregate})", f8((c.bounds.lower + c.bounds.upper) / 2)
+            partials.append(f"avg({r}) * {n} AS {c.partial}" if c.kind == "s" else
+                            f"var_pop({r}) * {n} + {n} * (avg({r}) - {m}) * (avg({r}) - {m}) "
+                            f"AS {c.partial}")
     value_bins = value_bin_columns(query, plan)
     for i in value_bins:  # rows at or above each threshold, as the tuning statement's
         exact = arg_types.get(i) in ("int2", "int4", "int8", "float4", "float8")
