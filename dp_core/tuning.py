@@ -115,11 +115,12 @@ def unit_noise(kind: NoiseKind, epsilon: float, delta: float) -> float:
 def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise: NoiseSpec,
                     groups_noise: NoiseSpec | None, unit: float,
                     rng: np.random.Generator, groups_known: bool = False) -> TunedRows:
-    """T from the true statistics of the tuning statement: users per bin (`histogram`, bins
-    1..len(ROW_EDGES)) and, with GROUP BY, the groups at least τ users count in (or, with
-    `groups_known`, the public groups released: used as they are). Every bin gets noise
-    (empty ones too), then T is the edge of least estimated error, `unit` being the mean
-    absolute noise per unit of T of the answer's counts (`unit_noise`)."""
+    """T from the true statistics (of the main statement's rows, or the tuning statement's):
+    users per bin (`histogram`, bins 1..len(ROW_EDGES)) and, with GROUP BY, the groups at
+    least τ users count in (or, with `groups_known`, the public groups released: used as they
+    are). Every bin gets noise (empty ones too), then T is the edge of least estimated error,
+    `unit` being the mean absolute noise per unit of T of the answer's counts
+    (`unit_noise`)."""
     bins = len(ROW_EDGES)
     true = np.zeros(bins + 1)
     for b, n in histogram.items():
