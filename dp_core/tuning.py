@@ -193,7 +193,8 @@ def choose_clip(bins: Sequence[float], bounds: Bounds, rows: float, weight: floa
 
 
 def tune_rows(plan: DPQueryPlan, rows: Iterable[Mapping[str, Any]],
-              rng: np.random.Generator, query: AnalyzedQuery | None = None) -> TunedRows:
+              rng: np.random.Generator, query: AnalyzedQuery | None = None,
+              known_groups: int | None = None) -> TunedRows:
     """T for `plan` from the rows of its tuning statement (`rewrite._tuning_template`), and
     the clips of `query`'s row-level aggregates it has value bins for."""
     histogram: dict[int, int] = {}
@@ -207,6 +208,8 @@ def tune_rows(plan: DPQueryPlan, rows: Iterable[Mapping[str, Any]],
             values.setdefault(int(r["dp_agg"]), {})[int(r["dp_bin"])] = float(r["dp_n"] or 0)
         else:
             histogram[int(r["dp_bin"])] = int(r["dp_n"])
+    if known_groups is not None:  # public groups: released whatever the statistics say
+        return tune(plan, histogram, known_groups, values, rng, query, groups_known=True)
     return tune(plan, histogram, groups, values, rng, query)
 
 

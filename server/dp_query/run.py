@@ -177,7 +177,8 @@ class PushdownRunner:
             if "tuning" in statements:
                 # (unsplit: its count of groups does not add up over ranges of users)
                 tuned = tune_rows(plan, await statements["tuning"].fetch(timeout=timeout + 5),
-                                  rng, query)
+                                  rng, query, None if prepared.public_keys is None
+                                  else len(prepared.public_keys))
             if "bounds" in statements:
                 bins: dict[int, dict[int, int]] = {i: {} for i in plan.auto_bounds}
                 for r in await fetch_bounds():

@@ -99,6 +99,10 @@ def test_choice_of_t_by_hand() -> None:
     assert chosen.rows_cut == pytest.approx(10 * 33.5 / (1000 * 4.5 + 10 * 39.5))
     assert chosen.users_cut == pytest.approx(10 / 1010)
     assert choose_max_rows(hist, None, _exact(), None, 1000.0, rng).max_rows == 4
+    # public groups: their number is known, no noise needed (none given): 100 groups as above
+    public = choose_max_rows(hist, 100, _exact(), None, 0.2, rng, groups_known=True)
+    assert (public.max_rows, public.groups) == (6, 100)
+    assert choose_max_rows(hist, 100, _exact(), None, 0.2, rng).groups == 1.0
 
 
 def test_choice_of_t_is_stable_under_its_noise() -> None:

@@ -66,6 +66,10 @@ def test_every_listed_key_is_released_and_no_other(public_proxy: Proxy, backend:
         assert rows["Chrome"] > 0.7 * truth["Chrome"]
         # laplace noise and no partition selection: no δ spent
         assert after.delta == before.delta and after.epsilon > before.epsilon
+        # with COUNT(DISTINCT x) (whose statistics run as a statement of their own first)
+        distinct = conn.execute("SELECT browser, count(*), count(DISTINCT country) FROM visits "
+                                "GROUP BY browser").fetchall()
+        assert [r[0] for r in distinct] == BROWSERS
         per_user = dict(conn.execute(
             "SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits GROUP BY browser"
         ).fetchall())
