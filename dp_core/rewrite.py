@@ -105,31 +105,19 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
             finals.append(f"{weighted(q.aggregate, agg, q.component, weight)} AS {q.name}")
             continue
         lo, hi = agg.known_bounds.lower, agg.known_bounds.upper
-        mid = (lo + hi) / 2
         p = value(q.aggregate, agg, arg_types.get(q.aggregate))
         if agg.kind in MEANS:  # divided once per kept row, in dp_kept below
             means[f"dp_v{q.aggregate}"] = p
             p = f"dp_v{q.aggregate}"
-        if q.component == Component.COUNT:
-            finals.append(f"sum(LEAST({p}, {num(hi)})){only_kept} AS {q.name}")
-        elif q.component == Component.DISTINCT:
+        if q.component == Component.DISTINCT:
             # each user's values padded with NULLs to k (array_agg of arrays needs one length)
             # and counted once over all the group's users
             v = f"coalesce({p}, '{{}}')"
             padded = f"array_cat({v}, array_fill(({v})[0], ARRAY[{int(hi)} - cardinality({v})]))"
             finals.append(f"(SELECT count(DISTINCT dp_v) FROM unnest(array_agg({padded})"
                           f"{only_kept}) AS dp_v) AS {q.name}")
-        elif q.component == Component.SUM:
-            finals.append(f"sum({clamp(p, lo, hi)}){only_kept} AS {q.name}")
-        elif q.component == Component.N:
-            finals.append(f"count({p}){only_kept} AS {q.name}")
-        elif q.component == Component.CENTERED_SUM:
-            finals.append(f"sum({clamp(p, lo, hi)} - {num(mid)}){only_kept} AS {q.name}")
-        elif q.component == Component.CENTERED_SQUARES:
-            c = f"({clamp(p, lo, hi)} - {num(mid)})"
-            finals.append(f"sum({c} * {c}){only_kept} AS {q.name}")
         else:
-            raise InternalError()
+            finals.append(f"{_per_user_sum(q.component, p, lo, hi)}{only_kept} AS {q.name}")
     if not finals:
         return None  # a global query of quantiles only: the tree statement answers it
     with_list, relation, kept = kept_rows(query, plan, partials, order_seed, prefilter)
@@ -144,15 +132,59 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
     if not query.keys:
         return f"WITH {with_list} SELECT {', '.join(finals)} FROM {relation}"
     key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
-    # the keys' types (read from the prepared statement) with no value to decode: the client
-    # gets the key texts back as constants of these types, and a driver's decoding of some
-    # values (year 5874897, time 24:00, a huge interval) would fail on one user's key
-    key_types = [f"CASE WHEN false THEN dp_k{i} END AS dp_k{i}" for i in range(len(query.keys))]
-    key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
-    columns = [*key_types, *key_text, *_key_hashes(query), *finals]
+    columns = [*_key_columns(query), *finals]
     # (with row-level aggregates, groups whose dp_users is 0 are no candidates: `release`)
     return (f"WITH {with_list} SELECT {', '.join(columns)} "
             f"FROM {relation} WHERE {kept} GROUP BY {', '.join(key_cols)}")
+
+
+def _per_user_sum(component: str, p: str, lo: float, hi: float) -> str:
+    """The sum over kept (user, group) rows of a per-user quantity's `component`, of the
+    per-user values `p` clamped to [lo, hi] (its FILTER follows)."""
+    mid = num((lo + hi) / 2)
+    if component == Component.COUNT:
+        return f"sum(LEAST({p}, {num(hi)}))"
+    if component == Component.SUM:
+        return f"sum({clamp(p, lo, hi)})"
+    if component == Component.N:
+        return f"count({p})"
+    if component == Component.CENTERED_SUM:
+        return f"sum({clamp(p, lo, hi)} - {mid})"
+    if component == Component.CENTERED_SQUARES:
+        c = f"({clamp(p, lo, hi)} - {mid})"
+        return f"sum({c} * {c})"
+    raise InternalError()
+
+
+def _value_bin_partials(query: AnalyzedQuery, i: int, arg_type: str | None) -> list[str]:
+    """Per-user counts of aggregate i's rows with a value, and at or above each of its value
+    thresholds (`tuning.value_thresholds`). (The value unclamped: within (L, U), a threshold
+    splits the values as it splits them clamped; NULL is never counted, NaN is above every
+    threshold as U is.)"""
+    exact = arg_type in ("int2", "int4", "int8", "float4", "float8")
+    r, lit = (f"({PH}a{i})::float8", f8) if exact else (f"({PH}a{i})::numeric", num)
+    return [f"count({PH}a{i}) AS dp_v{i}_n",
+            *(f"count(*) FILTER (WHERE {r} >= {lit(t)}) AS dp_v{i}_{j}" for j, t in
+              enumerate(value_thresholds(query.aggregates[i].known_bounds), start=1))]
+
+
+def _value_bins(query: AnalyzedQuery, i: int) -> list[str]:
+    """A user's rows in each value bin of aggregate i, from `_value_bin_partials`' counts:
+    bin 0 [t1, U], bin j [t(j+1), t(j)), the last [L, t(last))."""
+    steps = len(value_thresholds(query.aggregates[i].known_bounds))
+    ge = [f"dp_v{i}_{j}" for j in range(1, steps + 1)]
+    return [ge[0], *(f"({ge[j + 1]} - {ge[j]})" for j in range(steps - 1)),
+            f"(dp_v{i}_n - {ge[-1]})"]
+
+
+def _key_columns(query: AnalyzedQuery) -> list[str]:
+    """The main statement's key columns: their types (read from the prepared statement) with
+    no value to decode (the client gets the key texts back as constants of these types, and
+    a driver's decoding of some values, year 5874897, time 24:00, a huge interval, would fail
+    on one user's key), their texts, and the hashes of hashed keys."""
+    n = len(query.keys)
+    return [*(f"CASE WHEN false THEN dp_k{i} END AS dp_k{i}" for i in range(n)),
+            *(f"dp_k{i}::text AS dp_t{i}" for i in range(n)), *_key_hashes(query)]
 
 
 def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
@@ -187,12 +219,8 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
                             f"var_pop({r}) * {n} + {n} * (avg({r}) - {m}) * (avg({r}) - {m}) "
                             f"AS {c.partial}")
     value_bins = value_bin_columns(query, plan)
-    for i in value_bins:  # rows at or above each threshold, as the tuning statement's
-        exact = arg_types.get(i) in ("int2", "int4", "int8", "float4", "float8")
-        r, lit = (f"({PH}a{i})::float8", f8) if exact else (f"({PH}a{i})::numeric", num)
-        partials.append(f"count({PH}a{i}) AS dp_v{i}_n")
-        partials += [f"count(*) FILTER (WHERE {r} >= {lit(t)}) AS dp_v{i}_{j}" for j, t in
-                     enumerate(value_thresholds(query.aggregates[i].known_bounds), start=1)]
+    for i in value_bins:
+        partials += _value_bin_partials(query, i, arg_types.get(i))
     with_list, relation, _ = kept_rows(query, plan, partials, order_seed)
     keyed = bool(query.keys)
     c_u = int(plan.max_groups_contributed)
@@ -211,19 +239,10 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
         agg = query.aggregates[q.aggregate]
         if agg.row_level:
             continue
-        lo, hi = agg.known_bounds.lower, agg.known_bounds.upper
         p = value(q.aggregate, agg, arg_types.get(q.aggregate))
         kept = f" FILTER (WHERE dp_rn <= {c_u})" if keyed else ""
-        term = {Component.COUNT: f"LEAST({p}, {num(hi)})", Component.SUM: clamp(p, lo, hi),
-                Component.N: None, Component.CENTERED_SUM: f"{clamp(p, lo, hi)} - {num((lo + hi) / 2)}",
-                Component.CENTERED_SQUARES: "({c}) * ({c})".format(
-                    c=f"{clamp(p, lo, hi)} - {num((lo + hi) / 2)}")}
-        if q.component == Component.N:
-            inner.append(f"count({p}){kept} AS {q.name}")
-        elif q.component in term:
-            inner.append(f"sum({term[q.component]}){kept} AS {q.name}")
-        else:
-            raise InternalError()
+        b = agg.known_bounds
+        inner.append(f"{_per_user_sum(q.component, p, b.lower, b.upper)}{kept} AS {q.name}")
         outer.append(f"sum({q.name}) AS {q.name}")
     sums = ["dp_first"]
     for j, column in enumerate(columns):
@@ -231,11 +250,7 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
                   f"sum(({column.partial})::float8 / (dp_total)::float8) AS dp_c{j}b"]
         sums += [f"dp_c{j}a", f"dp_c{j}b"]
     for i, names in value_bins.items():
-        steps = len(names)
-        ge = [f"dp_v{i}_{j}" for j in range(1, steps)]
-        parts = [ge[0], *(f"({ge[j + 1]} - {ge[j]})" for j in range(steps - 2)),
-                 f"(dp_v{i}_n - {ge[-1]})"]
-        for name, part in zip(names, parts, strict=True):
+        for name, part in zip(names, _value_bins(query, i), strict=True):
             inner.append(f"sum(({part})::float8 / (dp_total)::float8) AS {name}")
             outer.append(f"sum({name}) AS {name}")
     outer += ["array_agg(dp_bin ORDER BY dp_bin) AS dp_bins",
@@ -245,9 +260,7 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
                f"GROUP BY {', '.join([*key_cols, 'dp_bin'])}")
     if not keyed:
         return f"WITH {with_list} SELECT {', '.join(outer)} FROM ({per_bin}) AS dp_binned"
-    key_types = [f"CASE WHEN false THEN dp_k{i} END AS dp_k{i}" for i in range(len(query.keys))]
-    key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
-    return (f"WITH {with_list} SELECT {', '.join([*key_types, *key_text, *_key_hashes(query), *outer])} "
+    return (f"WITH {with_list} SELECT {', '.join([*_key_columns(query), *outer])} "
             f"FROM ({per_bin}) AS dp_binned GROUP BY {', '.join(key_cols)}")
 
 
@@ -325,16 +338,7 @@ def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     if not plan.tuning:
         return None
     clipped = [q.aggregate for q in plan.tuning if q.aggregate is not None]
-    partials = []
-    for i in clipped:
-        agg = query.aggregates[i]
-        # (the value unclamped: within (L, U), a threshold splits the values as it splits
-        # them clamped; NULL is never counted, NaN is above every threshold as U is)
-        exact = arg_types.get(i) in ("int2", "int4", "int8", "float4", "float8")
-        r, lit = (f"({PH}a{i})::float8", f8) if exact else (f"({PH}a{i})::numeric", num)
-        partials.append(f"count({PH}a{i}) AS dp_v{i}_n")
-        partials += [f"count(*) FILTER (WHERE {r} >= {lit(t)}) AS dp_v{i}_{j}"
-                     for j, t in enumerate(value_thresholds(agg.known_bounds), start=1)]
+    partials = [p for i in clipped for p in _value_bin_partials(query, i, arg_types.get(i))]
     with_list, relation, _ = kept_rows(query, plan, partials, order_seed)
     edges = ", ".join(str(e) for e in ROW_EDGES)
     first = "dp_rn = 1" if query.keys else "TRUE"
@@ -346,11 +350,7 @@ def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
                      f"WHERE {first} GROUP BY {key_cols} "
                      f"HAVING count(*) >= {f8(groups_threshold(plan))}) AS dp_g")
     for i in clipped:
-        steps = len(value_thresholds(query.aggregates[i].known_bounds))
-        # bin 0 [t1, U], bin j [t(j+1), t(j)), the last [L, t(last)): from counts of r >= t(j)
-        ge = [f"dp_v{i}_{j}" for j in range(1, steps + 1)]
-        bins = [ge[0], *(f"({ge[j + 1]} - {ge[j]})" for j in range(steps - 1)),
-                f"(dp_v{i}_n - {ge[-1]})"]
+        bins = _value_bins(query, i)
         # (counts added up per user total first: one division per distinct total, not per row)
         counts = ", ".join(f"sum({b}) AS dp_b{j}" for j, b in enumerate(bins))
         sums = ", ".join(f"sum(dp_b{j} / (dp_total)::float8)" for j in range(len(bins)))
