@@ -18,9 +18,10 @@ from typing import Any
 
 from pglast import parser
 
-from dp_core.errors import DPError, FeatureNotSupported, InsufficientPrivilege, SyntaxError_
-from dp_core.parsetree import const_int, func_name, literal, range_vars, walk
+from dp_core.errors import DPError, InsufficientPrivilege, SyntaxError_
+from dp_core.parsetree import const_int, func_name, range_vars, walk
 from dp_core.reach import REACH_WORDS, reach_refusal
+from dp_core.setting_changes import SettingAtBind, SettingChanges, utf8_only
 from dp_core.syntax import DPClause, strip_dp_clauses
 
 LOCAL_FUNCTIONS = frozenset({"dp_budget", "dp_ledger", "dp_reset_budget"})
@@ -99,6 +100,8 @@ class Statement:
     refusal: DPError | None = field(default=None, compare=False)
     effect: Effect | None = None
     """For PASS_THROUGH: what it does to the proxy's own session state."""
+    at_bind: tuple[SettingAtBind, ...] = ()
+    """Setting changes whose name or value a parameter gives: checked at Bind."""
 
     @property
     def node_type(self) -> str:
@@ -205,7 +208,7 @@ class Classifier:
         """`encoding_ok` tells whether a client_encoding value (as SET takes it) names an
         encoding the proxy reads SQL in as Postgres does; by default only UTF8."""
         self.policy = policy
-        self._encoding_ok = encoding_ok or _utf8
+        self.settings = SettingChanges(encoding_ok or utf8_only)
         self._cache: OrderedDict[str, tuple[Statement, ...]] = OrderedDict()
         self._cache_size = cache_size
         # Words whose presence sends a statement to the full classifier. SQL can
@@ -324,8 +327,11 @@ class Classifier:
         ntype, body = next(iter(node.items()))
         protected = tuple(sorted(self._protected_in(body)))
 
+        at_bind: tuple[SettingAtBind, ...] = ()
+
         def make(kind: StatementKind, **kw: Any) -> Statement:
-            return Statement(kind, sql, stripped, protected=protected, tree=node, **kw)
+            return Statement(kind, sql, stripped, protected=protected, tree=node,
+                             at_bind=at_bind, **kw)
 
         isolation = reach_refusal(node)
         if isolation is not None:
@@ -349,7 +355,7 @@ class Classifier:
                                     f"{_statement_name(ntype)}; to prepare it, use the extended "
                                     "protocol (Parse), as drivers do")
             return make(StatementKind.DP_QUERY, dp_clause=clauses[0])
-        lexing = self._changes_lexing(ntype, body)
+        lexing, at_bind = self.settings.refusal(ntype, body)
         if lexing is not None:
             st: Statement = make(StatementKind.REFUSED, refusal=lexing)
             return st
@@ -389,60 +395,6 @@ class Classifier:
         st: Statement = make(StatementKind.REFUSED, refusal=err)
         return st
 
-    def _changes_lexing(self, ntype: str, body: Mapping[str, Any]) -> DPError | None:
-        """The refusal of a statement that would make Postgres read SQL differently from the
-        proxy (standard_conforming_strings off, a client-only encoding): refused here, before
-        anything pipelined behind it is read the old way. SET, set_config() and UPDATE of
-        pg_settings are the ways a session can change them; the relay still ends a session
-        whose backend reports such a change."""
-        if ntype == "VariableSetStmt" and body.get("kind") == "VAR_SET_VALUE":
-            err = self._lexing_value(body.get("name", "").lower(), body.get("args", []))
-            if err is not None:
-                return err
-        for fc in walk(body, "FuncCall"):
-            if func_name(fc) != "set_config":
-                continue
-            args = fc.get("args", [])
-            name = literal(args[0]) if args else None
-            if not isinstance(name, str):
-                return FeatureNotSupported(
-                    "set_config() with a name that is not a literal is not allowed through "
-                    "dp-proxy", hint="write the setting's name as a string literal")
-            err = self._lexing_value(name.lower(), args[1:2])
-            if err is not None:
-                return err
-        for upd in walk({ntype: body}, "UpdateStmt"):  # (its rule calls set_config)
-            if upd.get("relation", {}).get("relname") == "pg_settings":
-                return FeatureNotSupported("UPDATE of pg_settings is not allowed through dp-proxy",
-                                           hint="use SET")
-        return None
-
-    def _lexing_value(self, name: str, args: list[Any]) -> DPError | None:
-        """The refusal of setting `name` to `args` (one literal), when it changes lexing."""
-        if name not in _LEXING_SETTINGS:
-            return None
-        value = literal(args[0]) if len(args) == 1 else None
-        if name == "standard_conforming_strings":
-            if value is None or str(value).lower() not in _TRUE:
-                return FeatureNotSupported(
-                    "dp-proxy needs standard_conforming_strings = on",
-                    detail="it reads string literals as Postgres does with that setting; with "
-                           "it off, 'a\\' would mean something else to Postgres",
-                    hint="leave standard_conforming_strings at its default, on")
-            return None
-        if value is None:
-            return FeatureNotSupported(
-                "client_encoding can only be set to a literal through dp-proxy",
-                hint="write the encoding's name as a string literal, e.g. 'UTF8'")
-        if not self._encoding_ok(str(value)):
-            return FeatureNotSupported(
-                f"client_encoding {value} is not supported by dp-proxy",
-                detail="the proxy must read SQL in the client encoding as Postgres does; in the "
-                       "client-only encodings (SJIS, BIG5, GBK, UHC, GB18030, JOHAB) ASCII bytes "
-                       "can be parts of other characters",
-                hint="use UTF8; the LATIN, WIN, KOI8 and EUC encodings work too")
-        return None
-
     def _protected_in(self, node: Any) -> Iterator[str]:
         for rv in range_vars(node):
             name = rv.get("relname", "")
@@ -476,16 +428,7 @@ def _copies_to_server(ntype: str, body: Mapping[str, Any]) -> bool:
 _SESSION_WORDS = ("standard_conforming_strings", "client_encoding", "names", "set_config",
                   "pg_settings", "reset", "discard", "deallocate", "savepoint", "release",
                   "rollback", "chain")
-"""Words of the statements `Classifier._changes_lexing` refuses and `_effect` marks."""
-_LEXING_SETTINGS = frozenset({"standard_conforming_strings", "client_encoding"})
-_TRUE = frozenset({"on", "1", "t", "tr", "tru", "true", "y", "ye", "yes"})
-"""What Postgres reads as boolean true."""
-
-
-def _utf8(value: str) -> bool:
-    return re.sub(r"[^0-9a-z]", "", value.lower()) in ("utf8", "unicode")
-
-
+"""Words of the statements `SettingChanges.refusal` refuses and `_effect` marks."""
 def _effect(ntype: str, body: Mapping[str, Any]) -> dict[str, Any]:
     """The `effect` (and `setting`) of a forwarded statement, as keywords for Statement."""
     if ntype == "VariableSetStmt" and body.get("kind") == "VAR_RESET_ALL":

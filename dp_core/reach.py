@@ -157,15 +157,20 @@ def _relation_refusal(relname: str) -> InsufficientPrivilege | None:
     return InsufficientPrivilege(f"{relname} is not available through dp-proxy: {why}")
 
 
+def role_setting_refusal(setting: str) -> InsufficientPrivilege | None:
+    """The refusal of `set_config(setting, ...)` when it would change the session's role."""
+    if setting.lower() in _ROLE_SETTINGS:
+        return InsufficientPrivilege(f"set_config('{setting}', ...) is not allowed through "
+                                     f"dp-proxy: {_ROLE}")
+    return None
+
+
 def _function_refusal(fc: Mapping[str, Any]) -> InsufficientPrivilege | None:
     """The refusal of a call (or of a function named where one is attached) by its last name."""
     name, args = func_name(fc), fc.get("args", [])
     if name == "set_config":
         setting = literal(args[0]) if args else None
-        if isinstance(setting, str) and setting.lower() in _ROLE_SETTINGS:
-            return InsufficientPrivilege(f"set_config('{setting}', ...) is not allowed through "
-                                         f"dp-proxy: {_ROLE}")
-        return None
+        return role_setting_refusal(setting) if isinstance(setting, str) else None
     if name.startswith("pg_stat_"):
         why: str | None = _STATISTICS_FUNCTIONS
     elif name.startswith("lo_"):

@@ -56,9 +56,13 @@ class ProxyServer:
         self.pool: Any = None
         self.ledger_pool: Any = None
         self.dp: Any = None
-        self.sessions: dict[int, SessionCore] = {}
-        self._logged_in: set[int] = set()
+        self.sessions: set[SessionCore] = set()
+        self._logged_in: set[SessionCore] = set()
         """Sessions past their login."""
+        self._by_pid: dict[int, list[SessionCore]] = {}
+        """Logged-in sessions by the process id their client was told: their backend
+        connection's pid (one Postgres has one live backend of a pid, but a session whose
+        backend has just ended may still be here)."""
         self._starting: weakref.WeakSet[asyncio.Protocol] = weakref.WeakSet()
         """Connections taken and not logged in yet (counted from the moment they are taken,
         before their session exists; one asyncio dropped unopened leaves with the object)."""
@@ -161,7 +165,7 @@ class ProxyServer:
         """`session` has logged in: it counts against max_connections (53300 beyond it)."""
         if self.worker is None and len(self._logged_in) >= self.config.listen.max_connections:
             raise TooManyConnections("sorry, too many clients already")
-        self._logged_in.add(session.process_id)
+        self._logged_in.add(session)
         self._starting.discard(session.proto)
         if self.worker is not None:
             self.worker.client_logged_in()
@@ -175,7 +179,7 @@ class ProxyServer:
         deadline = loop.time() + (self.config.listen.shutdown_grace if grace is None else grace)
         log.info("shutting down: %d sessions", len(self.sessions))
         while True:
-            for session in list(self.sessions.values()):
+            for session in list(self.sessions):
                 if session.idle:
                     session.fatal(_shutdown_error())
             if not self.sessions or loop.time() >= deadline:
@@ -204,7 +208,7 @@ class ProxyServer:
             self.dp.ledger.refresh_days = {n: a.refresh_days for n, a in merged.analysts.items()}
             self.dp.config = merged
         self.config = merged
-        for session in list(self.sessions.values()):
+        for session in list(self.sessions):
             session.config = merged
             if session.link is not None:
                 session.link.log_cycles = self.statement_log.log_all
@@ -223,7 +227,7 @@ class ProxyServer:
         if self.ops is not None:
             await self.ops.stop()
             self.ops = None
-        for session in list(self.sessions.values()):
+        for session in list(self.sessions):
             session.fatal(_shutdown_error())
         if self._server is not None:
             with contextlib.suppress(Exception):
@@ -238,31 +242,42 @@ class ProxyServer:
     # ------------------------------------------------------------------ sessions
 
     def register_key(self, session: SessionCore) -> tuple[int, int]:
-        while True:
-            pid = secrets.randbelow(2**31 - 1) + 1
-            if pid not in self.sessions and (self.worker is None or self.worker.owns(pid)):
-                break
-        self.sessions[pid] = session
-        return pid, secrets.randbits(31)
+        """A new session's secret key, and a process id for its log lines until it has a
+        backend connection (`advertise`)."""
+        self.sessions.add(session)
+        return secrets.randbelow(2**31 - 1) + 1, secrets.randbits(31)
+
+    def advertise(self, session: SessionCore, backend_pid: int) -> None:
+        """`session`'s client is told `backend_pid`, its backend connection's own: a
+        CancelRequest naming it (with the session's secret key) cancels what it runs."""
+        session.process_id = backend_pid
+        self._by_pid.setdefault(backend_pid, []).append(session)
 
     def unregister(self, session: SessionCore) -> None:
-        if self.sessions.get(session.process_id) is session:
-            del self.sessions[session.process_id]
-            logged_in = session.process_id in self._logged_in
-            self._logged_in.discard(session.process_id)
+        if session in self.sessions:
+            self.sessions.discard(session)
+            same = self._by_pid.get(session.process_id, [])
+            if session in same:
+                same.remove(session)
+                if not same:
+                    del self._by_pid[session.process_id]
+            logged_in = session in self._logged_in
+            self._logged_in.discard(session)
             self._starting.discard(session.proto)
             if self.worker is not None:
                 self.worker.client_closed(logged_in)
 
-    def cancel(self, process_id: int, secret_key: int) -> None:
-        if self.worker is not None and not self.worker.owns(process_id):
+    def cancel(self, process_id: int, secret_key: int, relay: bool = True) -> None:
+        """A CancelRequest: the session told `process_id` whose key is `secret_key`, if any,
+        cancels what it runs. With workers, any of them may have it: the request goes to
+        the others too (`relay`), whatever is found here, so that how long it takes says
+        nothing of the key."""
+        key = secret_key.to_bytes(4, "big", signed=True)
+        for session in list(self._by_pid.get(process_id, ())):
+            if secrets.compare_digest(session.secret_key.to_bytes(4, "big"), key):
+                session.cancel()
+        if relay and self.worker is not None:
             self.worker.cancel_elsewhere(process_id, secret_key)
-            return
-        session = self.sessions.get(process_id)
-        if session is not None and secrets.compare_digest(
-            session.secret_key.to_bytes(4, "big"), secret_key.to_bytes(4, "big", signed=True)
-        ):
-            session.cancel()
 
     async def cancel_backend(self, key: tuple[int, int]) -> None:
         with contextlib.suppress(OSError, TimeoutError):

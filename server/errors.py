@@ -100,6 +100,12 @@ class UnsupportedSession(FeatureNotSupported):
     severity = "FATAL"
 
 
+class UnsupportedProtocolVersion(FeatureNotSupported):
+    """A start-up packet asking for a major protocol version other than 3."""
+
+    severity = "FATAL"
+
+
 class PushdownBusy(DPError):
     """No pushdown connection, or no turn of the analyst's, came free in time: nothing was
     charged, and trying again may succeed."""

@@ -8,9 +8,10 @@ every worker (metrics are summed, health is every worker's), forwards SIGHUP,
 SIGTERM and SIGINT, and restarts a worker that dies.
 
 Each worker is a `ProxyServer` without a listener of its own. A CancelRequest
-may reach any worker (it comes on a new connection): the key's process id names
-the worker that owns the session (`process_id % workers`), and a worker that does
-not own it sends it to the supervisor, which passes it on.
+may reach any worker (it comes on a new connection) and names the session by the
+pid of its backend connection, which says nothing of its worker: the worker that
+takes it looks among its own sessions and sends it to the supervisor, which passes
+it on to every other worker.
 
 Nothing else is shared: the ledger is in Postgres (DESIGN §4), and each worker has
 its own pushdown pool, caches and backend connections.
@@ -19,7 +20,7 @@ Control messages are one datagram each (SOCK_SEQPACKET): a tag byte, then
   supervisor → worker: b"F" + a socket (ancillary), b"C" + process id and key,
                        b"M" (metrics?), b"H" (healthy?)
   worker → supervisor: b"R" (ready), b"X" (a client connection ended),
-                       b"C" + process id and key (someone else's), b"M" + exposition,
+                       b"C" + process id and key (for the others), b"M" + exposition,
                        b"H" + b"1" or b"0"
 """
 
@@ -53,7 +54,7 @@ class WorkerHost(Protocol):
 
     metrics: Metrics
 
-    def cancel(self, process_id: int, secret_key: int) -> None: ...
+    def cancel(self, process_id: int, secret_key: int, relay: bool = True) -> None: ...
     async def healthy(self) -> bool: ...
     def new_connection(self) -> asyncio.Protocol: ...
 
@@ -226,9 +227,9 @@ class Supervisor:
         elif tag == b"A":
             worker.logged_in += 1
         elif tag == b"C":
-            pid, _ = _KEY.unpack(body)
-            owner = self.workers[pid % len(self.workers)]
-            self._send(owner, data)
+            for other in self.workers:
+                if other is not worker:
+                    self._send(other, data)
         elif tag in (b"M", b"H"):
             worker.replies.put_nowait(body)
 
@@ -384,9 +385,6 @@ class WorkerLink:
         asyncio.get_running_loop().add_reader(self.control.fileno(), self._on_control)
         self.control.send(b"R")
 
-    def owns(self, process_id: int) -> bool:
-        return process_id % self.workers == self.index
-
     def client_closed(self, logged_in: bool) -> None:
         with contextlib.suppress(OSError):
             self.control.send(b"Y" if logged_in else b"X")
@@ -417,7 +415,7 @@ class WorkerLink:
                 self._adopt(socket.socket(fileno=fd))
         elif tag == b"C":
             pid, key = _KEY.unpack(body)
-            self.server.cancel(pid, key)
+            self.server.cancel(pid, key, relay=False)
         elif tag == b"M":
             self._reply(b"M" + self.server.metrics.exposition())
         elif tag == b"H":

@@ -50,9 +50,10 @@ class SessionHost(Protocol):
     mock_secret: bytes
 
     def register_key(self, session: SessionCore) -> tuple[int, int]: ...
+    def advertise(self, session: SessionCore, backend_pid: int) -> None: ...
     def unregister(self, session: SessionCore) -> None: ...
     def logged_in(self, session: SessionCore) -> None: ...
-    def cancel(self, process_id: int, secret_key: int) -> None: ...
+    def cancel(self, process_id: int, secret_key: int, relay: bool = True) -> None: ...
     async def cancel_backend(self, key: tuple[int, int]) -> None: ...
     async def connect_backend(self, analyst: str,
                               parameters: dict[str, str]) -> backend.BackendLink: ...
@@ -106,7 +107,7 @@ class SessionCore:
     # slots: attribute reads stay fast however many there are (see BackendLink)
     __slots__ = ("_clock", "_dp_charged", "_dp_task", "_idle_handle", "_input", "_last_input", "_plain",
                  "_portals_epoch", "_ran_query", "_startup_task", "_task", "_tls_ok",
-                 "backlog", "block_settings", "busy", "config", "exhausted_portals", "frames",
+                 "backlog", "block_settings", "bound_checks", "busy", "config", "exhausted_portals", "frames",
                  "link", "local_portals", "local_statements", "process_id", "proto", "reading_paused",
                  "secret_key", "server", "state", "transport", "user")
 
@@ -125,6 +126,9 @@ class SessionCore:
         self.block_settings = BlockSettings(server.default_settings())
         """The session's dp.* settings, with their transaction semantics."""
         self.local_statements: dict[str, LocalStatement] = {}
+        self.bound_checks: dict[str, Statement] = {}
+        """Forwarded prepared statements whose parameters' values are checked at Bind (their
+        `at_bind`), by name."""
         self.local_portals: dict[str, LocalPortal] = {}
         self.exhausted_portals: set[str] = set()
         """Local portals whose DP answer has been sent (until the name is bound again)."""

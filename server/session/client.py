@@ -154,7 +154,7 @@ class Session(WithImplicitBlock):
         pos = 0
         limit = self.frames.max_size
         plain = self._plain
-        local = bool(self.local_statements or self.local_portals)
+        local = bool(self.local_statements or self.local_portals or self.bound_checks)
         pending, cycles = link.pending, link.cycles
         kinds, unpack = _FAST_KINDS, _LENGTH.unpack_from
         unsynced = -1
@@ -297,7 +297,7 @@ class Session(WithImplicitBlock):
             raise SyntaxError_("cannot insert multiple commands into a prepared statement")
         st = stmts[0]
         if st.kind in _FORWARDED and not self._follows(st, prepared=bool(msg.name)):
-            self._forwarded_parse(msg.name)
+            self._forwarded_parse(msg.name, st)
             link.forward(raw, tag)
             return None
         return self._local_parse(msg, st)
@@ -306,6 +306,11 @@ class Session(WithImplicitBlock):
         # only the names decide the route: decode the whole message only when local
         portal_name, statement_name = two_names(raw, link.codec)
         local = self.local_statements.get(statement_name)
+        checked = local.statement if local is not None else self.bound_checks.get(statement_name)
+        if checked is not None and checked.at_bind:
+            decoded = p.decode_frontend(tag, raw[5:], link.codec)
+            assert isinstance(decoded, p.Bind)
+            self._check_bound(checked, decoded)
         if local is None:
             if portal_name == "" and "" in self.local_portals:
                 return self._forward_unnamed_bind(raw)
@@ -321,6 +326,8 @@ class Session(WithImplicitBlock):
             self.local_statements if raw[5:6] == b"S" else self.local_portals
         )
         if not table or name_after_kind(raw, link.codec) not in table:
+            if tag == b"C" and raw[5:6] == b"S" and self.bound_checks:
+                self.bound_checks.pop(name_after_kind(raw, link.codec), None)
             link.forward(raw, tag)
             return None
         msg = p.decode_frontend(tag, raw[5:], link.codec)

@@ -108,16 +108,35 @@ class WithLocalExtended(WithLocalAnswers):
             st, msg.param_types, max(len(msg.param_types), highest_parameter(st.tree)))
         self.send(p.ParseComplete())
 
-    def _forwarded_parse(self, name: str) -> None:
+    def _forwarded_parse(self, name: str, st: Statement | None = None) -> None:
         """A Parse the backend answers replaces the unnamed statement, local or not; for a
         named one, a local statement's shadow makes the backend refuse it (42P05), as
-        Postgres refuses a name in use."""
+        Postgres refuses a name in use. `st`, when its parameters are checked at Bind."""
         if name == "":
             self.local_statements.pop("", None)
+        if st is not None and st.at_bind:
+            self.bound_checks[name] = st
+        elif name == "" or name not in self.bound_checks:
+            self.bound_checks.pop(name, None)
+
+    def _check_bound(self, st: Statement, bind: p.Bind) -> None:
+        """Refuse a Bind whose parameters' values would change a setting the proxy depends
+        on, as the literal form is refused when parsed."""
+        assert self.link is not None
+        values: list[str | None] = []
+        for value in bind.params:
+            try:
+                values.append(None if value is None else value.decode(self.link.codec))
+            except UnicodeDecodeError:
+                values.append(None)  # (Postgres refuses the Bind: 22021)
+        err = self.server.classifier.settings.bound_refusal(st.at_bind, values)
+        if err is not None:
+            raise err
 
     def _drop_unnamed(self, link: backend.BackendLink) -> None:
         """As Postgres, a simple Query drops the unnamed statement, and the unnamed portal
         when it runs a statement: not in a failed block (it fails first, 25P02)."""
+        self.bound_checks.pop("", None)
         if self.local_statements or self.local_portals:
             self.local_statements.pop("", None)
             if link.tx_status != b"E":
@@ -162,6 +181,7 @@ class WithLocalExtended(WithLocalAnswers):
 
     def _local_close(self, msg: p.Close) -> None:
         if msg.kind == b"S":
+            self.bound_checks.pop(msg.name, None)
             self.local_statements.pop(msg.name, None)
         elif self._open_portal(msg.name) is not None:
             self.local_portals.pop(msg.name, None)

@@ -99,11 +99,14 @@ class WithSettings(SessionCore):
         if effect is Effect.DEALLOCATE:  # (the backend dropped the statement's shadow too)
             if st.setting is None:
                 self.local_statements.clear()
+                self.bound_checks.clear()
             else:
                 self.local_statements.pop(st.setting, None)
+                self.bound_checks.pop(st.setting, None)
             return
         if effect is Effect.DISCARD_ALL:
             self.local_statements.clear()
+            self.bound_checks.clear()
             self.local_portals.clear()
             self.exhausted_portals.clear()
         if effect in (Effect.DISCARD_ALL, Effect.RESET_ALL):

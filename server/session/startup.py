@@ -18,11 +18,16 @@ from server.errors import (
     InvalidPassword,
     ProtocolViolationError,
     TooManyConnections,
+    UnsupportedProtocolVersion,
     UnsupportedSession,
 )
 from server.scram import MECHANISM, ScramError, ScramServer, Verifier
 from server.session.base import CLOSED, State, log
 from server.session.settings import WithSettings
+
+_PROTOCOL_OPTION = "_pq_."
+"""The prefix of start-up options that are protocol extensions, not settings: none is known
+to the proxy, nor to Postgres 16."""
 
 
 def _login_refused(analyst: str, sqlstate: str | None) -> DPError:
@@ -81,6 +86,10 @@ class WithStartup(WithSettings):
             # sends Terminate before its start-up packet is closing, not asking)
             log.info("session %s: %s", self.process_id, e)
             self.close()
+        except p.UnsupportedProtocol as e:
+            self.fatal(UnsupportedProtocolVersion(str(e)))
+        except p.MissingUserName as e:
+            self.fatal(InvalidAuthorization(str(e)))
         except p.ProtocolViolation as e:
             self.fatal(ProtocolViolationError(str(e)))
         except DPError as e:
@@ -114,6 +123,11 @@ class WithStartup(WithSettings):
         ):
             raise InvalidAuthorization("this proxy requires TLS: connect with sslmode=require")
         params = packet.parameters
+        unknown = tuple(name for name in params if name.startswith(_PROTOCOL_OPTION))
+        if packet.protocol != p.PROTOCOL_V3 or unknown:
+            # as Postgres 16: the session goes on at 3.0, without the protocol options (the
+            # client decides whether that will do)
+            self.send(p.NegotiateProtocolVersion(p.PROTOCOL_V3, unknown))
         if params.get("replication", "false").lower() not in ("false", "0", "off", "no"):
             raise InvalidAuthorization("replication connections are not allowed through dp-proxy")
         self.user = params["user"]
@@ -125,7 +139,8 @@ class WithStartup(WithSettings):
             raise InvalidCatalogName(
                 f'database "{database}" does not exist',
                 hint=f'this proxy serves the database "{self.server.database}"')
-        forwarded = {k: v for k, v in params.items() if k not in ("user", "database")}
+        forwarded = {k: v for k, v in params.items()
+                     if k not in ("user", "database") and not k.startswith(_PROTOCOL_OPTION)}
         try:
             self.link = await self.server.connect_backend(self.user, forwarded)
         except backend.BackendError as e:
@@ -148,6 +163,10 @@ class WithStartup(WithSettings):
         self.link.on_tx_end = self._settle
         self.link.log_cycles = self.server.statement_log.log_all
         self.write(b"".join(self.link.startup_frames))
+        if self.link.key is not None:
+            # the pid of the backend that serves the session, as pg_backend_pid() and
+            # notifications give it; the secret key is the proxy's own
+            self.server.advertise(self, self.link.key[0])
         self.send(p.BackendKeyData(self.process_id, self.secret_key),
                   p.ReadyForQuery(self.link.tx_status))
         self.state = State.READY

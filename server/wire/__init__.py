@@ -31,6 +31,7 @@ from server.wire.backend import (
     EmptyQueryResponse,
     ErrorResponse,
     FieldDescription,
+    NegotiateProtocolVersion,
     NoData,
     NoticeResponse,
     NotificationResponse,
@@ -44,8 +45,10 @@ from server.wire.backend import (
 )
 from server.wire.codec import (
     InvalidText,
+    MissingUserName,
     ProtocolViolation,
     UnframedStartup,
+    UnsupportedProtocol,
 )
 from server.wire.framing import (
     FrameReader,
@@ -122,6 +125,8 @@ __all__ = [
     "FunctionCall",
     "GSSENCRequest",
     "InvalidText",
+    "MissingUserName",
+    "NegotiateProtocolVersion",
     "NoData",
     "NoticeResponse",
     "NotificationResponse",
@@ -142,6 +147,7 @@ __all__ = [
     "Sync",
     "Terminate",
     "UnframedStartup",
+    "UnsupportedProtocol",
     "decode_backend",
     "decode_frontend",
     "decode_startup",

@@ -72,6 +72,21 @@ class BackendKeyData:
 
 
 @dataclass(frozen=True)
+class NegotiateProtocolVersion:
+    """The newest protocol version the server speaks (as Postgres 16 sends it: the whole
+    version word, 3.0) and the `_pq_.` start-up options it does not know."""
+
+    tag: ClassVar[bytes] = b"v"
+    newest: int
+    unrecognized: tuple[str, ...] = ()
+
+    def encode(self, encoding: str = "utf-8") -> bytes:
+        body = I32.pack(self.newest) + I32.pack(len(self.unrecognized))
+        return frame(self.tag, body + b"".join(cstr(o, encoding, "replace")
+                                               for o in self.unrecognized))
+
+
+@dataclass(frozen=True)
 class ReadyForQuery:
     tag: ClassVar[bytes] = b"Z"
     status: bytes = b"I"  # I idle, T in transaction, E failed transaction
@@ -251,7 +266,7 @@ BackendMessage = (
     Authentication | ParameterStatus | BackendKeyData | ReadyForQuery | RowDescription | DataRow
     | CommandComplete | EmptyQueryResponse | ErrorResponse | NoticeResponse | ParseComplete
     | BindComplete | CloseComplete | NoData | ParameterDescription | PortalSuspended
-    | NotificationResponse | CopyResponse | CopyData | CopyDone
+    | NotificationResponse | CopyResponse | CopyData | CopyDone | NegotiateProtocolVersion
 )
 
 
@@ -275,6 +290,9 @@ def decode_backend(tag: bytes, body: bytes, encoding: str = "utf-8") -> BackendM
         msg = ParameterStatus(r.cstring(), r.cstring())
     elif tag == b"K":
         msg = BackendKeyData(r.int32(), r.int32())
+    elif tag == b"v":
+        newest, n = r.int32(), r.int32()
+        msg = NegotiateProtocolVersion(newest, tuple(r.cstring() for _ in range(n)))
     elif tag == b"Z":
         status = r.byte()
         if status not in (b"I", b"T", b"E"):

@@ -24,6 +24,14 @@ class UnframedStartup(ProtocolViolation):
     any start-up packet): Postgres logs it and closes the connection without a reply."""
 
 
+class UnsupportedProtocol(ProtocolViolation):
+    """A start-up packet asking for a major protocol version other than 3 (Postgres: 0A000)."""
+
+
+class MissingUserName(ProtocolViolation):
+    """A start-up packet without a user (Postgres: 28000)."""
+
+
 class InvalidText(ProtocolViolation):
     """A string of a well-formed message is not valid in the encoding it was read in (Postgres
     answers this with an ERROR, 22021, and the session goes on)."""

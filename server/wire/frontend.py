@@ -13,8 +13,10 @@ from server.wire.codec import (
     I16,
     I32,
     U32,
+    MissingUserName,
     ProtocolViolation,
     Reader,
+    UnsupportedProtocol,
     cstr,
     frame,
     int16s,
@@ -83,10 +85,10 @@ def decode_startup(body: bytes) -> StartupPacket:
         pid, key = r.int32(), r.int32()
         r.end()
         return CancelRequest(pid, key)
-    if code >> 16 != 3:
-        raise ProtocolViolation(
-            f"unsupported frontend protocol {code >> 16}.{code & 0xFFFF}: server supports 3.0"
-        )
+    if code >> 16 != PROTOCOL_V3 >> 16:
+        raise UnsupportedProtocol(
+            f"unsupported frontend protocol {code >> 16}.{code & 0xFFFF}: server supports "
+            "3.0 to 3.0")
     params: dict[str, str] = {}
     while True:
         name = r.cstring()
@@ -95,7 +97,7 @@ def decode_startup(body: bytes) -> StartupPacket:
         params[name] = r.cstring()
     r.end()
     if "user" not in params:
-        raise ProtocolViolation("no PostgreSQL user name specified in startup packet")
+        raise MissingUserName("no PostgreSQL user name specified in startup packet")
     return StartupMessage(params, code)
 
 

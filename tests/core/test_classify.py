@@ -373,8 +373,10 @@ def test_digits_are_kept_when_a_protected_name_has_one() -> None:
     ("SELECT set_config('standard_conforming_strings'::text, 'on', false)", False),
     ("SELECT set_config('search_path', '', false)", False),  # as pg_dump sends
     ("SELECT set_config('search_path', $1, false)", False),
-    ("SELECT set_config('client_encoding', $1, false)", True),
-    ("SELECT set_config($1, 'x', false)", True),
+    ("SELECT set_config('client_encoding', $1, false)", False),  # (checked at Bind)
+    ("SELECT set_config($1, 'x', false)", False),  # (checked at Bind)
+    ("PREPARE p(text) AS SELECT set_config('client_encoding', $1, false)", True),
+    ("SELECT set_config('client_encoding', $1 || '', false)", True),
     ("SELECT x FROM t WHERE set_config(name, 'x', false) IS NULL", True),
     ("UPDATE pg_settings SET setting = 'on' WHERE name = 'x'", True),
     ("SELECT name, setting FROM pg_settings", False),
@@ -387,6 +389,43 @@ def test_settings_that_change_how_sql_is_read(classifier: Classifier, sql: str,
         assert stmt.refusal is not None and stmt.refusal.sqlstate == "0A000"
     # and the fast path never forwards them unparsed
     assert not classifier.is_plain_pass_through_bytes(sql.encode())
+
+
+@pytest.mark.parametrize(("sql", "values", "sqlstate"), [
+    ("SELECT set_config('client_encoding', $1, false)", ["UTF8"], None),
+    ("SELECT set_config('client_encoding', $1, false)", ["SJIS"], "0A000"),
+    ("SELECT set_config('client_encoding', $1, false)", [None], "0A000"),  # as a NULL literal
+    ("SELECT set_config('CLIENT_ENCODING', $1::text, false)", ["big5"], "0A000"),
+    ("SELECT set_config($1, $2, false)", ["client_encoding", "UTF8"], None),
+    ("SELECT set_config($1, $2, false)", ["Client_Encoding", "GBK"], "0A000"),
+    ("SELECT set_config($1, $2, false)", ["standard_conforming_strings", "off"], "0A000"),
+    ("SELECT set_config($1, $2, false)", ["standard_conforming_strings", "yes"], None),
+    ("SELECT set_config($1, $2, false)", ["search_path", "x"], None),
+    ("SELECT set_config($1, $2, false)", ["ROLE", "dp_pushdown"], "42501"),
+    ("SELECT set_config($1, 'x', false)", ["session_authorization"], "42501"),
+    ("SELECT set_config($2, $1, false)", ["off", "standard_conforming_strings"], "0A000"),
+    ("SELECT set_config($1, 'SJIS', false)", ["client_encoding"], "0A000"),
+    ("SELECT set_config($1, lower($2), false)", ["client_encoding", "UTF8"], "0A000"),
+    ("SELECT 1 WHERE set_config($1, 'on', true) IS NOT NULL "
+     "AND set_config('client_encoding', $2, true) IS NOT NULL",
+     ["standard_conforming_strings", "sjis"], "0A000"),
+    ("SELECT set_config($1, 'x', false)", [None], None),  # (Postgres refuses a NULL name)
+])
+def test_parameters_of_set_config_are_checked_at_bind(classifier: Classifier, sql: str,
+                                                      values: list[str | None],
+                                                      sqlstate: str | None) -> None:
+    """The same rules, and errors, as the literal form: applied to the values a Bind gives."""
+    (stmt,) = classifier.classify(sql)
+    assert stmt.kind is K.PASS_THROUGH and stmt.at_bind, stmt
+    err = classifier.settings.bound_refusal(stmt.at_bind, values)
+    assert (err.sqlstate if err is not None else None) == sqlstate, err
+    if err is not None:  # the literal form gets the same error
+        literal_sql = sql
+        for i, v in reversed(list(enumerate(values, 1))):
+            literal_sql = literal_sql.replace(f"${i}", "NULL" if v is None else f"'{v}'")
+        (lit,) = classifier.classify(literal_sql)
+        assert lit.refusal is not None and (lit.refusal.sqlstate, str(lit.refusal)) == \
+            (err.sqlstate, str(err))
 
 
 def test_the_encoding_predicate_decides(classifier: Classifier) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -58,6 +60,38 @@ def _workers(pid: int) -> list[int]:
     return sorted(int(x) for x in out.stdout.split())
 
 
+def _worker_of(conn: psycopg.Connection, workers: list[int]) -> int:
+    """The index in `workers` of the worker process that serves `conn` (the one holding the
+    other end of its socket): the pid the client is told is its backend's, not a worker's."""
+    with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+        here, there = sock.getsockname()[1], sock.getpeername()[1]
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote = (int(a.rsplit(":", 1)[1], 16) for a in fields[1:3])
+            if (local, remote) == (there, here):
+                inodes.add(f"socket:[{fields[9]}]")
+    found = [i for i, pid in enumerate(workers) for fd in Path(f"/proc/{pid}/fd").iterdir()
+             if _link(fd) in inodes]
+    assert len(found) == 1, (inodes, found)
+    return found[0]
+
+
+def _link(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+def _cancel_with_a_wrong_key(conn: psycopg.Connection) -> None:
+    with socket.create_connection(("127.0.0.1", conn.info.port)) as sock:
+        # (the right key is one of 2**31: psycopg does not show it)
+        sock.sendall(struct.pack("!iiii", 16, 80877102, conn.info.backend_pid, 12345))
+        assert sock.recv(1) == b""
+
+
 @contextmanager
 def _serve(backend: Backend, tmp_path: Path, **env: str) -> Iterator[tuple[subprocess.Popen[bytes],
                                                                            Path, str]]:
@@ -98,11 +132,17 @@ def test_workers_share_clients_cancels_limits_metrics_reload_and_stop(
         admin = psycopg.connect(dsn + " user=admin password=admin", autocommit=True)
         admin.execute("SELECT dp_reset_budget('bob')")
         a = psycopg.connect(dsn + " user=bob password=bob", autocommit=True)
-        # each worker's key names it: process id % workers; clients go to the one with fewer
-        assert {admin.info.backend_pid % 2, a.info.backend_pid % 2} == {0, 1}
+        # clients go to the worker with fewer; each is told its own backend's pid
+        assert {_worker_of(admin, workers), _worker_of(a, workers)} == {0, 1}
+        for conn in (admin, a):
+            assert conn.execute("SELECT pg_backend_pid()").fetchone() == (conn.info.backend_pid,)
 
         # a cancel reaches the session whichever worker the CancelRequest lands on (both are
-        # open with one client each: it lands on worker 0 and is passed on when not its own)
+        # open with one client each: it lands on worker 0 and is passed on to the other);
+        # a wrong key cancels nothing, in either worker
+        for conn in (admin, a):
+            threading.Timer(0.3, _cancel_with_a_wrong_key, (conn,)).start()
+            assert conn.execute("SELECT 1 FROM pg_sleep(1)").fetchone() == (1,)
         for conn in (admin, a):
             threading.Timer(0.3, conn.cancel).start()
             t0 = time.monotonic()
@@ -148,11 +188,12 @@ def test_workers_share_clients_cancels_limits_metrics_reload_and_stop(
             await_epsilon_total(conn, 2.5, "SIGHUP did not reload bob's budget in every worker")
 
         # a worker that dies is restarted (its clients are lost, the others' are not)
-        victim = workers[a.info.backend_pid % 2]
+        victim_index = _worker_of(a, workers)
+        survivor = admin if _worker_of(admin, workers) != victim_index else None
+        victim = workers[victim_index]
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(psycopg.OperationalError):
             a.execute("SELECT 1")
-        survivor = admin if admin.info.backend_pid % 2 != a.info.backend_pid % 2 else None
         if survivor is not None:
             assert survivor.execute("SELECT 1").fetchone() == (1,)
         for conn in (a, b, c, admin):
@@ -195,11 +236,11 @@ def test_workers_speak_tls_and_refuse_plaintext_when_required(
     with _serve(backend, tmp_path, DPPROXY_LISTEN__WORKERS="2", DPPROXY_LISTEN__HOST="localhost",
                 DPPROXY_TLS__CERT_FILE=str(tmp_path / "server.crt"),
                 DPPROXY_TLS__KEY_FILE=str(tmp_path / "server.key"),
-                DPPROXY_TLS__REQUIRE="true") as (_, _, dsn):
+                DPPROXY_TLS__REQUIRE="true") as (proc, _, dsn):
         plain = dsn.replace("sslmode=disable", "sslmode=verify-full sslrootcert=" +
                             str(tmp_path / "ca.crt"))
         conns = [psycopg.connect(plain + " user=bob password=bob") for _ in range(2)]
-        assert {c.info.backend_pid % 2 for c in conns} == {0, 1}
+        assert {_worker_of(c, _workers(proc.pid)) for c in conns} == {0, 1}
         for c in conns:
             assert c.pgconn.ssl_in_use
             assert c.execute("SELECT count(*) FROM countries").fetchone() == (152,)
@@ -237,11 +278,12 @@ def test_by_default_one_worker_per_core_each_with_its_share_of_the_pool(
     with _serve(backend, tmp_path) as (proc, _, _):
         assert len(_workers(proc.pid)) == (usable_cores() if usable_cores() > 1 else 0)
     with _serve(backend, tmp_path, DPPROXY_LISTEN__WORKERS="2",
-                DPPROXY_BACKEND__PUSHDOWN_POOL_SIZE="2") as (_, _, dsn), \
+                DPPROXY_BACKEND__PUSHDOWN_POOL_SIZE="2") as (proc, _, dsn), \
             psycopg.connect(backend.admin_dsn, autocommit=True) as watch:
         conns = [psycopg.connect(dsn + " user=alice password=alice", autocommit=True)
                  for _ in range(3)]
-        pair = [c for c in conns if c.info.backend_pid % 2 == conns[0].info.backend_pid % 2]
+        where = [_worker_of(c, _workers(proc.pid)) for c in conns]
+        pair = [c for c, w in zip(conns, where, strict=True) if w == where[0]]
         assert len(pair) == 2  # (clients go to the worker with fewer: 0, 1, 0)
         answers: list[tuple[int, ...] | None] = []
 

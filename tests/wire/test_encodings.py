@@ -172,6 +172,73 @@ def test_switching_to_a_client_only_encoding_is_refused(px: Proxy, how: str) -> 
         assert conn.execute("SHOW client_encoding").fetchone() == ("UTF8",)
 
 
+@pytest.mark.parametrize("prepare", [False, True])
+def test_set_config_from_bound_values_is_checked_at_bind(px: Proxy, prepare: bool) -> None:
+    """How psycopg changes the encoding: `set_config('client_encoding', $1, false)`. The
+    values are checked at Bind against the literal form's rules, with its errors: on the
+    unnamed statement and a named (prepared) one, used again."""
+    with psycopg.connect(px.dsn(), autocommit=True, prepare_threshold=0 if prepare else None) \
+            as conn:
+        for value in ("LATIN1", "UTF8", "WIN1252", "UTF8"):
+            conn.execute("SELECT set_config('client_encoding', %s, false)", (value,),
+                         prepare=prepare)
+            assert conn.execute("SHOW client_encoding").fetchone() == (value,)
+        for name, value, sqlstate in (("client_encoding", "SJIS", "0A000"),
+                                      ("CLIENT_ENCODING", "Big5", "0A000"),
+                                      ("standard_conforming_strings", "off", "0A000"),
+                                      ("role", "dp_pushdown", "42501"),
+                                      ("session_authorization", "admin", "42501")):
+            with pytest.raises(psycopg.Error) as info:
+                conn.execute("SELECT set_config(%s, %s, false)", (name, value), prepare=prepare)
+            assert info.value.sqlstate == sqlstate, info.value
+            with pytest.raises(psycopg.Error) as literal:  # the literal form's error
+                conn.execute(f"SELECT set_config('{name}', '{value}', false)")
+            assert str(info.value) == str(literal.value)
+        assert conn.execute("SHOW client_encoding").fetchone() == ("UTF8",)
+        assert conn.execute("SHOW standard_conforming_strings").fetchone() == ("on",)
+        conn.execute("SELECT set_config(%s, %s, false)", ("application_name", "mine"),
+                     prepare=prepare)
+        assert conn.execute("SHOW application_name").fetchone() == ("mine",)
+
+
+def test_set_config_at_bind_in_pipelines_and_after_the_statement_is_gone(px: Proxy) -> None:
+    """Pipelined Parse/Bind/Execute: a refused Bind fails its batch (the rest skipped to Sync,
+    the session goes on); a named statement's check lasts while it does, whatever else is
+    parsed, and ends with it."""
+    c = RawClient(px.host, px.port)
+    c.login("alice", "alice", TEST_DATABASE)
+    sql = "SELECT set_config('client_encoding', $1, false)"
+    c.send(p.Parse("enc", sql), p.Bind("", "enc", (), (b"LATIN1",), ()), p.Execute("", 0),
+           p.Bind("", "enc", (), (b"SJIS",), ()), p.Execute("", 0),
+           p.Parse("", "SELECT 2"), p.Bind("", "", (), (), ()), p.Execute("", 0), p.Sync())
+    msgs = c.recv_until_ready()
+    assert errors(msgs) == ["0A000"]
+    rows = [m.values for m in msgs if isinstance(m, p.DataRow)]
+    assert rows == [(b"LATIN1",)]  # (SELECT 2 was skipped)
+    # an unnamed statement parsed in between does not drop the named one's check
+    c.send(p.Parse("", "SELECT $1::text"), p.Bind("", "", (), (b"SJIS",), ()), p.Execute("", 0),
+           p.Bind("", "enc", (), (b"GBK",), ()), p.Execute("", 0), p.Sync())
+    msgs = c.recv_until_ready()
+    assert errors(msgs) == ["0A000"]
+    assert [m.values for m in msgs if isinstance(m, p.DataRow)] == [(b"SJIS",)]
+    # binary-format values too
+    c.send(p.Bind("", "enc", (1,), (b"UHC",), ()), p.Execute("", 0), p.Sync())
+    assert errors(c.recv_until_ready()) == ["0A000"]
+    c.send(p.Query("SHOW client_encoding"))  # (each failed batch's transaction rolled back)
+    assert [m.values for m in c.recv_until_ready() if isinstance(m, p.DataRow)] == [(b"UTF8",)]
+    # once closed, the name is free for a statement without a check
+    c.send(p.Close(b"S", "enc"), p.Parse("enc", "SELECT $1::text"),
+           p.Bind("", "enc", (), (b"SJIS",), ()), p.Execute("", 0), p.Sync())
+    msgs = c.recv_until_ready()
+    assert not errors(msgs) and [m.values for m in msgs if isinstance(m, p.DataRow)] == [(b"SJIS",)]
+    # the unnamed statement's check, until a simple query drops it
+    c.send(p.Parse("", sql), p.Bind("", "", (), (b"SJIS",), ()), p.Execute("", 0), p.Sync())
+    assert errors(c.recv_until_ready()) == ["0A000"]
+    c.send(p.Query("DEALLOCATE ALL"))
+    assert not errors(c.recv_until_ready())
+    c.close()
+
+
 @pytest.mark.parametrize("value", ["LATIN1", "iso-8859-1", "Windows-1252", "koi8", "UNICODE",
                                    "euc_jp", "ISO_8859_5"])
 def test_switching_to_an_encoding_it_reads_works(px: Proxy, value: str) -> None:

@@ -96,11 +96,26 @@ def test_startup_packets() -> None:
     assert p.decode_startup(cancel.encode()[4:]) == cancel
 
 
-def test_startup_rejects_old_protocol_and_missing_user() -> None:
-    with pytest.raises(p.ProtocolViolation, match=r"unsupported frontend protocol 2\.0"):
-        p.decode_startup(struct.pack("!i", 2 << 16) + b"user\x00a\x00\x00")
-    with pytest.raises(p.ProtocolViolation, match="no PostgreSQL user name"):
+def test_startup_rejects_other_major_protocols_and_missing_user() -> None:
+    for major in (2, 4):
+        with pytest.raises(p.UnsupportedProtocol,
+                           match=rf"unsupported frontend protocol {major}\.0: server supports "
+                                 r"3\.0 to 3\.0"):
+            p.decode_startup(struct.pack("!i", major << 16) + b"user\x00a\x00\x00")
+    with pytest.raises(p.MissingUserName, match="no PostgreSQL user name"):
         p.decode_startup(struct.pack("!i", 196608) + b"database\x00d\x00\x00")
+    # a newer minor version is read (and negotiated down by the session)
+    packet = p.decode_startup(struct.pack("!i", 196610) + b"user\x00a\x00_pq_.x\x00y\x00\x00")
+    assert isinstance(packet, p.StartupMessage) and packet.protocol == 196610
+    assert packet.parameters == {"user": "a", "_pq_.x": "y"}
+
+
+def test_negotiate_protocol_version_as_postgres_sends_it() -> None:
+    # (postmaster.c's SendNegotiateProtocolVersion: the newest version word, then the options)
+    msg = p.NegotiateProtocolVersion(196608, ("_pq_.a", "_pq_.bc"))
+    assert msg.encode() == b"v" + struct.pack("!iii", 4 + 8 + 7 + 8, 196608, 2) \
+        + b"_pq_.a\x00_pq_.bc\x00"
+    assert p.decode_backend(b"v", msg.encode()[5:]) == msg
 
 
 def test_sasl_initial_response_round_trip() -> None:

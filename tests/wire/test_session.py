@@ -7,10 +7,12 @@ import contextlib
 import socket
 import ssl
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import asyncpg
 import psycopg
 import pytest
 
@@ -232,11 +234,76 @@ def test_invalid_utf8_is_answered_as_postgres_does(raw: RawClient) -> None:
     assert [m.values for m in raw.recv_until_ready() if isinstance(m, p.DataRow)] == [(b"1",)]
 
 
-def test_bad_startup_packets(proxy: Proxy) -> None:
+def _startup(version: int, params: dict[str, str]) -> bytes:
+    body = struct.pack("!i", version) + b"".join(
+        k.encode() + b"\0" + v.encode() + b"\0" for k, v in params.items()) + b"\0"
+    return struct.pack("!i", len(body) + 4) + body
+
+
+@pytest.mark.parametrize(("minor", "options"), [(2, {}), (0, {"_pq_.unknown": "on"}),
+                                                (7, {"_pq_.a": "1", "_pq_.b": "2"})])
+def test_newer_minor_versions_and_protocol_options_are_negotiated_as_postgres_does(
+        proxy: Proxy, minor: int, options: dict[str, str]) -> None:
     c = RawClient(proxy.host, proxy.port)
-    c.send_raw(struct.pack("!ii", 8, 2 << 16))
+    c.send_raw(_startup(3 << 16 | minor, {"user": "alice", "database": TEST_DATABASE, **options}))
+    first = c.recv()
+    # as Postgres 16: the newest version it speaks, 3.0, and the options it does not know,
+    # before authentication; the session then goes on at 3.0
+    assert first == p.NegotiateProtocolVersion(196608, tuple(options))
+    auth = c.recv()
+    assert isinstance(auth, p.Authentication) and auth.code == p.AUTH_SASL
+    c.close()
+    # a whole login: the options are not settings for the backend
+    c = RawClient(proxy.host, proxy.port)
+    real_send = c.send
+
+    def send_startup(*msgs: object) -> None:
+        if msgs and isinstance(msgs[0], p.StartupMessage):
+            c.send_raw(_startup(3 << 16 | minor, {**msgs[0].parameters, **options}))
+            assert c.recv() == p.NegotiateProtocolVersion(196608, tuple(options))
+            return
+        real_send(*msgs)
+
+    c.send = send_startup  # type: ignore[method-assign]
+    msgs = c.login("alice", "alice", TEST_DATABASE)
+    assert isinstance(msgs[-1], p.ReadyForQuery), msgs
+    c.send = real_send  # type: ignore[method-assign]
+    c.send(p.Query("SELECT 1"))
+    assert not errors(c.recv_until_ready())
+    c.close()
+
+
+def test_a_3_0_startup_gets_no_negotiation(proxy: Proxy) -> None:
+    c = RawClient(proxy.host, proxy.port)
+    c.send_raw(_startup(196608, {"user": "alice", "database": TEST_DATABASE}))
+    assert isinstance(c.recv(), p.Authentication)
+    c.close()
+
+
+def test_libpq_asking_for_the_latest_protocol_gets_3_0(proxy: Proxy) -> None:
+    if psycopg.pq.version() < 180000:
+        pytest.skip("libpq before 18 has no max_protocol_version")
+    with psycopg.connect(host=proxy.host, port=proxy.port, user="alice", password="alice",
+                         dbname=TEST_DATABASE, max_protocol_version="latest") as conn:
+        assert conn.pgconn.full_protocol_version == 30000
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_bad_startup_packets(proxy: Proxy) -> None:
+    for major in (2, 4):  # as Postgres: 0A000, and the connection closed
+        c = RawClient(proxy.host, proxy.port)
+        c.send_raw(_startup(major << 16, {"user": "alice"}))
+        err = c.recv()
+        assert isinstance(err, p.ErrorResponse) and err.sqlstate == "0A000", err
+        assert err.message == f"unsupported frontend protocol {major}.0: server supports 3.0 " \
+                              "to 3.0"
+        assert c.until_closed() == []
+        c.close()
+    c = RawClient(proxy.host, proxy.port)
+    c.send_raw(_startup(196608, {"database": TEST_DATABASE}))
     err = c.recv()
-    assert isinstance(err, p.ErrorResponse) and err.sqlstate == "08P01"
+    assert isinstance(err, p.ErrorResponse) and err.sqlstate == "28000", err
+    assert err.message == "no PostgreSQL user name specified in startup packet"
     c.close()
     # a length word that cannot be a start-up packet's: as Postgres, logged and closed
     # without a reply (a client closing right after connecting sends Terminate first)
@@ -472,3 +539,60 @@ def test_query_after_failing_unsynced_extended_frames_waits_for_sync(raw: RawCli
     assert [m.values for m in raw.recv_until_ready() if isinstance(m, p.DataRow)] == [(b"3",)]
     raw.send(p.Query("SHOW dp.epsilon"))  # answered once every reply awaited has come
     assert [m.values for m in raw.recv_until_ready() if isinstance(m, p.DataRow)] == [(b"1.0",)]
+
+
+# ---------------------------------------------------------------------------- backend pid
+
+
+def test_the_client_is_told_its_backends_pid_and_cancels_by_it(proxy: Proxy,
+                                                               backend: Backend) -> None:
+    """BackendKeyData carries the pid of the backend that serves the session, as
+    pg_backend_pid() (and pg_stat_activity) give it; the secret key is the proxy's own."""
+    c = RawClient(proxy.host, proxy.port)
+    msgs = c.login("alice", "alice", TEST_DATABASE)
+    key = next(m for m in msgs if isinstance(m, p.BackendKeyData))
+    c.send(p.Query("SELECT pg_backend_pid()"))
+    row = next(m for m in c.recv_until_ready() if isinstance(m, p.DataRow))
+    assert row.values[0] == str(key.process_id).encode()
+    c.close()
+
+    async def with_asyncpg() -> None:
+        conn = await asyncpg.connect(host=proxy.host, port=proxy.port, user="alice",
+                                     password="alice", database=TEST_DATABASE, ssl=False)
+        try:
+            assert conn.get_server_pid() == await conn.fetchval("SELECT pg_backend_pid()")
+        finally:
+            await conn.close()
+
+    asyncio.run(with_asyncpg())
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn, \
+            psycopg.connect(proxy.dsn(), autocommit=True) as other:
+        pid = conn.info.backend_pid
+        assert conn.execute("SELECT pg_backend_pid()").fetchone() == (pid,)
+        assert other.info.backend_pid != pid
+        # an administrator finds the session's backend by it (analysts cannot read
+        # pg_stat_activity through the proxy: it shows other analysts' queries)
+        with psycopg.connect(backend.admin_dsn) as admin:
+            assert admin.execute("SELECT query FROM pg_stat_activity WHERE pid = %s",
+                                 (pid,)).fetchone() == ("SELECT pg_backend_pid()",)
+        # a wrong key cancels nothing, and is answered as soon as a right one
+        wrong = struct.pack("!iiii", 16, 80877102, pid, 12345)
+
+        def answered_in(packet: bytes) -> float:
+            with socket.create_connection((proxy.host, proxy.port)) as sock:
+                t0 = time.monotonic()
+                sock.sendall(packet)
+                assert sock.recv(1) == b""
+                return time.monotonic() - t0
+
+        timer = threading.Timer(0.3, answered_in, (wrong,))
+        timer.start()
+        assert conn.execute("SELECT 1 FROM pg_sleep(1)").fetchone() == (1,)
+        timer.join()
+        assert answered_in(wrong) < 1
+        # the right key (psycopg's own cancel) cancels the running statement
+        threading.Timer(0.3, conn.cancel_safe).start()
+        t0 = time.monotonic()
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            conn.execute("SELECT pg_sleep(10)")
+        assert time.monotonic() - t0 < 5

@@ -314,7 +314,7 @@ def test_the_relay_stops_watching_when_the_block_ends(px: Proxy, statements: lis
     not at the next dp.* statement (pass-through traffic would stay on the slow path)."""
     with psycopg.connect(px.dsn(), autocommit=True) as conn:
         (pid,) = conn.execute("SELECT pg_backend_pid()").fetchone()  # (the restricted role's)
-        session = next(s for s in px.server.sessions.values()
+        session = next(s for s in px.server.sessions
                        if s.link is not None and s.link.key and s.link.key[0] == pid)
         for sql in statements:
             with contextlib.suppress(psycopg.errors.DivisionByZero):
