@@ -21,7 +21,7 @@ from pglast import parser
 from dp_core.errors import DPError, InsufficientPrivilege, SyntaxError_
 from dp_core.parsetree import const_int, func_name, range_vars, walk
 from dp_core.reach import REACH_WORDS, reach_refusal
-from dp_core.setting_changes import SettingAtBind, SettingChanges, utf8_only
+from dp_core.setting_changes import SettingAtBind, SettingChanges
 from dp_core.syntax import DPClause, strip_dp_clauses
 
 LOCAL_FUNCTIONS = frozenset({"dp_budget", "dp_ledger", "dp_reset_budget"})
@@ -31,15 +31,18 @@ AGGREGATE_NAMES = frozenset(
      "var_samp", "var_pop", "percentile_cont", "percentile_disc"}
 )
 
-def protected_message(tables: tuple[str, ...]) -> str:
-    """What a refused statement is told: which tables are protected and what is allowed."""
+def protected_refusal(tables: tuple[str, ...], reason: str | None = None,
+                      instead: str | None = None) -> InsufficientPrivilege:
+    """What a statement that reads protected `tables` outside the DP path is told: which
+    tables are protected (or the `reason`), and what to do instead: `instead`, or DP queries
+    over the first of them (tables the statement named, so configured ones)."""
     which = f"table {tables[0]} is" if len(tables) == 1 else f"tables {', '.join(tables)} are"
-    return (
-        f"{which} protected: only differentially private aggregates may read "
-        f"{'it' if len(tables) == 1 else 'them'}, e.g. SELECT WITH ANONYMIZATION ANON_COUNT(*) "
-        f"FROM {tables[0]}, or a plain SELECT k, count(*), sum(x), avg(x) FROM {tables[0]} "
-        "GROUP BY k"
-    )
+    message = reason or (f"{which} protected: only differentially private aggregates may read "
+                         f"{'it' if len(tables) == 1 else 'them'}")
+    example = (f"e.g. SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM {tables[0]}, or a plain "
+               f"SELECT k, count(*), sum(x), avg(x) FROM {tables[0]} GROUP BY k") \
+        if tables else None
+    return InsufficientPrivilege(message, hint=instead or example)
 
 
 class StatementKind(Enum):
@@ -204,11 +207,11 @@ class Classifier:
     """Classifies query strings against a fixed policy, with an LRU cache by text."""
 
     def __init__(self, policy: ProtectionPolicy, cache_size: int = 4096,
-                 encoding_ok: Callable[[str], bool] | None = None) -> None:
-        """`encoding_ok` tells whether a client_encoding value (as SET takes it) names an
-        encoding the proxy reads SQL in as Postgres does; by default only UTF8."""
+                 settings: SettingChanges | None = None) -> None:
+        """`settings`: the rules of setting changes, with which client encodings the proxy
+        reads SQL in as Postgres does; by default only UTF8."""
         self.policy = policy
-        self.settings = SettingChanges(encoding_ok or utf8_only)
+        self.settings = settings or SettingChanges()
         self._cache: OrderedDict[str, tuple[Statement, ...]] = OrderedDict()
         self._cache_size = cache_size
         # Words whose presence sends a statement to the full classifier. SQL can
@@ -337,23 +340,30 @@ class Classifier:
         if isolation is not None:
             return make(StatementKind.REFUSED, refusal=isolation)
         if (clauses or protected or _local_function(body)) and _copies_to_server(ntype, body):
-            return self._refuse(make, protected, "a DP answer can only be copied TO STDOUT (as "
-                                "psql's \\copy does)")
+            return self._refuse(make, protected, "a DP answer can only be copied TO STDOUT: "
+                                "it is released to the client, never written on the server",
+                                "COPY (...) TO STDOUT, or psql's \\copy (...) TO 'file'")
         if clauses:
             if len(clauses) > 1:
-                return self._refuse(make, protected, "only one WITH ANONYMIZATION clause per query")
+                return self._refuse(make, protected, "only one WITH ANONYMIZATION clause per "
+                                    "query: each DP query is one answer, charged once",
+                                    "write the DP query as one SELECT with one clause")
             if ntype == "ExplainStmt":
                 if _explain_analyze(body):
                     return self._refuse(make, protected, "EXPLAIN ANALYZE of a DP query would "
-                                        "reveal the true row counts")
+                                        "reveal the true row counts",
+                                        "EXPLAIN without ANALYZE shows the plan and the "
+                                        "privacy cost, and charges nothing")
                 return make(StatementKind.DP_EXPLAIN, dp_clause=clauses[0])
             if ntype != "SelectStmt" and ntype not in _WRAPPERS:
                 # PREPARE, CREATE TABLE AS, INSERT ... SELECT: a DP answer is only sent to
                 # the client (DESIGN §1.4: cursors aside, anything else is refused with 42501)
                 return self._refuse(make, protected, "a DP query can only be run, declared as a "
                                     "cursor or copied TO STDOUT, not used in "
-                                    f"{_statement_name(ntype)}; to prepare it, use the extended "
-                                    "protocol (Parse), as drivers do")
+                                    f"{_statement_name(ntype)}: its answer is released to "
+                                    "the client once, when it is charged",
+                                    "to prepare it, use the extended protocol (Parse), as "
+                                    "drivers do; to keep its answer, copy it TO STDOUT")
             return make(StatementKind.DP_QUERY, dp_clause=clauses[0])
         lexing, at_bind = self.settings.refusal(ntype, body)
         if lexing is not None:
@@ -388,10 +398,9 @@ class Classifier:
         return self._refuse(make, protected, None)
 
     @staticmethod
-    def _refuse(make: Any, protected: tuple[str, ...], reason: str | None) -> Statement:
-        allowed = protected_message(protected) if protected else None
-        message = reason or allowed or "this statement is not allowed through dp-proxy"
-        err = InsufficientPrivilege(message, hint=allowed if reason else None)
+    def _refuse(make: Any, protected: tuple[str, ...], reason: str | None,
+                instead: str | None = None) -> Statement:
+        err = protected_refusal(protected, reason, instead)
         st: Statement = make(StatementKind.REFUSED, refusal=err)
         return st
 

@@ -48,6 +48,27 @@ _CHANNELS = "notification channels are shared by every session of the database: 
             "could signal another"
 _ROLE = "the proxy decides which backend role a session's statements run as"
 _QUERY_TEXT = "it runs SQL from text, hidden from the proxy's checks"
+_CODE = "the code they run is hidden from its checks"
+_ROLES = "backend roles are set up by dp-proxy init-backend"
+_INSTEAD = {
+    _CODE: "send the statements inside it one by one; functions, triggers and the like are "
+           "made in the database by its owner, not through the proxy",
+    _STATISTICS: "column statistics are in pg_stats; a DP query counts a protected table's rows",
+    _STATISTICS_FUNCTIONS: "column statistics are in pg_stats; a DP query counts a protected "
+                           "table's rows",
+    _SIZES: "a DP query counts a protected table's rows; pg_column_size and pg_size_pretty "
+            "stay available",
+    _SIGNALS: "cancel your own statement from your client (a CancelRequest); an administrator "
+              "ends sessions from a direct connection to Postgres",
+    _LARGE_OBJECTS: "keep binary data in a bytea column of a table of your own",
+    _COUNTERS: "for the time, use now() or clock_timestamp()",
+    _CHANNELS: "pass messages through a table of your own",
+    _ROLE: "connect as the analyst whose access you need",
+    _ROLES: "an operator changes analysts in the proxy's configuration and runs dp-proxy "
+            "init-backend",
+    _QUERY_TEXT: "run the query itself",
+}
+"""What to do instead, for each reason a statement is refused here."""
 
 _ISOLATION_RELATIONS = {
     **dict.fromkeys(("pg_locks", "pg_prepared_xacts", "pg_backend_memory_contexts"), _STATISTICS),
@@ -78,8 +99,8 @@ ones: pg_column_size, pg_size_pretty, pg_backend_pid stay."""
 _ROLE_SETTINGS = frozenset({"role", "session_authorization"})
 _SHARED_STATEMENTS = {
     "ListenStmt": ("LISTEN", _CHANNELS), "NotifyStmt": ("NOTIFY", _CHANNELS),
-    "AlterRoleStmt": ("ALTER ROLE", "backend roles are set up by dp-proxy init-backend"),
-    "AlterRoleSetStmt": ("ALTER ROLE ... SET", "backend roles are set up by dp-proxy init-backend"),
+    "AlterRoleStmt": ("ALTER ROLE", _ROLES),
+    "AlterRoleSetStmt": ("ALTER ROLE ... SET", _ROLES),
 }
 """Statements reaching past the session: (what to call it, why it is refused)."""
 _WATCHED_KEYS = frozenset({*_OPAQUE_CODE, *_SHARED_STATEMENTS, "DefineStmt", "VariableSetStmt",
@@ -126,14 +147,13 @@ def _watched_refusal(key: str, node: Mapping[str, Any]) -> InsufficientPrivilege
         return _code_refusal(_DEFINED_CODE[value["kind"]])
     if key in _SHARED_STATEMENTS:
         what, why = _SHARED_STATEMENTS[key]
-        return InsufficientPrivilege(f"{what} is not allowed through dp-proxy: {why}")
+        return _refusal(f"{what} is not allowed through dp-proxy", why)
     if key == "VariableSetStmt" and value.get("kind") == "VAR_SET_VALUE" \
             and value.get("name", "").lower() in _ROLE_SETTINGS:
         what = "SET ROLE" if value["name"].lower() == "role" else "SET SESSION AUTHORIZATION"
-        return InsufficientPrivilege(f"{what} is not allowed through dp-proxy: {_ROLE}")
+        return _refusal(f"{what} is not allowed through dp-proxy", _ROLE)
     if key in ("objtype", "objectType") and value == "OBJECT_LARGEOBJECT":
-        return InsufficientPrivilege(f"large objects are not available through dp-proxy: "
-                                     f"{_LARGE_OBJECTS}")
+        return _refusal("large objects are not available through dp-proxy", _LARGE_OBJECTS)
     if key == "funcname" and isinstance(value, list):
         return _function_refusal(node)
     if key == "relname" and isinstance(value, str):
@@ -141,27 +161,28 @@ def _watched_refusal(key: str, node: Mapping[str, Any]) -> InsufficientPrivilege
     return None
 
 
+def _refusal(what: str, why: str) -> InsufficientPrivilege:
+    """`what` the statement did, `why` the proxy refuses it, and (the hint) what to do instead."""
+    return InsufficientPrivilege(f"{what}: {why}", hint=_INSTEAD[why])
+
+
 def _code_refusal(what: str) -> InsufficientPrivilege:
-    return InsufficientPrivilege(f"{what} are not allowed through dp-proxy: the code they run is "
-                                 "hidden from its checks")
+    return _refusal(f"{what} are not allowed through dp-proxy", _CODE)
 
 
 def _relation_refusal(relname: str) -> InsufficientPrivilege | None:
     name = relname.lower()
-    if name.startswith(("pg_stat_", "pg_statio_")):
-        return InsufficientPrivilege(f"{relname} is not available through dp-proxy: {_STATISTICS}",
-                                     hint="column statistics are in pg_stats")
-    why = _ISOLATION_RELATIONS.get(name)
+    why = _STATISTICS if name.startswith(("pg_stat_", "pg_statio_")) \
+        else _ISOLATION_RELATIONS.get(name)
     if why is None:
         return None
-    return InsufficientPrivilege(f"{relname} is not available through dp-proxy: {why}")
+    return _refusal(f"{relname} is not available through dp-proxy", why)
 
 
 def role_setting_refusal(setting: str) -> InsufficientPrivilege | None:
     """The refusal of `set_config(setting, ...)` when it would change the session's role."""
     if setting.lower() in _ROLE_SETTINGS:
-        return InsufficientPrivilege(f"set_config('{setting}', ...) is not allowed through "
-                                     f"dp-proxy: {_ROLE}")
+        return _refusal(f"set_config('{setting}', ...) is not allowed through dp-proxy", _ROLE)
     return None
 
 
@@ -179,8 +200,4 @@ def _function_refusal(fc: Mapping[str, Any]) -> InsufficientPrivilege | None:
         why = _ISOLATION_FUNCTIONS.get(name)
     if why is None:
         return None
-    return InsufficientPrivilege(f"{name}() is not available through dp-proxy: {why}",
-                                 hint=_HINTS.get(why))
-
-
-_HINTS = {_SIZES: "pg_column_size and pg_size_pretty stay available"}
+    return _refusal(f"{name}() is not available through dp-proxy", why)

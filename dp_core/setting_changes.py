@@ -21,6 +21,8 @@ from dp_core.reach import role_setting_refusal
 
 EncodingCheck = Callable[[str], bool]
 """Whether a client_encoding value (as SET takes it) names an encoding the proxy reads as Postgres does."""
+EncodingHelp = Callable[[str], tuple[str, str]]
+"""Why a client_encoding value is refused, and what to use instead (a detail and a hint)."""
 
 LEXING_SETTINGS = frozenset({"standard_conforming_strings", "client_encoding"})
 TRUE_WORDS = frozenset({"on", "1", "t", "tr", "tru", "true", "y", "ye", "yes"})
@@ -47,11 +49,18 @@ def utf8_only(value: str) -> bool:
     return re.sub(r"[^0-9a-z]", "", value.lower()) in ("utf8", "unicode")
 
 
+def utf8_help(value: str) -> tuple[str, str]:
+    return ("the proxy must read SQL in the client encoding as Postgres does, and reads it "
+            "only in UTF8 here", "use UTF8")
+
+
 class SettingChanges:
     """The refusals of setting changes, for a classifier with its encoding rule."""
 
-    def __init__(self, encoding_ok: EncodingCheck) -> None:
+    def __init__(self, encoding_ok: EncodingCheck = utf8_only,
+                 encoding_help: EncodingHelp = utf8_help) -> None:
         self._encoding_ok = encoding_ok
+        self._encoding_help = encoding_help
 
     def refusal(self, ntype: str, body: Mapping[str, Any]
                 ) -> tuple[DPError | None, tuple[SettingAtBind, ...]]:
@@ -82,14 +91,19 @@ class SettingChanges:
                 return FeatureNotSupported(
                     "set_config() with a name that is not a literal or a parameter is not "
                     "allowed through dp-proxy",
-                    hint="write the setting's name as a string literal"), ()
+                    detail="the proxy must know which setting it changes: some change how "
+                           "SQL is read, or the session's role",
+                    hint="write the setting's name as a string literal, or pass it as a "
+                         "parameter"), ()
             err = self.value_refusal(name.lower(), None if isinstance(value, Parameter) else value)
             if err is not None:
                 return err, ()
         for upd in walk({ntype: body}, "UpdateStmt"):  # (its rule calls set_config)
             if upd.get("relation", {}).get("relname") == "pg_settings":
-                return FeatureNotSupported("UPDATE of pg_settings is not allowed through dp-proxy",
-                                           hint="use SET"), ()
+                return FeatureNotSupported(
+                    "UPDATE of pg_settings is not allowed through dp-proxy",
+                    detail="it changes settings the proxy cannot follow there: some change how "
+                           "SQL is read", hint="use SET"), ()
         return None, tuple(at_bind)
 
     def bound_refusal(self, checks: Sequence[SettingAtBind],
@@ -122,14 +136,13 @@ class SettingChanges:
         if value is None:
             return FeatureNotSupported(
                 "client_encoding can only be set to a literal or a parameter through dp-proxy",
-                hint="write the encoding's name as a string literal, e.g. 'UTF8'")
+                detail="the proxy must know the encoding to read what follows as Postgres does",
+                hint="write the encoding's name as a string literal, e.g. 'UTF8', or pass it "
+                     "as a parameter")
         if not self._encoding_ok(str(value)):
-            return FeatureNotSupported(
-                f"client_encoding {value} is not supported by dp-proxy",
-                detail="the proxy must read SQL in the client encoding as Postgres does; in the "
-                       "client-only encodings (SJIS, BIG5, GBK, UHC, GB18030, JOHAB) ASCII bytes "
-                       "can be parts of other characters",
-                hint="use UTF8; the LATIN, WIN, KOI8 and EUC encodings work too")
+            detail, hint = self._encoding_help(str(value))
+            return FeatureNotSupported(f"client_encoding {value} is not supported by dp-proxy",
+                                       detail=detail, hint=hint)
         return None
 
 

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from config import Config, reloaded
 from dp_core.classify import Classifier, ProtectionPolicy
+from dp_core.setting_changes import SettingChanges
 from dp_core.settings import Caps, DPSettings
 from server import backend
 from server.backend_setup import BackendDSNs
-from server.encodings import encoding_named
+from server.encodings import encoding_help, encoding_named
 from server.errors import AdminShutdown, TooManyConnections
 from server.logs import StatementLogger, set_format
 from server.metrics import Metrics, OpsServer
@@ -44,7 +45,8 @@ class ProxyServer:
         self.database = dsns.database
         self.classifier = Classifier(
             ProtectionPolicy({name: t.schema_ for name, t in config.tables.items()}),
-            encoding_ok=lambda value: encoding_named(value) is not None,
+            settings=SettingChanges(lambda value: encoding_named(value) is not None,
+                                    encoding_help),
         )
         d = config.defaults
         self.caps = Caps(d.max_epsilon_per_query, d.max_delta_per_query,

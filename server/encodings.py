@@ -41,7 +41,16 @@ CODECS: dict[str, str] = {
 }
 """Postgres encoding name (as ParameterStatus reports client_encoding) → Python codec."""
 
+READABLE = ("UTF8, SQL_ASCII, LATIN1 to LATIN10, ISO_8859_5 to ISO_8859_8, WIN866, WIN874, "
+            "WIN1250 to WIN1258, KOI8R, KOI8U, EUC_JP, EUC_JIS_2004, EUC_KR and EUC_CN")
+"""The encodings of CODECS, as a hint names them."""
+
 CLIENT_ONLY = frozenset({"SJIS", "SHIFT_JIS_2004", "BIG5", "GBK", "UHC", "GB18030", "JOHAB"})
+_CLIENT_ONLY_NAMES = frozenset({
+    "sjis", "shiftjis", "mskanji", "win932", "windows932", "shiftjis2004", "big5", "win950",
+    "windows950", "gbk", "win936", "windows936", "cp936", "uhc", "win949", "windows949",
+    "gb18030", "johab"})
+"""The client-only encodings' names and Postgres's aliases for them, cleaned (see `_clean`)."""
 
 ALIASES = {
     "unicode": "UTF8", "koi8": "KOI8R", "win": "WIN1251", "alt": "WIN866",
@@ -93,6 +102,11 @@ def untranslatable(e: UnicodeEncodeError, encoding: str) -> UntranslatableCharac
         f'encoding "UTF8" has no equivalent in encoding "{encoding}"')
 
 
+def encoding_help(name: str) -> tuple[str, str]:
+    """Why the proxy refuses the client_encoding `name`, and what to use instead."""
+    return UnsupportedEncoding(name).detail, f"use UTF8, or another encoding the proxy reads: {READABLE}"
+
+
 class UnsupportedEncoding(Exception):
     """The session's client_encoding is one the proxy cannot read SQL in as Postgres does."""
 
@@ -102,11 +116,21 @@ class UnsupportedEncoding(Exception):
 
     @property
     def detail(self) -> str:
-        if self.name.upper() in CLIENT_ONLY:
+        if encoding_named(self.name) is None and _clean(self.name) in _CLIENT_ONLY_NAMES:
             return (f"in {self.name}, bytes inside multibyte characters can be ASCII letters or "
                     "backslashes, so the proxy could read a statement differently from Postgres")
         return f"the proxy has no codec for {self.name}"
 
 
-__all__ = ["ALIASES", "CLIENT_ONLY", "CODECS", "UnsupportedEncoding", "codec", "encoding_named",
-           "invalid_text", "untranslatable"]
+__all__ = [
+    "ALIASES",
+    "CLIENT_ONLY",
+    "CODECS",
+    "READABLE",
+    "UnsupportedEncoding",
+    "codec",
+    "encoding_help",
+    "encoding_named",
+    "invalid_text",
+    "untranslatable",
+]

@@ -10,7 +10,7 @@ from config import AuthMethod
 from dp_core.errors import DPError, InternalError
 from server import backend
 from server import wire as p
-from server.encodings import UnsupportedEncoding, codec
+from server.encodings import READABLE, UnsupportedEncoding, codec
 from server.errors import (
     ConnectionFailure,
     InvalidAuthorization,
@@ -56,8 +56,7 @@ def _non_standard_strings() -> DPError:
 def _unsupported_encoding(exc: UnsupportedEncoding) -> DPError:
     return UnsupportedSession(
         f"client_encoding {exc.name} is not supported by dp-proxy", detail=exc.detail,
-        hint="use UTF8 (PGCLIENTENCODING=UTF8, or SET client_encoding TO 'UTF8'); the "
-             "LATIN, WIN, KOI8 and EUC encodings work too")
+        hint=f"use UTF8 (PGCLIENTENCODING=UTF8), or another encoding the proxy reads: {READABLE}")
 
 
 class WithStartup(WithSettings):

@@ -346,7 +346,8 @@ def test_messages_say_what_and_why(classifier: Classifier) -> None:
 
     assert refusal("SELECT * FROM pg_stat_user_tables") == (
         "pg_stat_user_tables is not available through dp-proxy: statistics and activity views "
-        "reveal what other analysts' queries read", "column statistics are in pg_stats")
+        "reveal what other analysts' queries read",
+        "column statistics are in pg_stats; a DP query counts a protected table's rows")
     message, hint = refusal("SELECT pg_relation_size('visits')")
     assert message.startswith("pg_relation_size() is not available through dp-proxy: ")
     assert hint is not None and "pg_size_pretty" in hint
