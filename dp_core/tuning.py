@@ -10,7 +10,8 @@ expected total absolute error of a count over the groups released:
     lost(T) + G · E|noise of sensitivity T|
 
 where lost(T) = Σ_users max(0, rows − T) is estimated from a noisy histogram of the
-users' row counts (each user in one bin: sensitivity 1) and G, the groups released,
+users' row counts (each user in one bin: sensitivity 1; a power-law tail extended above
+the bins the noise lets through, `fitted_tail`) and G, the groups released,
 from a noisy count of the groups that at least τ users have as their first group (the
 group of their most rows: each user has one, so sensitivity 1). Both spend
 `plan.TUNING_SHARE` of the query's ε, and the choice, a function of them alone, is
@@ -50,6 +51,15 @@ EMPTY_BINS_CLEAR = 0.95
 """The probability that no empty bin's noisy count passes the threshold bins must pass."""
 BINS_ABOVE_SEEN = 6
 """The bins above the highest seen whose noisy counts are kept (a factor of about 8 in rows)."""
+TAIL_FIT_BINS = 3
+"""The highest seen bins a power law is fitted to, for the tail above them (and as many
+below them, to check that it is one)."""
+TAIL_CURVE = 0.5
+"""How much the law's slope may differ between the highest seen bins and those below them
+for the counts to be taken as a power law's."""
+TAIL_REACH = 10
+"""The bins above the highest seen that the fitted tail reaches (a factor of about 32 in
+rows): heavy tails hold many rows in users too few per bin for the noisy counts to show."""
 ROWS_KIND, GROUPS_KIND, VALUES_KIND = 0, 1, 2
 """dp_kind of the tuning statement's rows: a histogram bin, or the groups count."""
 
@@ -103,6 +113,35 @@ _REPS = np.array([_representative(b) for b in range(1, len(ROW_EDGES) + 1)])
 _CANDIDATES = np.array(ROW_EDGES, dtype=np.float64)
 _BEYOND = np.maximum(_REPS[None, :] - _CANDIDATES[:, None], 0.0)
 """_BEYOND[j, b]: the rows beyond candidate T = ROW_EDGES[j] of a user in bin b + 1."""
+_WIDTHS = np.array([ROW_EDGES[b] - ROW_EDGES[b - 1] for b in range(1, len(ROW_EDGES))]
+                   + [ROW_EDGES[-1]], dtype=np.float64)
+"""The row counts each bin holds (the last, open one: as many as its lower edge)."""
+
+
+def _slope(noisy: np.ndarray, fit: np.ndarray) -> float:
+    """The log-log slope of users per row count over bins `fit` (weighted least squares)."""
+    x, y = np.log(_REPS[fit]), np.log(noisy[fit] / _WIDTHS[fit])
+    return float(np.polyfit(x, y, 1, w=np.sqrt(noisy[fit]))[0])
+
+
+def fitted_tail(noisy: np.ndarray, top: int) -> np.ndarray:
+    """Users per bin above bin index `top` (the highest seen): where the seen counts fall as
+    a power law does (users per row count ∝ rows^s, s < −1, the same s over the
+    `TAIL_FIT_BINS` highest seen bins and the as many below them, within TAIL_CURVE), that
+    law through the highest seen bin, up to `TAIL_REACH` bins above; zeros otherwise (a tail
+    that steepens as it goes, as an exponential's or a log-normal's, ends soon).
+    Post-processing of the noisy counts."""
+    out = np.zeros_like(noisy)
+    k = TAIL_FIT_BINS
+    if top + 1 < 2 * k or not (noisy[top + 1 - 2 * k: top + 1] > 0).all():
+        return out
+    upper = _slope(noisy, np.arange(top + 1 - k, top + 1))
+    lower = _slope(noisy, np.arange(top + 1 - 2 * k, top + 1 - k))
+    if not (upper < -1 and abs(upper - lower) <= TAIL_CURVE):
+        return out
+    tail = slice(top + 1, min(top + 1 + TAIL_REACH, len(noisy)))
+    out[tail] = noisy[top] / _WIDTHS[top] * (_REPS[tail] / _REPS[top]) ** upper * _WIDTHS[tail]
+    return out
 
 
 def unit_noise(kind: NoiseKind, epsilon: float, delta: float) -> float:
@@ -134,7 +173,9 @@ def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise
     # those of the BINS_ABOVE_SEEN bins above less the noise's scale, clipped at 0 (a heavy
     # tail's users are few per bin but many together, and the rows of these bins are many:
     # an empty bin's noise alone would move T far up); higher bins count as empty (the few
-    # users there DP cannot count in full anyway).
+    # users there DP cannot count in full anyway). Where the highest seen bins fall as a
+    # power law does, the tail above has at least the users that law gives (`fitted_tail`):
+    # its users are too few per bin to show through the noise, but their rows are many.
     top = -1
     for b in map(int, np.flatnonzero(raw > bounds_threshold(rows_noise.scale, bins + 1,
                                                             EMPTY_BINS_CLEAR))):
@@ -145,6 +186,8 @@ def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise
     noisy[:top + 1] = np.maximum(raw[:top + 1], 0.0)
     above = slice(top + 1, top + 1 + BINS_ABOVE_SEEN)
     noisy[above] = np.maximum(raw[above] - rows_noise.scale, 0.0)
+    if top >= 0:
+        noisy = np.maximum(noisy, fitted_tail(noisy, top))
     g = 1.0
     if groups_known:
         g = max(1.0, float(groups or 0))
