@@ -150,7 +150,8 @@ def _row_level_lines(query: AnalyzedQuery, plan: DPQueryPlan) -> list[str]:
     if plan.tuning:
         lines.append("  T = the bin edge of least estimated error: rows beyond T + groups x "
                      "the count's mean noise for T; for AVG, VAR and STDDEV, at most the "
-                     "upper edge of the median user's bin")
+                     "upper edge of the median user's bin; for SUM, at most T, with its "
+                     "rows' mean value beyond T + groups x its noise for T")
     clipped = {q.aggregate for q in plan.tuning if q.aggregate is not None}
     for q in plan.tuning:
         if q.aggregate is not None:
@@ -215,10 +216,12 @@ def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
             f"about {_pct(f.clamped_fraction)} of its per-user values were clamped")
     if tuned is not None:
         spent = sum(float(q.epsilon) for q in plan.tuning)
-        means = "" if tuned.mean_rows == tuned.max_rows or not any(
-            a.row_level and a.kind in MEANS for a in query.aggregates) \
-            else f", {tuned.mean_rows} for averages and variances"
-        details.append(f"max_rows_contributed chose {tuned.max_rows} rows per user{means} "
+        apart = [f", {t} for {what}" for t, kinds, what in (
+            (tuned.mean_rows, MEANS, "averages and variances"),
+            (tuned.sum_rows, frozenset({AggKind.SUM}), "sums"))
+            if t and t != tuned.max_rows
+            and any(a.row_level and a.kind in kinds for a in query.aggregates)]
+        details.append(f"max_rows_contributed chose {tuned.max_rows} rows per user{''.join(apart)} "
                        f"(epsilon {fmt(spent)}); about {_pct(tuned.rows_cut)} of the rows (of "
                        f"{_pct(tuned.users_cut)} of the users) were weighted away, by a DP "
                        "histogram that misses users too few to show in it")

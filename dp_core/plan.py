@@ -109,10 +109,14 @@ class DPQueryPlan:
     mean_rows: int | None = None
     """T of row-level AVG, VAR and STDDEV: `max_rows` where the query or the session fixes
     it; chosen apart where T is (at most the users' median row count: `dp_core.tuning`)."""
+    sum_rows: int | None = None
+    """T of row-level SUMs: `max_rows` where the query or the session fixes it; chosen apart
+    where T is (at most T: a sum's noise per row is its clip, its bias per row the mean
+    value, `dp_core.tuning`)."""
 
     def rows_for(self, agg: Aggregate) -> int | None:
         """T of a row-level aggregate."""
-        return self.mean_rows if agg.kind in MEANS else self.max_rows
+        return rows_for(agg, self.max_rows, self.mean_rows, self.sum_rows)
 
     @property
     def groups_per_user(self) -> int:
@@ -159,10 +163,19 @@ class DPQueryPlan:
         if self.tau is not None:
             out["threshold"] = {"tau": self.tau}
         if self.max_rows is not None:
-            out["max_rows_contributed"] = {"rows": self.max_rows, "means": self.mean_rows}
+            out["max_rows_contributed"] = {"rows": self.max_rows, "means": self.mean_rows,
+                                           "sums": self.sum_rows}
         elif self.threshold is not None and self.selection is SelectionKind.TRUNCATED_GEOMETRIC:
             out[self.threshold.name].update(kind=self.selection.value, scale=None)
         return out
+
+
+def rows_for(agg: Aggregate, max_rows: int | None, mean_rows: int | None,
+             sum_rows: int | None) -> int | None:
+    """T of a row-level aggregate, from the T of counts, of means and of sums."""
+    if agg.kind in MEANS:
+        return mean_rows
+    return sum_rows if agg.kind is AggKind.SUM else max_rows
 
 
 def _components(agg: Aggregate, noise: NoiseKind,
@@ -258,15 +271,16 @@ def check_noise_scales(query: AnalyzedQuery, plan: DPQueryPlan) -> None:
 def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: int,
               noise: NoiseKind, auto: frozenset[int] = frozenset(),
               selection: SelectionKind = SelectionKind.LAPLACE, max_rows: int | None = None,
-              tuned: bool = False, mean_rows: int | None = None) -> DPQueryPlan:
+              tuned: bool = False, mean_rows: int | None = None,
+              sum_rows: int | None = None) -> DPQueryPlan:
     """Split (ε, δ) over the query's noisy quantities and calibrate each one's noise.
 
     Aggregates without bounds get an APPROX_BOUNDS histogram (together APPROX_BOUNDS_SHARE
     of ε) and noise that is calibrated only once the bounds are known: plan again with
     the found bounds filled in and `auto` naming those aggregates, for the same split.
     Likewise row-level aggregates without `max_rows` (T) get the statistics T is chosen
-    from (TUNING_SHARE of ε): plan again with the chosen T and `tuned` (and `mean_rows`, T
-    of the means, when it differs).
+    from (TUNING_SHARE of ε): plan again with the chosen T and `tuned` (and `mean_rows` and
+    `sum_rows`, T of the means and of the sums, when they differ).
     """
     grouped = bool(query.keys)
     # public groups (`AnalyzedQuery.public_groups`): every key is released, none selected
@@ -281,9 +295,11 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     row_level = any(a.row_level for a in query.aggregates)
     max_rows = max_rows if row_level else None  # (T of row-level aggregates only)
     mean_rows = max_rows if mean_rows is None or max_rows is None else mean_rows
+    sum_rows = max_rows if sum_rows is None or max_rows is None else sum_rows
     tune = row_level and (max_rows is None or tuned)
     if max_rows is not None and not (1 <= max_rows <= MAX_ROWS and mean_rows is not None
-                                     and 1 <= mean_rows <= max_rows):
+                                     and 1 <= mean_rows <= max_rows and sum_rows is not None
+                                     and 1 <= sum_rows <= max_rows):
         raise InternalError()
     specs: list[tuple[str, str, int | None, float | None]] = []
     if selecting or shared:
@@ -291,8 +307,8 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     for i, agg in enumerate(query.aggregates):
         if reads_user_count(agg):
             continue
-        rows = mean_rows if agg.kind in MEANS else max_rows
-        for component, sensitivity in _components(agg, noise, rows):
+        for component, sensitivity in _components(
+                agg, noise, rows_for(agg, max_rows, mean_rows, sum_rows)):
             specs.append((f"dp_a{i}_{component}", component, i, sensitivity))
     if any(s is not None and s <= 0 for *_, s in specs):
         raise InternalError()
@@ -364,7 +380,7 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     cost = PrivacyCost(eps, delta_threshold + delta_each * n_gauss)
     plan = DPQueryPlan(eps, dlt, max_groups, noise, grouped, tau, threshold, tuple(quantities),
                        shared, cost, histograms, used if grouped else SelectionKind.LAPLACE,
-                       selection, max_rows, tuning, mean_rows)
+                       selection, max_rows, tuning, mean_rows, sum_rows)
     spent_eps = sum((q.epsilon for q in plan.all_quantities), Fraction(0))
     spent_delta = sum((q.delta for q in plan.all_quantities), Fraction(0))
     if spent_eps != cost.epsilon or spent_delta != cost.delta or cost.delta > dlt:
@@ -375,8 +391,8 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
 
 
 def replan_with_bounds(query: AnalyzedQuery, plan: DPQueryPlan, found: Mapping[int, Bounds],
-                       max_rows: int | None = None, mean_rows: int | None = None
-                       ) -> tuple[AnalyzedQuery, DPQueryPlan]:
+                       max_rows: int | None = None, mean_rows: int | None = None,
+                       sum_rows: int | None = None) -> tuple[AnalyzedQuery, DPQueryPlan]:
     """The second planning stage, after APPROX_BOUNDS and the choice of max_rows_contributed:
     the query with the bounds found filled in and its plan for them and for `max_rows` (the
     plan's own when None), the same split of ε/δ (the noise of the aggregates that had none
@@ -385,7 +401,8 @@ def replan_with_bounds(query: AnalyzedQuery, plan: DPQueryPlan, found: Mapping[i
     again = make_plan(query, float(plan.epsilon), float(plan.delta), plan.max_groups_contributed,
                       plan.noise_kind, plan.auto_bounds, plan.selection_asked,
                       max_rows if max_rows is not None else plan.max_rows, bool(plan.tuning),
-                      mean_rows if max_rows is not None else plan.mean_rows)
+                      mean_rows if max_rows is not None else plan.mean_rows,
+                      sum_rows if max_rows is not None else plan.sum_rows)
     if again.cost != plan.cost:
         raise InternalError("the plan's cost changed with its bounds (this is a bug)")
     return query, again

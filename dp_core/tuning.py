@@ -31,9 +31,9 @@ from dp_core.errors import InternalError
 from dp_core.mechanism_choices import NoiseKind, SelectionKind
 from dp_core.mechanisms import NoiseSpec, users_kept_with
 from dp_core.partials import MEANS
-from dp_core.plan import VALUE_STEPS, Component, DPQueryPlan
+from dp_core.plan import VALUE_STEPS, Component, DPQueryPlan, replan_with_bounds
 from dp_core.quantiles import bounds_threshold
-from dp_core.query import AnalyzedQuery, Bounds
+from dp_core.query import AggKind, AnalyzedQuery, Bounds
 
 
 def _edges() -> tuple[int, ...]:
@@ -85,6 +85,11 @@ class TunedRows:
     share their argument and bounds), within its configured ones."""
     clipped: Mapping[int, float] = field(default_factory=dict)
     """For each of them, the share of its rows' value beyond the clip (an estimate)."""
+    sum_rows: int = 0
+    """T of the row-level SUMs (0: `max_rows`), at most T: their noise per unit of T is the
+    clip, their bias per row beyond T the rows' mean value (`choose_sum_rows`)."""
+    lost: tuple[float, ...] = ()
+    """The rows beyond each candidate T (ROW_EDGES), as estimated from the noisy histogram."""
 
 
 def groups_threshold(plan: DPQueryPlan) -> float:
@@ -203,7 +208,7 @@ def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise
     median = int(np.searchsorted(np.cumsum(np.maximum(noisy, 0.0)), total_users / 2))
     mean_t = min(t, ROW_EDGES[min(median + 1, len(ROW_EDGES) - 1)])
     return TunedRows(t, mean_t, min(float(lost[best]) / total_rows, 1.0),
-                     min(over / total_users, 1.0), total_rows, g)
+                     min(over / total_users, 1.0), total_rows, g, lost=tuple(map(float, lost)))
 
 
 def value_thresholds(bounds: Bounds) -> list[float]:
@@ -214,13 +219,14 @@ def value_thresholds(bounds: Bounds) -> list[float]:
 
 
 def choose_clip(bins: Sequence[float], bounds: Bounds, rows: float, weight: float,
-                noise: NoiseSpec, rng: np.random.Generator) -> tuple[float, float]:
-    """(upper clip, share of the value beyond it) of a row-level aggregate whose rows fall
-    in value bins `bins` (true, each user's rows weighted by 1 / its rows: bin 0 holds
-    [t1, U], bin j [t(j+1), t(j)), the last [L, t(last)), t from `value_thresholds`): the
-    candidate of least estimated error, `rows` times the mean value beyond it plus `weight`
-    times its range (the noise a range brings, per unit: groups × T × a count's mean noise,
-    halved for a mean's centred sums)."""
+                noise: NoiseSpec, rng: np.random.Generator) -> tuple[float, float, float]:
+    """(upper clip, share of the value beyond it, mean value of a row) of a row-level
+    aggregate whose rows fall in value bins `bins` (true, each user's rows weighted by 1 /
+    its rows: bin 0 holds [t1, U], bin j [t(j+1), t(j)), the last [L, t(last)), t from
+    `value_thresholds`): the candidate of least estimated error, `rows` times the mean value
+    beyond it plus `weight` times its range (the noise a range brings, per unit: groups × T
+    × a count's mean noise, halved for a mean's centred sums). The bins get their noise once,
+    here; the rest is post-processing."""
     t = value_thresholds(bounds)
     if len(bins) != len(t) + 1:
         raise InternalError()
@@ -232,7 +238,22 @@ def choose_clip(bins: Sequence[float], bounds: Bounds, rows: float, weight: floa
     beyond = np.maximum(reps[None, :] - candidates[:, None], 0.0) @ noisy / mass
     best = int(np.argmin(rows * beyond + weight * (candidates - bounds.lower)))
     total = max(float(noisy @ reps) / mass, 1e-300)
-    return float(candidates[best]), min(float(beyond[best]) / total, 1.0)
+    mean = float(noisy @ reps) / mass if float(noisy.sum()) > 0 else bounds.lower
+    return float(candidates[best]), min(float(beyond[best]) / total, 1.0), mean
+
+
+def choose_sum_rows(tuned: TunedRows, sums: Sequence[tuple[float, float]], unit: float) -> int:
+    """T of the row-level SUMs, at most `tuned.max_rows`: the edge of least estimated error
+    summed over them, each (mean value of a row, largest |value| within its clip) in `sums`:
+    mean × rows beyond T + groups × T × |value| × `unit` (a sum's noise for T). Post-processing
+    of the statistics `tuned` was chosen from."""
+    if not sums or not tuned.lost:
+        return tuned.max_rows
+    lost = np.array(tuned.lost)
+    error = sum(max(mean, 0.0) * lost + tuned.groups * unit * _CANDIDATES * size
+                for mean, size in sums)
+    allowed = tuned.max_rows >= _CANDIDATES
+    return int(_CANDIDATES[int(np.argmin(np.where(allowed, error, np.inf)))])
 
 
 def tune_rows(plan: DPQueryPlan, rows: Iterable[Mapping[str, Any]],
@@ -273,6 +294,7 @@ def tune(plan: DPQueryPlan, histogram: Mapping[int, int], groups: int,
                             specs.get(Component.GROUPS), unit, rng, groups_known)
     clips: dict[int, Bounds] = {}
     clipped: dict[int, float] = {}
+    means: dict[int, float] = {}
     for q in plan.tuning:
         if q.aggregate is None:
             continue
@@ -283,9 +305,24 @@ def tune(plan: DPQueryPlan, histogram: Mapping[int, int], groups: int,
         t = tuned.mean_rows if agg.kind in MEANS else tuned.max_rows
         steps = len(value_thresholds(b)) + 1
         bins = [values.get(q.aggregate, {}).get(k, 0.0) for k in range(steps)]
-        upper, share = choose_clip(bins, b, tuned.rows_total, tuned.groups * unit * t *
-                                   (0.5 if agg.kind in MEANS else 1.0), q.spec, rng)
+        upper, share, mean = choose_clip(bins, b, tuned.rows_total, tuned.groups * unit * t *
+                                         (0.5 if agg.kind in MEANS else 1.0), q.spec, rng)
         for j, other in enumerate(query.aggregates):
             if other.row_level and other.arg == agg.arg and other.bounds == b:
-                clips[j], clipped[j] = Bounds(b.lower, upper), share
-    return replace(tuned, clips=clips, clipped=clipped)
+                clips[j], clipped[j], means[j] = Bounds(b.lower, upper), share, mean
+    sums = [j for j, a in enumerate(query.aggregates)
+            if a.row_level and a.kind is AggKind.SUM] if query is not None else []
+    sum_rows = tuned.max_rows
+    if sums and all(j in clips for j in sums):
+        sum_rows = choose_sum_rows(tuned, [(means[j], max(abs(clips[j].lower),
+                                                          abs(clips[j].upper)))
+                                           for j in sums], unit)
+    return replace(tuned, clips=clips, clipped=clipped, sum_rows=sum_rows)
+
+
+def replan_tuned(query: AnalyzedQuery, plan: DPQueryPlan, tuned: TunedRows,
+                 found: Mapping[int, Bounds] | None = None) -> tuple[AnalyzedQuery, DPQueryPlan]:
+    """The query and plan for what `tuned` chose (T of counts, means and sums, and the
+    clips), with the bounds APPROX_BOUNDS `found`."""
+    return replan_with_bounds(query, plan, {**(found or {}), **tuned.clips}, tuned.max_rows,
+                              tuned.mean_rows, tuned.sum_rows or tuned.max_rows)

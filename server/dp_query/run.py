@@ -34,7 +34,7 @@ from dp_core.release import (
     tree_order,
 )
 from dp_core.rewrite import binned, pushdown, ranged_pushdown
-from dp_core.tuning import TunedRows, groups_threshold, tune, tune_rows
+from dp_core.tuning import TunedRows, groups_threshold, replan_tuned, tune, tune_rows
 from dp_core.uid_ranges import UidRange, uid_ranges
 
 if TYPE_CHECKING:
@@ -189,11 +189,10 @@ class PushdownRunner:
                         bins[q.aggregate], q.spec, rng, query.aggregates[q.aggregate].output_name)
             if "bounds" in statements or (tuned is not None and not per_bin):
                 chosen_bounds = {i: Bounds(f.lower, f.upper) for i, f in found.items()}
-                chosen_bounds.update(tuned.clips if tuned is not None else {})
-                query, plan = replan_with_bounds(
-                    query, plan, chosen_bounds,
-                    tuned.max_rows if tuned is not None else None,
-                    tuned.mean_rows if tuned is not None else None)
+                if tuned is not None:
+                    query, plan = replan_tuned(query, plan, tuned, chosen_bounds)
+                else:
+                    query, plan = replan_with_bounds(query, plan, chosen_bounds)
                 seed = prepared.pushdown.order_seed
                 if ranges:  # the ranges run every statement: their names are all that is used
                     ranged = ranged_pushdown(query, plan, prepared.arg_types, seed,
@@ -258,8 +257,7 @@ class PushdownRunner:
                              {i: dict(enumerate(v)) for i, v in stats.values.items()}, rng, query,
                              groups_known=prepared.public_keys is not None)
                 before = query
-                query, plan = replan_with_bounds(query, plan, dict(tuned.clips), tuned.max_rows,
-                                                 tuned.mean_rows)
+                query, plan = replan_tuned(query, plan, tuned)
                 resolve(selection.rows, before, plan, terms, tuned.clips)
                 selection = noise_deferred(selection, plan, rng)
             rows = selection.rows

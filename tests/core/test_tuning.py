@@ -15,8 +15,10 @@ from dp_core.query import Bounds
 from dp_core.settings import Caps, DPSettings, query_settings
 from dp_core.tuning import (
     ROW_EDGES,
+    TunedRows,
     choose_clip,
     choose_max_rows,
+    choose_sum_rows,
     tune_rows,
     unit_noise,
     value_thresholds,
@@ -187,6 +189,26 @@ def test_max_rows_contributed_setting_and_option() -> None:
             settings.with_value("dp.max_rows_contributed", bad, caps)
 
 
+def test_choice_of_the_sums_t_by_hand() -> None:
+    """A SUM's T: its rows' mean value × the rows beyond T + groups × T × its largest |value|
+    × a count's mean noise, least over the edges up to the count's T. 1,000 users of 1 row and
+    10 of 111 (bin [96, 128)): rows beyond T = 10 × (111.5 − T) below 111.5."""
+    tuned = TunedRows(128, 128, 0.0, 0.0, 1111.0, 1.0,
+                      lost=tuple(10 * max(0.0, 111.5 - t) for t in ROW_EDGES))
+    # a low mean value against a wide clip: every row beyond 1 costs more noise than it
+    # brings (5 × 10 < 1 × 100 per unit of T)
+    assert choose_sum_rows(tuned, [(5.0, 100.0)], 1.0) == 1
+    # a middling one: worth it up to the heavy users' bin (at 96: 12 × 155 + 9,600 = 11,460;
+    # at 128: 0 + 12,800)
+    assert choose_sum_rows(tuned, [(12.0, 100.0)], 1.0) == 96
+    # a high one: every row (50 × 10 > 100 per unit of T)
+    assert choose_sum_rows(tuned, [(50.0, 100.0)], 1.0) == 128
+    # never above the count's T, and summed over the sums (12 × lost + 101 × T)
+    assert choose_sum_rows(tuned, [(1e6, 1.0)], 1.0) == 128
+    assert choose_sum_rows(tuned, [(5.0, 100.0), (7.0, 1.0)], 1.0) == 96
+    assert choose_sum_rows(tuned, [], 1.0) == 128
+
+
 def test_choice_of_clip_by_hand() -> None:
     """[0, 1024] clipped at 512, 256, ... 16; all rows in [64, 128) (typical 96), no noise
     to speak of, 1,000 rows. Where the range's noise is cheap, 128 clips nothing and is the
@@ -197,9 +219,10 @@ def test_choice_of_clip_by_hand() -> None:
     bins = [0.0] * VALUE_STEPS
     bins[3] = 100.0  # [64, 128): bin 0 is [512, 1024]
     rng = np.random.default_rng(3)
-    assert choose_clip(bins, bounds, 1000.0, 1e-6, _exact(), rng) == (128.0, pytest.approx(0.0, abs=1e-9))
-    upper, share = choose_clip(bins, bounds, 1000.0, 600.0, _exact(), rng)
-    assert upper == 64.0 and share == pytest.approx(1 / 3)
+    assert choose_clip(bins, bounds, 1000.0, 1e-6, _exact(), rng) == \
+        (128.0, pytest.approx(0.0, abs=1e-9), pytest.approx(96.0))
+    upper, share, mean = choose_clip(bins, bounds, 1000.0, 600.0, _exact(), rng)
+    assert upper == 64.0 and share == pytest.approx(1 / 3) and mean == pytest.approx(96.0)
     with pytest.raises(InternalError):
         choose_clip(bins[:-1], bounds, 1000.0, 1.0, _exact(), rng)
 

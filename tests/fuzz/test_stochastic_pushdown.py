@@ -217,14 +217,15 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
         tuned_here = "tuning" in statements
         tuning = conn.execute(statements["tuning"]).fetchall() if tuned_here else []
         rng = secure_rng()
-        drawn = Counter[tuple[tuple[int, int] | None, tuple[tuple[int, float, float], ...],
+        drawn = Counter[tuple[tuple[int, int, int] | None, tuple[tuple[int, float, float], ...],
                               tuple[tuple[int, float, float], ...]]]()
         failed = 0
         for _ in range(samples):
             try:
                 # (over no users the statement has no rows: T is then chosen from noise)
                 tuned = tune_rows(plan, tuning, rng, query) if tuned_here else None
-                rows = None if tuned is None else (tuned.max_rows, tuned.mean_rows)
+                rows = None if tuned is None else (tuned.max_rows, tuned.mean_rows,
+                                                   tuned.sum_rows)
                 clips = () if tuned is None else tuple(
                     (i, b.lower, b.upper) for i, b in sorted(tuned.clips.items()))
                 drawn[rows, tuple((q.aggregate, f.lower, f.upper) for q in plan.approx_bounds
@@ -237,7 +238,7 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
         for (rows, found, clips), n in drawn.items():
             q, pl = replan_with_bounds(query, plan, {i: Bounds(lo, hi)
                                                      for i, lo, hi in (*found, *clips)},
-                                       *(rows or (None, None)))
+                                       *(rows or (None, None, None)))
             parts.append(outcomes(q, pl, main_rows(q, pl), n))
         return np.concatenate(parts)
 
@@ -270,14 +271,14 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
             for r in rows:
                 stats.add(r, value_bins)
             values = {i: dict(enumerate(v)) for i, v in stats.values.items()}
-            drawn = Counter[tuple[int, int, tuple[tuple[int, float, float], ...]]]()
+            drawn = Counter[tuple[int, int, int, tuple[tuple[int, float, float], ...]]]()
             for _ in range(n):
                 tuned = tune(pl1, stats.rows(), stats.groups, values, rng, q1)
-                drawn[tuned.max_rows, tuned.mean_rows, tuple(
+                drawn[tuned.max_rows, tuned.mean_rows, tuned.sum_rows, tuple(
                     (i, b.lower, b.upper) for i, b in sorted(tuned.clips.items()))] += 1
-            for (t, mean_t, clips), m in drawn.items():
+            for (t, mean_t, sum_t, clips), m in drawn.items():
                 chosen = {i: Bounds(lo, hi) for i, lo, hi in clips}
-                q2, pl2 = replan_with_bounds(q1, pl1, chosen, t, mean_t)
+                q2, pl2 = replan_with_bounds(q1, pl1, chosen, t, mean_t, sum_t)
                 resolved = [dict(r) for r in rows]
                 resolve(resolved, q1, pl2, terms, chosen)
                 parts.append(outcomes(q2, pl2, resolved, m))
