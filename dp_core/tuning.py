@@ -57,9 +57,10 @@ below them, to check that it is one)."""
 TAIL_CURVE = 0.5
 """How much the law's slope may differ between the highest seen bins and those below them
 for the counts to be taken as a power law's."""
-TAIL_REACH = 10
-"""The bins above the highest seen that the fitted tail reaches (a factor of about 32 in
-rows): heavy tails hold many rows in users too few per bin for the noisy counts to show."""
+TAIL_REACH = 8
+"""The bins above the highest seen that the fitted tail reaches (a factor of about 16 in
+rows): heavy tails hold many rows in users too few per bin for the noisy counts to show;
+further, the T it would bring costs filtered and grouped counts more noise than it saves."""
 ROWS_KIND, GROUPS_KIND, VALUES_KIND = 0, 1, 2
 """dp_kind of the tuning statement's rows: a histogram bin, or the groups count."""
 

@@ -124,7 +124,7 @@ def test_the_chosen_t_is_near_the_least_error_under_its_noise(shape: str, groups
     count's mean noise for T, relative to the rows) is, in the median draw, within 1.5× the
     least over every candidate T plus 1% of the rows, and within 3× plus 2% in 95% of them.
     For the heavy tail with one group, where the users beyond the seen bins hold the error,
-    the median within 1.6× the least and the 95th percentile within 4.5×: the fitted tail
+    the median within 1.8× the least and the 95th percentile within 4.5×: the fitted tail
     finds them (the histogram alone left 4× and 6× the least there: 11% and 17% of the rows
     against 2.7%)."""
     rng = np.random.default_rng(11)
@@ -141,7 +141,7 @@ def test_the_chosen_t_is_near_the_least_error_under_its_noise(shape: str, groups
     drawn = np.array([error(choose_max_rows(hist, groups, noisy, noisy, unit, rng,
                                             groups_known=True).max_rows) for _ in range(300)])
     heavy_global = shape == "pareto" and groups == 1
-    assert np.median(drawn) <= (1.6 * least if heavy_global else 1.5 * least + 0.01), \
+    assert np.median(drawn) <= (1.8 * least if heavy_global else 1.5 * least + 0.01), \
         (least, np.median(drawn))
     assert np.quantile(drawn, 0.95) <= (4.5 * least if heavy_global else 3 * least + 0.02), \
         (least, np.quantile(drawn, 0.95))
