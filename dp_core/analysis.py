@@ -5,9 +5,10 @@ session's DP settings. Output: an `AnalyzedQuery` (dp_core.query) holding pglast
 pieces that the rewriter assembles into the pushdown. The rules live in their own modules:
 which FROM items and inner queries may read protected rows (dp_core.ownership), every
 expression over user rows made total so that whether the query fails never depends on one
-user's data, paper §5.2 (dp_core.totality, over the catalogue of dp_core.catalogue), and
-which calls are DP aggregates with which bounds (dp_core.aggregates). Everything outside
-the rules is refused with 0A000 naming the rule.
+user's data, paper §5.2 (dp_core.totality, over the catalogue of dp_core.catalogue),
+which calls are DP aggregates with which bounds (dp_core.aggregates), and what the names in
+HAVING and ORDER BY read, as Postgres reads them (dp_core.names). Everything outside the rules
+is refused with 0A000 naming the rule.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dp_core.errors import (
     StatementTooComplex,
     SyntaxError_,
 )
+from dp_core.names import InputColumns, Names
 from dp_core.ownership import FromAnalysis, group_expressions, owned_subquery, semi_join
 from dp_core.query import (
     Aggregate,
@@ -141,17 +143,19 @@ def parse_select(stripped_sql: str, params: Mapping[int, ast.Node] | None = None
 def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form: bool,
             privacy_unit: str | None = None,
             integer_types: Mapping[int, str] | None = None,
-            row_work: RowWorkBudget | None = None) -> AnalyzedQuery:
+            row_work: RowWorkBudget | None = None,
+            columns: InputColumns | None = None) -> AnalyzedQuery:
     """Check `stmt` against the DP rules and split it into keys, aggregates and the rest.
 
     `privacy_unit`: BigQuery's OPTIONS(privacy_unit_column=...), which must name the uid
     column (the privacy unit is the configuration's, not the query's). `integer_types`: the
     integer type of arithmetic operators (by location), as Postgres reported them for a first
-    analysis's `ArithmeticCheck`s."""
+    analysis's `ArithmeticCheck`s. `columns`: Postgres's reading of a first analysis's
+    `name_checks` (dp_core.names)."""
     answered = _post_processed(stmt)
     if answered is not None:
         return replace(analyze(answered, policy, plain_form, privacy_unit, integer_types,
-                               row_work), outer=stmt)
+                               row_work, columns), outer=stmt)
     if stmt.op is not None and stmt.op != 0 and stmt.larg is not None:
         raise refuse("set operations (UNION, INTERSECT, EXCEPT)")
     ctes: dict[str, str | None] = {}
@@ -174,8 +178,9 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
             if ctes[name] is not None:
                 findings.shapes[name] = findings.shapes[id(cte.ctequery)]
         cte_nodes = tuple(stmt.withClause.ctes)
-    if stmt.distinctClause == (None,) and not stmt.groupClause and not any(
-            dp_aggregates_in(t) for t in stmt.targetList or ()):
+    distinct = stmt.distinctClause == (None,) and not stmt.groupClause and not any(
+        dp_aggregates_in(t) for t in stmt.targetList or ())
+    if distinct:
         # SELECT DISTINCT k (a BI tool's filter values): GROUP BY k, its keys released by
         # partition selection alone
         stmt = copy.copy(stmt)
@@ -222,6 +227,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     select: list[SelectItem] = []
     key_reads: list[list[Any]] = []
     """The GROUP BY keys each select-list expression of keys (or constant) reads."""
+    targets: list[tuple[str, Any]] = []
+    """The select list: (output name, expression as written)."""
     def release_hidden(calls: list[Any]) -> None:
         """Post-processing: each DP aggregate of an expression over them (in the select list,
         HAVING or ORDER BY) that no output answers yet is released hidden; the result query
@@ -239,6 +246,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         if isinstance(val, ast.ColumnRef) and isinstance(val.fields[-1], ast.A_Star):
             raise refuse("SELECT * (list the group keys and DP aggregates)")
         name = str(target.name) if target.name else _default_name(val)
+        targets.append((name, val))
         agg = aggregate_call(val, plain_form)
         if agg is not None:
             aggregates.append(make_aggregate(agg, name, fa, policy, totalize))
@@ -270,9 +278,15 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
                         domain=configured_domain(val, fa, policy)))
         outputs.append(OutputColumn(name, key=len(keys) - 1, source=val))
         select.append(SelectItem(name, column=len(outputs) - 1))
-    for expr in (stmt.havingClause, *(s.node for s in stmt.sortClause or ())):
+    grouped_by, aliased = _grouped_by(group_exprs, outputs)
+    names = Names(targets, grouped_by, columns, aliased)
+    having = names.having(stmt.havingClause)
+    order_by = names.order_by(stmt.sortClause or (), distinct)
+    for expr in (having, *(s.node for s in order_by)):
         if expr is not None:  # (they filter and sort on noisy values too)
             release_hidden(dp_aggregates_in(expr))
+    if names.reads:  # (grouped columns they read, released hidden if not selected)
+        key_reads.append(names.reads)
     for parts in key_reads:
         for g in parts:  # each key the expression reads, released hidden if not selected
             if not any(o.key is not None and same_node(o.source, g) for o in outputs):
@@ -296,13 +310,33 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
                           "selection releases none (group by something coarser)", node_sql(k.expr))
     return AnalyzedQuery(
         from_clause=from_clause, where=where, uid=uid, tables=tuple(fa.tables), keys=tuple(keys),
-        aggregates=tuple(aggregates), outputs=tuple(outputs), having=stmt.havingClause,
-        order_by=tuple(stmt.sortClause or ()), limit=stmt.limitCount, offset=stmt.limitOffset,
+        aggregates=tuple(aggregates), outputs=tuple(outputs), having=having,
+        order_by=order_by, limit=stmt.limitCount, offset=stmt.limitOffset,
         plain_form=plain_form, ctes=cte_nodes, select=tuple(select),
         casts=tuple(findings.casts), arithmetic=tuple(findings.arithmetic),
         relations=tuple(dict.fromkeys(findings.relations)),
         sublinks=tuple(findings.sublinks), joins_capped=findings.joins_capped,
+        grouped_by=tuple(grouped_by), name_checks=tuple(dict.fromkeys(names.missing)),
     )
+
+
+def _grouped_by(group_exprs: list[Any], outputs: list[OutputColumn]) -> tuple[list[Any],
+                                                                                set[str]]:
+    """The GROUP BY expressions as the query is grouped by them, as written: a selected key's
+    select-list expression where GROUP BY names it (by its name, position or expression),
+    else the GROUP BY expression itself; and the names GROUP BY reads as another expression's
+    output column (`GROUP BY x` of `upper(x) AS x`)."""
+    found: list[Any] = []
+    aliased: set[str] = set()
+    for g in group_exprs:
+        named = [o.source for o in outputs if o.key is not None
+                 and (same_node(o.source, g) or is_ref_to(g, o.name))]
+        for expr in named or [g]:
+            if not same_node(expr, g):
+                aliased.add(str(g.fields[0].sval))
+            if not any(same_node(expr, f) for f in found):
+                found.append(expr)
+    return found, aliased
 
 
 def _post_processed(stmt: ast.SelectStmt) -> ast.SelectStmt | None:

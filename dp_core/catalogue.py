@@ -79,6 +79,18 @@ QUANTILE_FUNCTIONS = frozenset({"anon_ntile", "anon_median", "anon_min", "anon_m
 the plain form (p) WITHIN GROUP (ORDER BY x) and the BigQuery form (x, p[, L, U]), MIN/MAX."""
 QUANTILE_OF = {"anon_median": 0.5, "anon_min": 0.0, "anon_max": 1.0, "min": 0.0, "max": 1.0}
 LATER_FUNCTIONS = frozenset({"approx_bounds", "percentile_disc", "median", "mode"})
+OTHER_AGGREGATES = frozenset({
+    "any_value", "array_agg", "bit_and", "bit_or", "bit_xor", "bool_and", "bool_or", "corr",
+    "covar_pop", "covar_samp", "cume_dist", "dense_rank", "every", "json_agg", "json_agg_strict",
+    "json_arrayagg", "json_object_agg", "json_object_agg_strict", "json_object_agg_unique",
+    "json_object_agg_unique_strict", "json_objectagg", "jsonb_agg", "jsonb_agg_strict",
+    "jsonb_object_agg", "jsonb_object_agg_strict", "jsonb_object_agg_unique",
+    "jsonb_object_agg_unique_strict", "percent_rank", "range_agg", "range_intersect_agg", "rank",
+    "regr_avgx", "regr_avgy", "regr_count", "regr_intercept", "regr_r2", "regr_slope", "regr_sxx",
+    "regr_sxy", "regr_syy", "string_agg", "xmlagg",
+})
+"""Postgres's built-in aggregates with no DP form (rank() and its kin as hypothetical-set
+aggregates, without OVER): an expression over released values cannot hold one."""
 
 # Immutable functions that cannot raise for any argument values of the types they accept.
 TOTAL_FUNCTIONS = frozenset({

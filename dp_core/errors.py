@@ -49,6 +49,24 @@ class InvalidParameterValue(DPError):
     sqlstate = "22023"
 
 
+class UndefinedColumn(DPError):
+    sqlstate = "42703"
+
+
+class AmbiguousColumn(DPError):
+    sqlstate = "42702"
+
+
+class InvalidColumnReference(DPError):
+    sqlstate = "42P10"
+
+
+class GroupingError(DPError):
+    """A column outside an aggregate that is not a GROUP BY key (Postgres's 42803)."""
+
+    sqlstate = "42803"
+
+
 class UndefinedObject(DPError):
     sqlstate = "42704"
 

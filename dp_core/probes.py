@@ -1,4 +1,4 @@
-"""Statements only prepared, never run: the types of the query's expressions, its subqueries."""
+"""Statements only prepared, never run: the types of the query's expressions, its subqueries, its names."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import copy
 from typing import Any
 
 from pglast import ast, parse_sql
-from pglast.enums import LimitOption, SetOperation
+from pglast.enums import GroupingSetKind, LimitOption, SetOperation
 from pglast.stream import RawStream
 
 from dp_core.query import AggKind, AnalyzedQuery
@@ -66,3 +66,22 @@ def standalone_subqueries(query: AnalyzedQuery) -> list[str]:
                                               recursive=False)
         out.append(str(RawStream()(outer)))
     return out
+
+
+def column_probe_sql(query: AnalyzedQuery, name: tuple[str, ...]) -> str:
+    """`SELECT name FROM <the query's FROM> WHERE FALSE GROUP BY <its GROUP BY>`: prepared, never
+    run, so that Postgres says what a name of HAVING or ORDER BY is (`names.InputColumns`): it
+    plans where the name is a GROUP BY key (42803 where it is an input column that is not, 42703
+    where no input column has the name). The GROUP BY is the query's as the proxy groups it;
+    without one, `GROUP BY ()`: one group, as a query of aggregates alone."""
+    groups = tuple(copy.deepcopy(query.grouped_by)) or (
+        ast.GroupingSet(kind=GroupingSetKind.GROUPING_SET_EMPTY),)
+    stmt = ast.SelectStmt(
+        targetList=(ast.ResTarget(val=ast.ColumnRef(fields=tuple(ast.String(sval=part)
+                                                                 for part in name))),),
+        fromClause=tuple(copy.deepcopy(query.from_clause)),
+        whereClause=ast.A_Const(val=ast.Boolean(boolval=False)), groupClause=groups,
+        limitOption=LimitOption.LIMIT_OPTION_DEFAULT, op=SetOperation.SETOP_NONE)
+    if query.ctes:
+        stmt.withClause = ast.WithClause(ctes=tuple(copy.deepcopy(query.ctes)), recursive=False)
+    return str(RawStream()(stmt))

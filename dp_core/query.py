@@ -178,7 +178,10 @@ class AnalyzedQuery:
     aggregates: tuple[Aggregate, ...]
     outputs: tuple[OutputColumn, ...]
     having: ast.Node | None
+    """HAVING, its names replaced by what they read (dp_core.names): DP aggregates, GROUP BY
+    expressions and select-list expressions, which the result query maps onto released columns."""
     order_by: tuple[ast.Node, ...]
+    """ORDER BY, likewise; a bare name of an output column is its position."""
     limit: ast.Node | None
     offset: ast.Node | None
     plain_form: bool
@@ -203,6 +206,14 @@ class AnalyzedQuery:
     """A query over this one's answer (`SELECT ... FROM (DP query) AS t WHERE ...`, as Power BI
     writes): post-processing, run over the released rows; its FROM item's subquery is
     replaced by the result query."""
+    grouped_by: tuple[Any, ...] = ()
+    """The GROUP BY expressions as written (positions and aliases replaced by their select-list
+    expressions): what Postgres checks a HAVING or ORDER BY name against (`column_probe_sql`)."""
+    name_checks: tuple[tuple[str, ...], ...] = ()
+    """Column references of HAVING and ORDER BY whose meaning depends on the FROM items'
+    columns, which the analysis cannot see: the server asks Postgres (`column_probe_sql`) and
+    analyses again with the answers (`analyze(..., columns=...)`). HAVING and ORDER BY are
+    unresolved while any is left: such a query is never answered."""
 
     def with_bounds(self, found: Mapping[int, Bounds]) -> AnalyzedQuery:
         """The query with bounds (from APPROX_BOUNDS) filled in for the given aggregates."""

@@ -69,28 +69,25 @@ def _result_ref(i: int) -> Any:
 
 
 class _ToResultColumns(Visitor):
-    """Rewrites HAVING / ORDER BY over the select list into references to result columns."""
+    """Rewrites expressions over released values (select-list expressions, HAVING, ORDER BY)
+    into references to result columns: each DP aggregate or GROUP BY expression that a column
+    answers (`sources`). Names are read before (dp_core.names): one left here is refused, never
+    taken for an output column's."""
 
-    def __init__(self, sources: list[Any], names: list[str]) -> None:
+    def __init__(self, sources: list[Any]) -> None:
         super().__init__()
         self.sources = sources
-        self.names = names
 
     def visit(self, ancestors: Any, node: Any) -> Any:
         for i, src in enumerate(self.sources):
             if node == src:
                 return _result_ref(i)
-        if (isinstance(node, ast.ColumnRef) and len(node.fields) == 1
-                and isinstance(node.fields[0], ast.String)):
-            name = node.fields[0].sval
-            if name in self.names:
-                return _result_ref(self.names.index(name))
-            if not name.startswith("dp_c"):
-                raise FeatureNotSupported(
-                    f"HAVING and ORDER BY may only use the query's output columns, not {name}")
-        elif isinstance(node, (ast.ColumnRef, ast.SubLink)):
+        if isinstance(node, (ast.ColumnRef, ast.SubLink)):
+            name = ".".join(str(getattr(f, "sval", "*")) for f in node.fields) \
+                if isinstance(node, ast.ColumnRef) else "a subquery"
             raise FeatureNotSupported(
-                "HAVING and ORDER BY may only use the query's output columns")
+                "not allowed in a DP query (expressions over its answer read only GROUP BY keys "
+                f"and DP aggregates): {name}")
         return None
 
 
@@ -102,10 +99,11 @@ def result_sql(names: list[str], types: list[TypeRef],
                outer: ast.SelectStmt | None = None) -> str:
     """A query that returns `rows` with the given column names and types.
 
-    HAVING and ORDER BY, written over the select list (`sources`) or the output
-    names, are applied to the (already noisy) values by Postgres, which also
-    encodes the result in whatever format the client asked for. With `outer` (a query
-    whose one FROM item is a subquery), that query is run over these rows.
+    HAVING and ORDER BY, written over what the columns answer (`sources`: DP aggregates and
+    GROUP BY expressions; dp_core.names has replaced their names) and output positions, are
+    applied to the (already noisy) values by Postgres, which also encodes the result in
+    whatever format the client asked for. With `outer` (a query whose one FROM item is a
+    subquery), that query is run over these rows.
     """
     import secrets
 
@@ -118,7 +116,7 @@ def result_sql(names: list[str], types: list[TypeRef],
     values = ", ".join(
         "(" + ", ".join(_value_sql(v, t) for v, t in zip(row, types, strict=True)) + ")"
         for row in rows) or "(" + ", ".join(_value_sql(None, t) for t in types) + ")"
-    mapper = _ToResultColumns(list(sources or []), names)
+    mapper = _ToResultColumns(list(sources or []))
     targets = []
     for name, what in visible or [(n, i) for i, n in enumerate(names)]:
         if isinstance(what, int):
@@ -143,11 +141,7 @@ def result_sql(names: list[str], types: list[TypeRef],
     stmt.whereClause = where
     if order_by:
         sorts = copy.deepcopy(tuple(order_by))
-        # a bare name of a select-list expression is Postgres's to resolve (ORDER BY pct)
-        aliases = {n for n, what in visible or () if not isinstance(what, int)} - set(names)
-        mapper(ast.SelectStmt(sortClause=tuple(s for s in sorts if not (
-            isinstance(s.node, ast.ColumnRef) and len(s.node.fields) == 1
-            and str(getattr(s.node.fields[0], "sval", "")) in aliases))))
+        mapper(ast.SelectStmt(sortClause=sorts))
         stmt.sortClause = sorts
     stmt.limitCount = copy.deepcopy(limit)
     stmt.limitOffset = copy.deepcopy(offset)

@@ -20,11 +20,13 @@ from dp_core.errors import (
     DPError,
     FeatureNotSupported,
     InsufficientPrivilege,
+    InternalError,
     InvalidParameterValue,
     ProgramLimitExceeded,
 )
+from dp_core.names import InputColumns
 from dp_core.plan import make_plan
-from dp_core.probes import argument_probe_sql, standalone_subqueries
+from dp_core.probes import argument_probe_sql, column_probe_sql, standalone_subqueries
 from dp_core.pushdown_cache import PushdownCache
 from dp_core.query import AnalyzedQuery, Bounds, KeyDomain, TablePolicy
 from dp_core.result import TypeRef
@@ -105,17 +107,26 @@ class Preparer:
             await self.bind_params(bind, param_types, request.codec, request.encoding)
         unit = st.dp_clause.option("privacy_unit_column") if st.dp_clause is not None else None
 
+        columns: InputColumns | None = None
+
         def analysis(integer_types: dict[int, str] | None = None) -> AnalyzedQuery:
             return analyze(parse_select(st.stripped_sql, params), self.policy,
                            plain_form=st.dp_clause is None,
                            privacy_unit=None if unit is None else str(unit),
-                           integer_types=integer_types, row_work=self._row_work)
+                           integer_types=integer_types, row_work=self._row_work,
+                           columns=columns)
 
         query = analysis()
         settings = query_settings(request.settings, request.caps,
                                   st.dp_clause.options if st.dp_clause is not None else ())
         try:
             await self._check_relations(query, conn)
+            if query.name_checks:
+                # names of HAVING and ORDER BY, as Postgres reads them in the query's FROM
+                columns = await self._input_columns(query, conn)
+                query = analysis()
+                if query.name_checks:
+                    raise InternalError()
             attrs = await self._probe(query, conn)
             types = {a.name: a.type.name for a in attrs}
             for i in range(len(query.arithmetic)):
@@ -142,7 +153,8 @@ class Preparer:
             cache_key = (st.sql, bind.param_formats if bind else None,
                          bind.params if bind else None, tuple(param_types), settings,
                          tuple(sorted(arg_types.items())),
-                         tuple(k.hashed for k in query.keys), tuple(sorted(integers.items())))
+                         tuple(k.hashed for k in query.keys), tuple(sorted(integers.items())),
+                         tuple(sorted((name, e is None) for name, e in (columns or {}).items())))
             plan = make_plan(query, settings.epsilon, settings.delta,
                              settings.max_groups_contributed, settings.noise,
                              selection=settings.selection, max_rows=settings.max_rows)
@@ -239,6 +251,19 @@ class Preparer:
                 raise FeatureNotSupported(
                     "not allowed in a DP query (IN and EXISTS subqueries that read the DP "
                     "query's row: they would run once per row; write a join instead)") from None
+
+    @staticmethod
+    async def _input_columns(query: AnalyzedQuery, conn: Any) -> InputColumns:
+        """Postgres's reading of each of the query's `name_checks` (`column_probe_sql`, prepared
+        on `conn` outside any transaction, never run): None for a GROUP BY key, else its error."""
+        found: dict[tuple[str, ...], DPError | None] = {}
+        for name in query.name_checks:
+            try:
+                await conn.prepare(column_probe_sql(query, name))
+                found[name] = None
+            except asyncpg.PostgresError as e:
+                found[name] = _planning_error(e)
+        return found
 
     async def _hashed_keys(self, key_oids: list[int], conn: Any) -> list[int]:
         """Which keys (of a query with quantiles, by type) match a group's row with its trees
