@@ -13,7 +13,7 @@ from dp_core.mechanisms import users_kept_with
 from dp_core.ownership import JOIN_ROWS_PER_USER
 from dp_core.partials import MEANS
 from dp_core.plan import Component, DPQueryPlan
-from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold
+from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, rank_half_width_95
 from dp_core.query import AggKind, AnalyzedQuery
 from dp_core.sqlnodes import node_sql
 from dp_core.tuning import TunedRows, groups_threshold
@@ -107,6 +107,9 @@ def explain_lines(query: AnalyzedQuery, plan: DPQueryPlan, sql: Sequence[str],
                      f"{fmt(q.noise.half_width_95)}")
         if q.component == Component.TREE:
             noise = f"{noise} on each node's user count ({DEPTH} levels of {BRANCHING} children)"
+            if q.noise is not None:
+                noise += (f"; the answer within about ±{fmt(rank_half_width_95(q.noise))} users "
+                          "of the wanted rank (95%)")
         sensitivity = "?" if q.sensitivity is None else fmt(q.sensitivity)
         lines.append(f"  {owner}: {q.component}, sensitivity {sensitivity}, epsilon "
                      f"{fmt(float(q.epsilon))}, delta {fmt(float(q.delta))}, {noise}")
@@ -190,7 +193,11 @@ def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
             continue
         name = visible_name(query, col.aggregate)
         if query.aggregates[col.aggregate].kind is AggKind.QUANTILE:
-            continue  # its noise is on counts of the tree, not on the value
+            # its noise is on counts of the tree, not on the value: the rank it may be off by
+            tree = [q for q in plan.quantities if q.aggregate == col.aggregate and q.noise]
+            if tree:
+                widths.append(f"{name} rank ±{fmt(rank_half_width_95(tree[0].spec))} users")
+            continue
         if col.aggregate in spread:  # AVG, VAR, STDDEV: depends on the count
             low, high = spread[col.aggregate]
             widths.append(f"{name} ±{fmt(low)}" if fmt(low) == fmt(high)

@@ -115,6 +115,11 @@ class NoiseSpec:
         return gaussian(values, self.scale, rng)
 
     @property
+    def std(self) -> float:
+        """The noise's standard deviation (√2·b for Laplace, σ)."""
+        return self.scale * math.sqrt(2.0) if self.kind is NoiseKind.LAPLACE else self.scale
+
+    @property
     def half_width_95(self) -> float:
         """Half-width of the interval that holds the noise with probability 95%."""
         if self.kind is NoiseKind.LAPLACE:

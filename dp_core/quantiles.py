@@ -118,6 +118,17 @@ def walk(codes: NDArray[np.int64], counts: NDArray[np.int64], quantile: float, l
     return np.asarray(np.clip(value, lower, upper), dtype=np.float64)
 
 
+def rank_half_width_95(noise: NoiseSpec) -> float:
+    """How far, in users, a quantile's answer may be from the wanted rank (with probability
+    at least about 95%, up to one leaf of value): at each level the walk compares the wanted
+    rank with a sum of the noisy counts of the siblings before it, at most B − 1 of them, so
+    the rank is off by a sum of at most DEPTH·(B − 1) noises, whose 95% half-width is about
+    1.96 of its standard deviation (and the children the walk drops as empty, below ALPHA of
+    their siblings, are within it). The count of users in the group does not enter: the same
+    ±r is a larger share of a small group. tests/core/test_quantiles.py checks it holds."""
+    return 1.96 * math.sqrt(DEPTH * (BRANCHING - 1)) * noise.std
+
+
 # ---------------------------------------------------------------------------- APPROX_BOUNDS
 
 def histogram_edges() -> tuple[Decimal, ...]:

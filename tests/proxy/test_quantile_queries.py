@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import subprocess
 
 import asyncpg
@@ -184,3 +185,20 @@ def test_psql_shows_the_approx_bounds_notice(proxy: Proxy, fresh_budgets: None) 
         proxy, "SELECT WITH ANONYMIZATION ANON_SUM(duration + 0) FROM visits")
     assert done.returncode == 0
     assert "APPROX_BOUNDS chose" in done.stderr, done.stderr
+
+
+def test_a_quantiles_notice_and_explain_give_its_rank_error(proxy: Proxy,
+                                                             fresh_budgets: None) -> None:
+    """Issue 30: a quantile's error measure is the rank its answer may be off by, in users
+    (`quantiles.rank_half_width_95`), the same in EXPLAIN (before any charge) and the notice."""
+    sql = ("SELECT WITH ANONYMIZATION browser, ANON_MEDIAN(duration, 0, 3600) AS med "
+           "FROM visits GROUP BY browser")
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        plan_text = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql).fetchall())
+    explained = re.search(r"the answer within about ±([\d.]+) users of the wanted rank \(95%\)",
+                          plan_text)
+    assert explained is not None, plan_text
+    _, notices = _notices(proxy, sql)
+    ((_, detail),) = notices
+    told = re.search(r"med rank ±([\d.]+) users", detail)
+    assert told is not None and told.group(1) == explained.group(1), detail
