@@ -18,7 +18,6 @@ from dp_core.errors import InternalError
 from dp_core.mechanisms import NoiseKind, NoiseSpec, secure_rng
 from dp_core.plan import Component, make_plan
 from dp_core.quantiles import (
-    rank_half_width_95,
     BINS,
     EDGES,
     LEAVES,
@@ -30,6 +29,7 @@ from dp_core.quantiles import (
     bounds_threshold,
     choose_bounds,
     leaf_of,
+    rank_half_width_95,
     tree_codes,
     walk,
 )
