@@ -7,6 +7,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Iterable
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal, Self
@@ -366,12 +367,22 @@ class ColumnBounds(_Strict):
         return (parts[0], parts[1], parts[2]) if len(parts) == 3 else ("public", parts[0], parts[1])
 
 
+class TotalBudgetConfig(_Strict):
+    """A privacy budget every answer also charges, shared by all analysts: it bounds what all of
+    them together learn about one person (of the database, or of one protected table)."""
+
+    epsilon: PositiveFloat
+    delta: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = 1e-5
+
+
 class TableConfig(_Strict):
     """A protected table: every row belongs to the user in `uid_column`."""
 
     schema_: str = Field(default="public", alias="schema")
     uid_column: str
     columns: dict[str, ColumnBounds] = Field(default_factory=dict)
+    total_budget: TotalBudgetConfig | None = Field(default=None, description=(
+        "a budget every answer that reads this table also charges, shared by all analysts"))
 
     @field_validator("uid_column", "schema_")
     @classmethod
@@ -434,6 +445,8 @@ class Config(_Strict):
     defaults: DefaultsConfig = Field(default_factory=DefaultsConfig)
     tables: dict[str, TableConfig] = Field(default_factory=dict)
     public: PublicConfig = Field(default_factory=PublicConfig)
+    total_budget: TotalBudgetConfig | None = Field(default=None, description=(
+        "a budget every answer also charges, shared by all analysts"))
 
     @field_validator("analysts")
     @classmethod
@@ -486,6 +499,19 @@ class Config(_Strict):
                         f"{source[0]}.{source[1]} is not a public table (public.tables or "
                         "public.schemas): analysts could not read the keys it releases")
         return self
+
+    def total_budgets(self) -> dict[str, TotalBudgetConfig]:
+        """The total budgets by scope: "database", and "schema.table" of each protected table
+        that has one."""
+        out = {"database": self.total_budget} if self.total_budget is not None else {}
+        out.update({f"{t.schema_}.{name}": t.total_budget for name, t in self.tables.items()
+                    if t.total_budget is not None})
+        return out
+
+    def total_scopes(self, tables: Iterable[str]) -> list[str]:
+        """The total budgets an answer reading the protected `tables` ("schema.table") charges,
+        in the order their rows are locked."""
+        return sorted(({"database"} | set(tables)) & self.total_budgets().keys())
 
     def protected(self, schema: str, table: str) -> TableConfig | None:
         """The policy of `schema.table` if it is protected."""

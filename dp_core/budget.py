@@ -1,4 +1,4 @@
-"""An analyst's budget in exact decimals: what is left, and whether an answer's cost fits in it.
+"""A privacy budget in exact decimals (an analyst's, or a shared total): what is left, whether a cost fits.
 
 The ledger keeps totals in Postgres `numeric`; every cost is a fraction whose
 denominator is a power of two times a power of five (the plan's grid), so it
@@ -29,9 +29,15 @@ def to_numeric(x: Fraction) -> decimal.Decimal:
     return exact.normalize(_EXACT)
 
 
+TOTAL = "total:"
+"""The prefix of a total budget's name (`Budget.analyst`): "total:database", "total:public.visits"
+(no analyst name has a colon)."""
+
+
 @dataclass(frozen=True)
 class Budget:
-    """An analyst's limits and what it has spent, as the ledger holds them."""
+    """An analyst's limits and what it has spent, as the ledger holds them; or a total budget's,
+    named TOTAL + its scope."""
 
     analyst: str
     epsilon_total: decimal.Decimal
@@ -47,6 +53,11 @@ class Budget:
     def delta_remaining(self) -> decimal.Decimal:
         return max(self.delta_total - self.delta_spent, decimal.Decimal(0))
 
+    @property
+    def scope(self) -> str | None:
+        """A total budget's scope ("database", "public.visits"); None for an analyst's."""
+        return self.analyst.removeprefix(TOTAL) if self.analyst.startswith(TOTAL) else None
+
     def row(self) -> tuple[Any, ...]:
         return (self.analyst, self.epsilon_total, self.epsilon_spent, self.epsilon_remaining,
                 self.delta_total, self.delta_spent, self.delta_remaining)
@@ -58,12 +69,17 @@ def check_affordable(budget: Budget, epsilon: decimal.Decimal, delta: decimal.De
                                      ("delta", budget.delta_spent, budget.delta_total, delta)):
         if spent + cost > total:
             left = total - spent
+            scope = budget.scope
+            reset = f"dp_reset_budget('{budget.analyst}')" if scope is None \
+                else f"dp_reset_total_budget('{scope}')"
             hint = (f"nothing is left of this {what} budget: an admin can reset it "
-                    f"(SELECT dp_reset_budget('{budget.analyst}'))" if left <= 0 else
+                    f"(SELECT {reset})" if left <= 0 else
                     f"{_fmt(left)} is left: ask for at most that (SET dp.{what} or "
                     f"OPTIONS({what}=...)), or an admin can reset the budget")
+            which = "privacy budget" if scope is None else \
+                f"total privacy budget of {scope} (shared by all analysts)"
             raise BudgetExhausted(
-                f"privacy budget exhausted: {what} spent {_fmt(spent)} of {_fmt(total)}, "
+                f"{which} exhausted: {what} spent {_fmt(spent)} of {_fmt(total)}, "
                 f"this query costs {_fmt(cost)}", hint=hint)
 
 

@@ -199,7 +199,7 @@ class ProxyServer:
         from server.errors import InvalidAuthorization
 
         ignored = [name for name in ("listen", "tls", "metrics", "auth_method", "backend", "defaults",
-                                     "tables")
+                                     "tables", "total_budget")
                    if getattr(new, name) != getattr(self.config, name)]
         merged = reloaded(self.config, new)
         if new.log != self.config.log:

@@ -1,11 +1,13 @@
 """The privacy-budget ledger, in the backend Postgres: limits, running totals, one row per event.
 
-A charge is one transaction that locks the analyst's row, checks
-`spent + cost <= limit` in exact `numeric` arithmetic, adds the cost and
-appends the ledger row, and commits before the pushdown runs: an answer is
-never released uncharged, and concurrent queries (from any number of proxy
-processes sharing the ledger) cannot spend past the limit. Resets are
-appended events, never deletions.
+A charge is one transaction that locks the analyst's row, then the rows of the total
+budgets the answer also charges (the database's, each protected table's it reads: shared
+by all analysts, locked in name order, so that two charges never wait for each other in
+turn), checks `spent + cost <= limit` for each in exact `numeric` arithmetic, adds the
+cost and appends the ledger row, and commits before the pushdown runs: an answer is
+never released uncharged, and concurrent queries (from any number of proxy processes
+sharing the ledger) cannot spend past any limit. Resets are appended events, never
+deletions; a total budget's events name it as their subject ("total:database").
 """
 
 from __future__ import annotations
@@ -13,18 +15,18 @@ from __future__ import annotations
 import decimal
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import asyncpg
 
 from config import Accountant, Config
 from dp_core.accounting import AnswerCost, rdp_total
-from dp_core.budget import Budget, check_affordable, to_numeric
+from dp_core.budget import TOTAL, Budget, check_affordable, to_numeric
 from dp_core.errors import InsufficientPrivilege, UndefinedObject
 from server.backend_setup import quote_ident
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 BUDGET_COLUMNS = ["analyst", "epsilon_total", "epsilon_spent", "epsilon_remaining", "delta_total",
                   "delta_spent", "delta_remaining"]
 LEDGER_COLUMNS = ["id", "at", "kind", "epsilon", "delta", "outcome", "fingerprint", "query",
@@ -108,7 +110,36 @@ class Ledger:
                 await conn.execute(f"""
                     CREATE TRIGGER ledger_append_only BEFORE UPDATE OR DELETE ON {s}.ledger
                     FOR EACH STATEMENT EXECUTE FUNCTION {s}.ledger_append_only()""")
-                await conn.execute(f"INSERT INTO {s}.schema_version VALUES ($1)", SCHEMA_VERSION)
+                await conn.execute(f"INSERT INTO {s}.schema_version VALUES (1)")
+                version = 1
+            if version < 2:  # total budgets, shared by all analysts
+                await conn.execute(f"""
+                    CREATE TABLE {s}.totals (
+                        scope text PRIMARY KEY,
+                        epsilon_total numeric NOT NULL CHECK (epsilon_total >= 0),
+                        delta_total numeric NOT NULL CHECK (delta_total >= 0),
+                        epsilon_spent numeric NOT NULL DEFAULT 0,
+                        delta_spent numeric NOT NULL DEFAULT 0,
+                        created_at timestamptz NOT NULL DEFAULT now(),
+                        updated_at timestamptz NOT NULL DEFAULT now())""")
+                await conn.execute(f"INSERT INTO {s}.schema_version VALUES (2)")
+            for scope, total in config.total_budgets().items():
+                eps = decimal.Decimal(repr(total.epsilon))
+                dlt = decimal.Decimal(repr(total.delta))
+                changed = await conn.fetchval(f"""
+                    INSERT INTO {s}.totals AS t (scope, epsilon_total, delta_total)
+                    VALUES ($1, $2, $3)
+                    ON CONFLICT (scope) DO UPDATE SET epsilon_total = EXCLUDED.epsilon_total,
+                        delta_total = EXCLUDED.delta_total, updated_at = now()
+                    WHERE t.epsilon_total <> EXCLUDED.epsilon_total
+                       OR t.delta_total <> EXCLUDED.delta_total
+                    RETURNING true""", scope, eps, dlt)
+                if changed:
+                    await conn.execute(
+                        f"INSERT INTO {s}.ledger (analyst, kind, outcome, mechanisms) "
+                        "VALUES ($1, 'limits', 'total limits set from the configuration', $2)",
+                        TOTAL + scope,
+                        json.dumps({"epsilon_total": str(eps), "delta_total": str(dlt)}))
             for name, a in config.analysts.items():
                 eps, dlt = decimal.Decimal(repr(a.epsilon_budget)), decimal.Decimal(repr(a.delta_budget))
                 changed = await conn.fetchval(f"""
@@ -141,19 +172,29 @@ class Ledger:
             raise UndefinedObject(f'analyst "{analyst}" has no budget')
         return Budget(row[0], row[1], row[2], row[3], row[4])
 
+    async def totals(self, scopes: Sequence[str] | None = None, conn: Any = None) -> list[Budget]:
+        """The total budgets of `scopes` (every one in the ledger when None), by scope."""
+        rows = await (conn or self.pool).fetch(
+            f"SELECT scope, epsilon_total, epsilon_spent, delta_total, delta_spent "
+            f"FROM {self.s}.totals WHERE $1::text[] IS NULL OR scope = ANY($1::text[]) "
+            "ORDER BY scope", None if scopes is None else list(scopes))
+        return [Budget(TOTAL + r[0], r[1], r[2], r[3], r[4]) for r in rows]
+
     async def charge(self, analyst: str, cost: AnswerCost, sql: str,
                      mechanisms: Mapping[str, Any], conn: Any = None,
-                     accountant: Accountant = Accountant.BASIC) -> int:
+                     accountant: Accountant = Accountant.BASIC,
+                     scopes: Sequence[str] = ()) -> int:
         """Debit the answer or raise BudgetExhausted (53400, nothing charged). Returns the ledger id.
 
         Basic composition adds the cost exactly; the RDP accountant recomputes the
-        analyst's totals from the history since the last reset. Pass `conn` when
-        the caller already holds a pool connection (never wait for a second one
-        while holding the first: that deadlocks a busy pool).
+        analyst's totals from the history since the last reset. The total budgets of
+        `scopes` are charged the cost as basic composition adds it (all analysts' answers
+        together). Pass `conn` when the caller already holds a pool connection (never wait
+        for a second one while holding the first: that deadlocks a busy pool).
         """
         if conn is None:
             async with self.pool.acquire() as own:
-                return await self.charge(analyst, cost, sql, mechanisms, own, accountant)
+                return await self.charge(analyst, cost, sql, mechanisms, own, accountant, scopes)
         eps, dlt = to_numeric(cost.epsilon), to_numeric(cost.delta)
         s = self.s
         mechanisms = {**mechanisms, "cost": cost.to_json(), "accountant": accountant.value}
@@ -186,6 +227,20 @@ class Ledger:
                     f"UPDATE {s}.analysts SET epsilon_spent = epsilon_spent + $2, "
                     f"delta_spent = delta_spent + $3, updated_at = now() WHERE analyst = $1",
                     analyst, eps, dlt)
+            if scopes:
+                totals = await conn.fetch(
+                    f"SELECT scope, epsilon_total, epsilon_spent, delta_total, delta_spent "
+                    f"FROM {s}.totals WHERE scope = ANY($1::text[]) ORDER BY scope FOR UPDATE",
+                    sorted(scopes))
+                if len(totals) != len(set(scopes)):
+                    raise UndefinedObject("a total budget of the configuration is not in the "
+                                          "ledger (this is a bug)")
+                for r in totals:
+                    check_affordable(Budget(TOTAL + r[0], r[1], r[2], r[3], r[4]), eps, dlt)
+                await conn.execute(
+                    f"UPDATE {s}.totals SET epsilon_spent = epsilon_spent + $2, "
+                    f"delta_spent = delta_spent + $3, updated_at = now() "
+                    f"WHERE scope = ANY($1::text[])", sorted(scopes), eps, dlt)
             ledger_id: int = await conn.fetchval(
                 f"INSERT INTO {s}.ledger (analyst, kind, epsilon, delta, outcome, fingerprint, "
                 f"query, mechanisms) VALUES ($1, 'charge', $2, $3, 'charged', $4, $5, $6) "
@@ -224,6 +279,22 @@ class Ledger:
                 f"INSERT INTO {s}.ledger (analyst, kind, outcome, by_admin) "
                 "VALUES ($1, 'reset', 'budget reset', $2)", analyst, by_admin)
         return Budget(row[0], row[1], row[2], row[3], row[4])
+
+    async def reset_total(self, scope: str, by_admin: str) -> Budget:
+        s = self.s
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(
+                f"UPDATE {s}.totals SET epsilon_spent = 0, delta_spent = 0, updated_at = now() "
+                "WHERE scope = $1 RETURNING scope, epsilon_total, epsilon_spent, delta_total, "
+                "delta_spent", scope)
+            if row is None:
+                raise UndefinedObject(f'there is no total budget "{scope}"',
+                                      hint="the total budgets are \"database\" and "
+                                           "\"schema.table\" of protected tables that have one")
+            await conn.execute(
+                f"INSERT INTO {s}.ledger (analyst, kind, outcome, by_admin) "
+                "VALUES ($1, 'reset', 'total budget reset', $2)", TOTAL + scope, by_admin)
+        return Budget(TOTAL + row[0], row[1], row[2], row[3], row[4])
 
     async def entries(self, analyst: str) -> list[tuple[Any, ...]]:
         rows = await self.pool.fetch(

@@ -1,14 +1,17 @@
-"""dp_budget(), dp_ledger() and dp_reset_budget(): the proxy's own functions, answered from the
-ledger in place of their calls (admins only, but an analyst's own dp_budget())."""
+"""dp_budget(), dp_ledger(), dp_reset_budget() and dp_reset_total_budget(): the proxy's own functions,
+answered from the ledger in place of their calls (admins only, but an analyst's own dp_budget(),
+which also shows the total budgets every analyst's answers charge)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from decimal import Decimal
 from typing import Any
 
 from pglast import ast, parse_sql
 from pglast.visitors import Visitor
 
+from dp_core.classify import LOCAL_FUNCTIONS
 from dp_core.errors import FeatureNotSupported
 from dp_core.explain import fmt
 from dp_core.result import result_sql
@@ -21,9 +24,12 @@ PG = "pg_catalog"
 class LocalFunctions(Visitor):
     """Replaces dp_budget() / dp_ledger(a) in FROM with VALUES, and calls in expressions with text."""
 
-    def __init__(self, ledger: Ledger, user: str, is_admin: bool, dry_run: bool) -> None:
+    def __init__(self, ledger: Ledger, user: str, is_admin: bool, dry_run: bool,
+                 total_scopes: Sequence[str] = ()) -> None:
         super().__init__()
         self.ledger = ledger
+        self.total_scopes = list(total_scopes)
+        """The configured total budgets, which dp_budget() shows."""
         self.user = user
         self.is_admin = is_admin
         self.dry_run = dry_run
@@ -32,25 +38,29 @@ class LocalFunctions(Visitor):
     async def resolve(self, stmt: Any) -> None:
         """Run the functions (admin checks first) and keep their results for the rewrite."""
         calls = [n for n in _walk(stmt) if isinstance(n, ast.FuncCall)
-                 and str(n.funcname[-1].sval).lower() in ("dp_budget", "dp_ledger", "dp_reset_budget")]
+                 and str(n.funcname[-1].sval).lower() in LOCAL_FUNCTIONS]
         for fc in calls:
             name = str(fc.funcname[-1].sval).lower()
             args = list(fc.args or ())
-            target = self.user
-            if name != "dp_budget" or args:
+            target = "database" if name == "dp_reset_total_budget" else self.user
+            if (name != "dp_budget" and name != "dp_reset_total_budget") or args:
                 arg = args[0] if len(args) == 1 else None
                 if isinstance(arg, ast.TypeCast):  # a typed parameter, bound
                     arg = arg.arg
                 if self.dry_run and isinstance(arg, ast.ParamRef):
                     arg = ast.A_Const(val=ast.String(sval=self.user))  # (for the columns)
                 if const_string(arg) is None:
-                    raise FeatureNotSupported(f"{name}() takes one analyst name: a string "
+                    what = "total budget's scope" if name == "dp_reset_total_budget" \
+                        else "analyst name"
+                    raise FeatureNotSupported(f"{name}() takes one {what}: a string "
                                               "literal or a parameter")
                 target = str(const_string(arg))
             if name == "dp_budget":
                 if target != self.user:
                     require_admin(self.is_admin, "dp_budget(analyst)")
-                self.results[id(fc)] = [(await self.ledger.budget(target)).row()]
+                self.results[id(fc)] = [(await self.ledger.budget(target)).row(),
+                                        *(b.row() for b in await self.ledger.totals(
+                                            self.total_scopes) if self.total_scopes)]
             elif name == "dp_ledger":
                 require_admin(self.is_admin, name)
                 self.results[id(fc)] = await self.ledger.entries(target)
@@ -58,6 +68,11 @@ class LocalFunctions(Visitor):
                 require_admin(self.is_admin, name)
                 if self.dry_run:
                     self.results[id(fc)] = [("",)]
+                elif name == "dp_reset_total_budget":
+                    b = await self.ledger.reset_total(target, self.user)
+                    self.results[id(fc)] = [(f"total budget of {target} reset: epsilon "
+                                             f"{fmt(float(b.epsilon_total))}, delta "
+                                             f"{fmt(float(b.delta_total))} available",)]
                 else:
                     b = await self.ledger.reset(target, self.user)
                     self.results[id(fc)] = [(f"budget of {b.analyst} reset: epsilon "

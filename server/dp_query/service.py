@@ -251,8 +251,10 @@ class DPService:
         accountant = self.config.analysts[request.analyst].accountant
         try:
             await self._check_affordable(request, prepared.query, plan, accountant)
+            read = frozenset().union(*(t.bases for t in prepared.query.tables))
             await self.ledger.charge(request.analyst, AnswerCost.of(plan), st.sql, mechanisms,
-                                     accountant=accountant)
+                                     accountant=accountant,
+                                     scopes=self.config.total_scopes(read))
             self.metrics.epsilon_spent.labels(request.analyst).inc(float(plan.cost.epsilon))
             request.charged()
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
@@ -303,14 +305,15 @@ class DPService:
         columns, and an analyst name still unbound (`$1` before Bind) stands for the caller.
         """
         if st.protected:
-            raise FeatureNotSupported("dp_budget(), dp_ledger() and dp_reset_budget() cannot be "
+            raise FeatureNotSupported("dp_budget(), dp_ledger() and the resets cannot be "
                                       "combined with protected tables")
         params = None
         if bind is not None:
             params = await self.preparer.bind_params(bind, param_types, request.codec,
                                                      request.encoding)
         stmt = parse_select(st.stripped_sql, params)
-        replacer = LocalFunctions(self.ledger, request.analyst, request.admin, dry_run)
+        replacer = LocalFunctions(self.ledger, request.analyst, request.admin, dry_run,
+                                  sorted(self.config.total_budgets()))
         await replacer.resolve(stmt)
         replacer(stmt)
         return str(RawStream()(stmt))

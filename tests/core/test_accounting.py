@@ -122,3 +122,23 @@ def test_an_exhausted_budget_hints_at_what_fits() -> None:
         check_affordable(spent, Decimal("0.1"), Decimal(0))
     assert info.value.hint is not None and "nothing is left" in info.value.hint
     assert "dp_reset_budget('alice')" in info.value.hint and "dp.epsilon" not in info.value.hint
+
+
+def test_an_exhausted_total_budget_says_which_and_who_resets_it() -> None:
+    """Issue 31: a total budget's refusal names it, says all analysts share it, and hints
+    at its own reset."""
+    from decimal import Decimal
+
+    from dp_core.budget import Budget, check_affordable
+    from dp_core.errors import BudgetExhausted
+
+    total = Budget("total:public.visits", Decimal(2), Decimal(2), Decimal("1e-5"), Decimal(0))
+    assert total.scope == "public.visits"
+    assert Budget("alice", Decimal(1), Decimal(0), Decimal(0), Decimal(0)).scope is None
+    with pytest.raises(BudgetExhausted) as info:
+        check_affordable(total, Decimal("0.1"), Decimal(0))
+    assert info.value.sqlstate == "53400"
+    assert info.value.message.startswith("total privacy budget of public.visits (shared by all "
+                                         "analysts) exhausted: epsilon spent 2 of 2")
+    assert info.value.hint is not None \
+        and "dp_reset_total_budget('public.visits')" in info.value.hint

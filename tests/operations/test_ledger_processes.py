@@ -26,16 +26,17 @@ from tests.support.processes import free_port
 Q = "SELECT WITH ANONYMIZATION OPTIONS(epsilon={e}) browser, ANON_COUNT(*) FROM visits GROUP BY browser"
 
 
-def _config(backend: Backend, tmp: Path, port: int) -> Path:
+def _config(backend: Backend, tmp: Path, port: int, extra: str = "") -> Path:
     path = tmp / f"proxy-{port}.toml"
-    path.write_text(demo_config_text(backend.dsns, port))
+    path.write_text(demo_config_text(backend.dsns, port) + extra)
     return path
 
 
 class ProxyProcess:
-    def __init__(self, backend: Backend, tmp: Path) -> None:
+    def __init__(self, backend: Backend, tmp: Path, extra_config: str = "") -> None:
+        """A `dp-proxy serve` process with the demo config (and `extra_config` appended)."""
         self.port = free_port()
-        cfg = _config(backend, tmp, self.port)
+        cfg = _config(backend, tmp, self.port, extra_config)
         self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "--log-level", "WARNING",
                                       "serve", "--config", str(cfg)], cwd=ROOT,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
