@@ -294,6 +294,12 @@ class DefaultsConfig(_Strict):
         "each charged DP outcome (an answer, or the failure of a charged query) is sent at "
         "the next multiple of this after the query arrived, so that its time says less about "
         "the data (0: as soon as it is ready)"))
+    answer_reuse: Literal["off", "analyst", "all"] = Field(default="analyst", description=(
+        "a DP question asked again, over tables whose data has not changed, gets the answer "
+        "already released, at no cost: the same analyst's (\"analyst\"), anyone's (\"all\"), "
+        "or never (\"off\")"))
+    answer_reuse_hours: float = Field(default=24.0, gt=0.0, le=24.0 * 366, description=(
+        "how long a released answer may be reused (its tables' data unchanged)"))
 
     @model_validator(mode="after")
     def _within_caps(self) -> Self:

@@ -136,6 +136,18 @@ def setup_statements(
     for schema, name in public_tables:
         stmts.append(f"GRANT SELECT ON {quote_ident(schema)}.{quote_ident(name)} TO {to_readers}")
     stmts.extend(_ledger_schema(config.backend.ledger_schema, roles.ledger, to_readers))
+    stmts.extend(_data_changes(config.backend.ledger_schema, roles.ledger))
+    watched = [*((table.schema_, name) for name, table in sorted(config.tables.items())),
+               *public_tables]
+    for schema, name in watched:  # (tables only: a view or foreign table is not watched)
+        t = f"{quote_ident(schema)}.{quote_ident(name)}"
+        trigger = (f"CREATE TRIGGER {DATA_CHANGE_TRIGGER} AFTER INSERT OR UPDATE OR DELETE OR "
+                   f"TRUNCATE ON {t} FOR EACH STATEMENT EXECUTE FUNCTION "
+                   f"{quote_ident(config.backend.ledger_schema)}.note_data_change()")
+        stmts.append(
+            f"DO $$ BEGIN IF (SELECT relkind FROM pg_class WHERE oid = {quote_literal(t)}::regclass) "
+            f"IN ('r', 'p') THEN DROP TRIGGER IF EXISTS {DATA_CHANGE_TRIGGER} ON {t}; "
+            f"{trigger}; END IF; END $$")
     for name, table in sorted(config.tables.items()):
         t = f"{quote_ident(table.schema_)}.{quote_ident(name)}"
         stmts.append(f"ALTER TABLE {t} ENABLE ROW LEVEL SECURITY")
@@ -167,6 +179,32 @@ def _ledger_schema(schema: str, owner: str, others: str) -> list[str]:
         f"REVOKE ALL ON ALL TABLES IN SCHEMA {s} FROM PUBLIC, {others}",
         f"REVOKE ALL ON ALL SEQUENCES IN SCHEMA {s} FROM PUBLIC, {others}",
         f"REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {s} FROM PUBLIC, {others}",
+    ]
+
+
+DATA_CHANGE_TRIGGER = "dp_data_change"
+"""The statement trigger on each protected table that notes, in the ledger schema, that its data
+changed: a reused answer is one whose tables have not changed since (dp_query.reuse)."""
+
+
+def _data_changes(schema: str, owner: str) -> list[str]:
+    """The ledger's log of writes to the tables DP answers read (one row of weight n = 1 per
+    writing statement, visible when its transaction commits; `dp_query.reuse` compacts a
+    table's rows into one of their summed weight), and the trigger function that appends to
+    it, whoever writes (SECURITY DEFINER: only the ledger role may write the ledger schema)."""
+    s, o = quote_ident(schema), quote_ident(owner)
+    return [
+        f"CREATE TABLE IF NOT EXISTS {s}.data_changes (id bigserial PRIMARY KEY, "
+        "relation text NOT NULL, n bigint NOT NULL DEFAULT 1, "
+        "at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        f"CREATE INDEX IF NOT EXISTS data_changes_relation ON {s}.data_changes (relation, id)",
+        f"ALTER TABLE {s}.data_changes OWNER TO {o}",
+        f"CREATE OR REPLACE FUNCTION {s}.note_data_change() RETURNS trigger LANGUAGE plpgsql "
+        "SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$BEGIN "
+        f"INSERT INTO {s}.data_changes (relation) VALUES (TG_TABLE_SCHEMA || '.' || "
+        "TG_TABLE_NAME); RETURN NULL; END$$",
+        f"ALTER FUNCTION {s}.note_data_change() OWNER TO {o}",
+        f"REVOKE ALL ON FUNCTION {s}.note_data_change() FROM PUBLIC",
     ]
 
 

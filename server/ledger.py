@@ -26,7 +26,7 @@ from dp_core.budget import TOTAL, Budget, check_affordable, to_numeric
 from dp_core.errors import InsufficientPrivilege, UndefinedObject
 from server.backend_setup import quote_ident
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 BUDGET_COLUMNS = ["analyst", "epsilon_total", "epsilon_spent", "epsilon_remaining", "delta_total",
                   "delta_spent", "delta_remaining"]
 LEDGER_COLUMNS = ["id", "at", "kind", "epsilon", "delta", "outcome", "fingerprint", "query",
@@ -123,6 +123,23 @@ class Ledger:
                         created_at timestamptz NOT NULL DEFAULT now(),
                         updated_at timestamptz NOT NULL DEFAULT now())""")
                 await conn.execute(f"INSERT INTO {s}.schema_version VALUES (2)")
+            if version < 3:  # answers released, reused while their tables have not changed
+                await conn.execute(f"""
+                    CREATE TABLE {s}.answers (
+                        key text NOT NULL,
+                        analyst text NOT NULL,
+                        released_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                        expires_at timestamptz NOT NULL,
+                        versions jsonb NOT NULL,
+                        result text NOT NULL,
+                        detail text,
+                        ledger_id bigint NOT NULL,
+                        PRIMARY KEY (key, analyst))""")
+                await conn.execute(f"ALTER TABLE {s}.ledger DROP CONSTRAINT ledger_kind_check")
+                await conn.execute(
+                    f"ALTER TABLE {s}.ledger ADD CONSTRAINT ledger_kind_check CHECK "
+                    "(kind IN ('charge', 'reset', 'refused', 'limits', 'reuse'))")
+                await conn.execute(f"INSERT INTO {s}.schema_version VALUES (3)")
             for scope, total in config.total_budgets().items():
                 eps = decimal.Decimal(repr(total.epsilon))
                 dlt = decimal.Decimal(repr(total.delta))
@@ -265,6 +282,13 @@ class Ledger:
         await (conn or self.pool).execute(
             f"INSERT INTO {self.s}.ledger (analyst, kind, outcome, fingerprint, query) "
             "VALUES ($1, 'refused', $2, $3, $4)", analyst, outcome[:500], fingerprint(sql), sql)
+
+    async def record_reuse(self, analyst: str, sql: str, released: str) -> None:
+        """Append the event of an answer given again (no cost) for the audit trail."""
+        await self.pool.execute(
+            f"INSERT INTO {self.s}.ledger (analyst, kind, outcome, fingerprint, query) "
+            "VALUES ($1, 'reuse', $2, $3, $4)", analyst,
+            f"answer reused (first released at {released})", fingerprint(sql), sql)
 
     async def reset(self, analyst: str, by_admin: str) -> Budget:
         s = self.s

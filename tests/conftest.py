@@ -17,6 +17,9 @@ pytest.register_assert_rewrite("tests.support")  # its helpers assert: keep pyte
 
 pytest_plugins = ["tests.support.fixtures"]
 
+# proxies the tests start as processes read it too (tests.support.fixtures.NO_REUSE)
+os.environ.setdefault("DPPROXY_DEFAULTS__ANSWER_REUSE", "off")
+
 LIVE_FIXTURE = "backend"
 """The fixture that starts (or connects to) the test Postgres, in tests/support/fixtures.py."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import math
 import time
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 from server.dp_query.prepare import Preparer
 from server.dp_query.prepared import PG, Prepared, answer_sql
 from server.dp_query.request import DPRequest
+from server.dp_query.reuse import EVERYONE, AnswerStore, Reused, question_key, tables_read
 from server.dp_query.run import PushdownRun, PushdownRunner
 from server.dp_query.uid_split import UidSplitter
 
@@ -100,6 +102,7 @@ class DPService:
         self.splitter = UidSplitter(config, self.preparer.policy, self.preparer.pushdowns,
                                     self.preparer.has_nondeterministic)
         self.runner = PushdownRunner(config, pool, metrics)
+        self.answers = AnswerStore(ledger.pool, config.backend.ledger_schema)
         self._turns: dict[str, tuple[int, asyncio.Semaphore]] = {}
         """Each analyst's limit of DP queries at once in this process, and its turns (`_turn`)."""
         self.config = config
@@ -247,14 +250,27 @@ class DPService:
                                   else Split(prepared.split_ranges, prepared.split.table,
                                              prepared.split.uid_column, prepared.split.rows))
             return result_sql(["QUERY PLAN"], [(PG, "text")], [(ln,) for ln in lines]), []
+        reuse = self.config.defaults.answer_reuse
+        key, versions = None, None
+        if reuse != "off" and st.kind is StatementKind.DP_QUERY:
+            # (the versions are read before the pushdown: a write that commits after this
+            # changes the version the next asker reads)
+            tables = tables_read(prepared.query, self.config)
+            versions = await self.answers.versions(tables) if tables else None
+            if versions is not None:
+                key = question_key(st, bind, param_types, plan)
+                who = [request.analyst, *([EVERYONE] if reuse == "all" else [])]
+                found = await self.answers.find(key, who, versions)
+                if found is not None:
+                    return await self._reused(request, st, found)
         mechanisms = plan.mechanisms()
         accountant = self.config.analysts[request.analyst].accountant
         try:
             await self._check_affordable(request, prepared.query, plan, accountant)
             read = frozenset().union(*(t.bases for t in prepared.query.tables))
-            await self.ledger.charge(request.analyst, AnswerCost.of(plan), st.sql, mechanisms,
-                                     accountant=accountant,
-                                     scopes=self.config.total_scopes(read))
+            ledger_id = await self.ledger.charge(request.analyst, AnswerCost.of(plan), st.sql,
+                                                 mechanisms, accountant=accountant,
+                                                 scopes=self.config.total_scopes(read))
             self.metrics.epsilon_spent.labels(request.analyst).inc(float(plan.cost.epsilon))
             request.charged()
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
@@ -273,8 +289,32 @@ class DPService:
                            selection=run.selection)
         sql = answer_sql(prepared, released.rows)
         budget = await self.ledger.budget(request.analyst)
+        notice = self._notice(prepared, run, released, budget)
+        if key is not None and versions is not None:
+            try:
+                await self.answers.store(key, EVERYONE if reuse == "all" else request.analyst,
+                                         versions, sql, notice.get(p.FIELD_DETAIL), ledger_id,
+                                         self.config.defaults.answer_reuse_hours)
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
+                log.warning("session %s: could not keep an answer for reuse: %s",
+                            request.process_id, type(e).__name__)
         await self._release_on_quantum(arrived)
-        return sql, [self._notice(prepared, run, released, budget)]
+        return sql, [notice]
+
+    async def _reused(self, request: DPRequest, st: Statement,
+                      found: Reused) -> tuple[str, list[p.NoticeResponse]]:
+        """An answer released before, given again: no charge, a 'reuse' event in the ledger."""
+        released = found.released_at.astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        try:
+            await self.ledger.record_reuse(request.analyst, st.sql, released)
+            budget = await self.ledger.budget(request.analyst)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
+            log.error("session %s: ledger unavailable: %s", request.process_id, e)
+            raise LedgerUnavailable() from None
+        message = (f"DP answer reused: first released at {released}, its data unchanged since; "
+                   f"spent nothing; budget left epsilon {fmt(float(budget.epsilon_remaining))}, "
+                   f"delta {fmt(float(budget.delta_remaining))}")
+        return found.result, [notice_response(message, found.detail)]
 
     async def _check_affordable(self, request: DPRequest, query: AnalyzedQuery,
                                 plan: DPQueryPlan, accountant: Accountant) -> None:

@@ -18,10 +18,14 @@ from server.embedded import EmbeddedPostgres
 from .backend import Backend, prepared_backend
 from .proxy import LoopThread, Proxy, budgets_reset, reset_budget, running_proxy
 
+NO_REUSE = {"DPPROXY_DEFAULTS__ANSWER_REUSE": "off"}
+"""The suite's proxies give every DP question a fresh answer (most tests ask one question
+several times and look at each answer or charge); tests/proxy/test_reuse.py turns reuse on."""
+
 
 @pytest.fixture(scope="session")
 def demo_config() -> Config:
-    return load_config(DEMO_CONFIG, environ={})
+    return load_config(DEMO_CONFIG, environ=NO_REUSE)
 
 
 @pytest.fixture(scope="session")
