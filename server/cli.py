@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     hp = sub.add_parser("hash-password", help="print a SCRAM-SHA-256 verifier for a password")
     hp.add_argument("--stdin", action="store_true", help="read the password from standard input")
 
-    bud = sub.add_parser("budget", help="show or reset an analyst's privacy budget")
+    bud = sub.add_parser("budget", help="show or reset an analyst's privacy budget, or a total "
+                                        "budget (total:database, total:schema.table)")
     bud.add_argument("action", choices=["show", "reset"])
     bud.add_argument("analyst")
     bud.add_argument("--config", type=Path, required=True)
@@ -315,7 +316,12 @@ def _cmd_budget(args: argparse.Namespace) -> int:
     if isinstance(loaded, int):
         return loaded
     config, dsns = loaded
-    if args.analyst not in config.analysts:
+    total = args.analyst.startswith("total:")
+    if total and args.analyst.removeprefix("total:") not in config.total_budgets():
+        print(f"no total budget {args.analyst.removeprefix('total:')!r} in {args.config} "
+              f"(there: {', '.join(sorted(config.total_budgets())) or 'none'})", file=sys.stderr)
+        return 1
+    if not total and args.analyst not in config.analysts:
         print(f"no analyst {args.analyst!r} in {args.config}", file=sys.stderr)
         return 1
     return asyncio.run(_budget(config, dsns.ledger.uri(), args.action, args.analyst))
@@ -331,9 +337,14 @@ async def _budget(config: Config, dsn: str, action: str, analyst: str) -> int:
     try:
         ledger = Ledger(pool, config.backend.ledger_schema)
         await ledger.migrate(config)
+        scope = analyst.removeprefix("total:") if analyst.startswith("total:") else None
         try:
-            budget = (await ledger.reset(analyst, "dp-proxy budget reset") if action == "reset"
-                      else await ledger.budget(analyst))
+            if scope is not None:
+                budget = (await ledger.reset_total(scope, "dp-proxy budget reset")
+                          if action == "reset" else (await ledger.totals([scope]))[0])
+            else:
+                budget = (await ledger.reset(analyst, "dp-proxy budget reset")
+                          if action == "reset" else await ledger.budget(analyst))
         except DPError as e:
             print(f"dp-proxy: {e.message}", file=sys.stderr)
             return 1

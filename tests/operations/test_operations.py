@@ -178,6 +178,14 @@ def test_budget_cli_show_and_reset(backend: Backend, tmp_path: Path) -> None:
     assert out.returncode == 1 and "no analyst 'nobody'" in out.stderr
     out = _cli("budget", "show", "bob", "--config", "config/demo.toml")
     assert out.returncode == 2 and "embedded" in out.stderr
+    # a total budget: by its name, total:SCOPE
+    out = _cli("budget", "show", "total:database", "--config", str(cfg))
+    assert out.returncode == 1 and "no total budget 'database'" in out.stderr
+    cfg.write_text(cfg.read_text() + "\n[total_budget]\nepsilon = 7\n")
+    out = _cli("budget", "reset", "total:database", "--config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    assert "analyst            total:database" in out.stdout
+    assert "epsilon_total      7" in out.stdout and "epsilon_spent      0" in out.stdout
     del base
 
 
