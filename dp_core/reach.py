@@ -73,6 +73,13 @@ _INSTEAD = {
 _ISOLATION_RELATIONS = {
     **dict.fromkeys(("pg_locks", "pg_prepared_xacts", "pg_backend_memory_contexts"), _STATISTICS),
     **dict.fromkeys(("pg_largeobject", "pg_largeobject_metadata"), _LARGE_OBJECTS),
+    # Citus: its shards' sizes (a shard holds about 1/32 of the users: its size is theirs),
+    # and the activity of every node
+    **dict.fromkeys(("citus_shards", "citus_tables", "citus_shards_on_worker",
+                     "citus_shard_indexes_on_worker", "pg_dist_placement",
+                     "pg_dist_shard_placement"), _SIZES),
+    **dict.fromkeys(("citus_dist_stat_activity", "citus_worker_stat_activity",
+                     "citus_lock_waits", "citus_locks"), _STATISTICS),
 }
 """Relations refused besides `pg_stat_*` and `pg_statio_*` (pg_stats, pg_statistic stay:
 Postgres hides rows of tables under row-level security there, or all of it)."""
@@ -91,6 +98,11 @@ _ISOLATION_FUNCTIONS = {
                      "pg_last_committed_xact", "pg_xact_commit_timestamp",
                      "pg_xact_commit_timestamp_origin"), _COUNTERS),
     "pg_notify": _CHANNELS,
+    **dict.fromkeys(("citus_table_size", "citus_relation_size", "citus_total_relation_size",
+                     "citus_shard_sizes", "get_shard_id_for_distribution_column",
+                     "get_rebalance_progress"), _SIZES),
+    **dict.fromkeys(("citus_dist_stat_activity", "citus_worker_stat_activity",
+                     "citus_lock_waits", "citus_locks"), _STATISTICS_FUNCTIONS),
     **dict.fromkeys(("query_to_xml", "query_to_xmlschema", "query_to_xml_and_xmlschema",
                      "ts_stat", "ts_rewrite"), _QUERY_TEXT),
 }
@@ -112,7 +124,8 @@ REACH_WORDS = (
     "pg_terminate_backend", "blocking_pids", "session_is_blocked", "lo_", "loread", "lowrite",
     "txid_current", "pg_current_", "committed_xact", "commit_timestamp", "notify", "listen",
     "function", "procedure", "rule", "aggregate", "operator", "inout", "language", "extension",
-    "role", "authorization", "alter", "query_to_xml", "ts_stat", "ts_rewrite")
+    "role", "authorization", "alter", "query_to_xml", "ts_stat", "ts_rewrite", "citus_",
+    "pg_dist_", "get_shard_id", "get_rebalance")
 """Words of everything `reach_refusal` refuses, each statement by a keyword it must
 have: CREATE TRIGGER and EVENT TRIGGER say EXECUTE FUNCTION or PROCEDURE, CREATE CAST says
 FUNCTION or INOUT, CREATE TRANSFORM says FUNCTION, every ALTER (ROUTINE, USER) says ALTER,
@@ -172,7 +185,7 @@ def _code_refusal(what: str) -> InsufficientPrivilege:
 
 def _relation_refusal(relname: str) -> InsufficientPrivilege | None:
     name = relname.lower()
-    why = _STATISTICS if name.startswith(("pg_stat_", "pg_statio_")) \
+    why = _STATISTICS if name.startswith(("pg_stat_", "pg_statio_", "citus_stat")) \
         else _ISOLATION_RELATIONS.get(name)
     if why is None:
         return None
@@ -192,7 +205,7 @@ def _function_refusal(fc: Mapping[str, Any]) -> InsufficientPrivilege | None:
     if name == "set_config":
         setting = literal(args[0]) if args else None
         return role_setting_refusal(setting) if isinstance(setting, str) else None
-    if name.startswith("pg_stat_"):
+    if name.startswith(("pg_stat_", "citus_stat")):
         why: str | None = _STATISTICS_FUNCTIONS
     elif name.startswith("lo_"):
         why = _LARGE_OBJECTS

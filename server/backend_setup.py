@@ -139,15 +139,21 @@ def setup_statements(
     stmts.extend(_data_changes(config.backend.ledger_schema, roles.ledger))
     watched = [*((table.schema_, name) for name, table in sorted(config.tables.items())),
                *public_tables]
-    for schema, name in watched:  # (tables only: a view or foreign table is not watched)
+    for schema, name in watched:
+        # tables only (a view or foreign table is not watched), and not a table Citus
+        # distributes, which takes no trigger: answers over those are not reused
         t = f"{quote_ident(schema)}.{quote_ident(name)}"
         trigger = (f"CREATE TRIGGER {DATA_CHANGE_TRIGGER} AFTER INSERT OR UPDATE OR DELETE OR "
                    f"TRUNCATE ON {t} FOR EACH STATEMENT EXECUTE FUNCTION "
                    f"{quote_ident(config.backend.ledger_schema)}.note_data_change()")
         stmts.append(
-            f"DO $$ BEGIN IF (SELECT relkind FROM pg_class WHERE oid = {quote_literal(t)}::regclass) "
-            f"IN ('r', 'p') THEN DROP TRIGGER IF EXISTS {DATA_CHANGE_TRIGGER} ON {t}; "
-            f"{trigger}; END IF; END $$")
+            "DO $$ DECLARE distributed boolean := false; BEGIN "
+            "IF to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN EXECUTE "
+            "'SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_partition WHERE logicalrelid = "
+            f"$1::regclass)' INTO distributed USING {quote_literal(t)}; END IF; "
+            f"IF NOT distributed AND (SELECT relkind FROM pg_class WHERE oid = "
+            f"{quote_literal(t)}::regclass) IN ('r', 'p') THEN "
+            f"DROP TRIGGER IF EXISTS {DATA_CHANGE_TRIGGER} ON {t}; {trigger}; END IF; END $$")
     for name, table in sorted(config.tables.items()):
         t = f"{quote_ident(table.schema_)}.{quote_ident(name)}"
         stmts.append(f"ALTER TABLE {t} ENABLE ROW LEVEL SECURITY")
@@ -230,10 +236,14 @@ HARDENED_FUNCTIONS = (
     "'pg_last_committed_xact', 'pg_xact_commit_timestamp', 'pg_xact_commit_timestamp_origin', "
     "'pg_lock_status', 'pg_prepared_xact', 'pg_isolation_test_session_is_blocked', "
     "'pg_notify', 'query_to_xml', 'query_to_xmlschema', 'query_to_xml_and_xmlschema', "
-    "'ts_stat')"
+    "'ts_stat', 'citus_table_size', 'citus_relation_size', 'citus_total_relation_size', "
+    "'citus_shard_sizes', 'get_rebalance_progress', 'citus_stat_activity', "
+    "'citus_stat_statements', 'citus_stat_tenants', 'citus_stat_tenants_local')"
 )
 """The catalog functions that reveal statistics, sizes or other sessions' activity, signal
-sessions, or share objects between sessions (large objects, notifications)."""
+sessions, or share objects between sessions (large objects, notifications); and Citus's
+(where it is installed): its shards' sizes (a shard holds about 1/32 of the users) and every
+node's activity."""
 
 
 def hardening_statements(roles: BackendRoles = DEFAULT_ROLES) -> list[str]:

@@ -35,6 +35,11 @@ async def apply_backend_setup(
     async with conn.transaction():
         # one setup at a time: concurrent GRANTs on one object fail ("tuple concurrently updated")
         await conn.execute("SELECT pg_advisory_xact_lock(hashtext('dp-proxy backend setup'))")
+        if await conn.fetchval("SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL"):
+            # Citus: a schema command after a parallel one on a distributed table in one
+            # transaction fails ("cannot run schema command because there was a parallel
+            # operation"): one connection per worker, one command after the other
+            await conn.execute("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
         for stmt in setup_statements(config, database, roles, login_secret):
             await conn.execute(stmt)
         if harden:
@@ -102,7 +107,66 @@ async def config_problems(conn: asyncpg.Connection, config: Config) -> list[str]
         if not await conn.fetchval("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)",
                                    schema):
             problems.append(f"public.schemas: there is no schema {schema}")
+    if not problems:
+        problems.extend(await citus_problems(conn, config))
     return problems
+
+
+async def citus_problems(conn: asyncpg.Connection, config: Config) -> list[str]:
+    """On a Citus coordinator, each table not distributed as DP queries need (empty: none, or
+    not Citus): every protected table distributed by its uid column, all in one colocation
+    group, so that every per-user stage runs on the workers and joins on the uid need no
+    repartitioning (which would fail after the charge); each public table a reference table,
+    which every worker holds."""
+    from server.backend_setup import quote_ident
+
+    if not await conn.fetchval("SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL"):
+        return []
+    problems: list[str] = []
+    groups: dict[int, list[str]] = {}
+    for name, table in sorted(config.tables.items()):
+        qualified = f"{quote_ident(table.schema_)}.{quote_ident(name)}"
+        row = await conn.fetchrow(
+            "SELECT partmethod, colocationid, CASE WHEN partmethod = 'h' THEN "
+            "column_to_column_name(logicalrelid, partkey) END AS column "
+            "FROM pg_catalog.pg_dist_partition WHERE logicalrelid = $1::regclass", qualified)
+        colocate = "" if not groups else \
+            f", colocate_with => '{next(iter(groups.values()))[0]}'"
+        fix = (f"SELECT create_distributed_table('{table.schema_}.{name}', "
+               f"'{table.uid_column}'{colocate})")
+        where = f"tables.{name}"
+        if row is None or _char(row["partmethod"]) != "h":
+            how = "not distributed" if row is None else "a reference or local table of Citus"
+            problems.append(f"{where}: {table.schema_}.{name} is {how}: on Citus a protected "
+                            f"table must be distributed by its uid column ({fix})")
+            continue
+        if row["column"] != table.uid_column:
+            problems.append(f"{where}: Citus distributes {table.schema_}.{name} by "
+                            f"{row['column']}, not by its uid column {table.uid_column}: "
+                            "per-user stages and joins on the uid would need repartitioning "
+                            f"(SELECT alter_distributed_table('{table.schema_}.{name}', "
+                            f"distribution_column := '{table.uid_column}'))")
+            continue
+        groups.setdefault(int(row["colocationid"]), []).append(f"{table.schema_}.{name}")
+    if len(groups) > 1:
+        listed = "; ".join(", ".join(t) for t in groups.values())
+        problems.append(f"tables: the protected tables are in {len(groups)} Citus colocation "
+                        f"groups ({listed}): joins on the uid need them in one "
+                        "(SELECT alter_distributed_table(..., colocate_with := ...))")
+    for schema, name in config.public.qualified():
+        method = await conn.fetchval(
+            "SELECT partmethod FROM pg_catalog.pg_dist_partition WHERE logicalrelid = "
+            "$1::regclass", f"{quote_ident(schema)}.{quote_ident(name)}")
+        if _char(method) != "n":
+            problems.append(f"public.tables: {schema}.{name} is not a Citus reference table: "
+                            "DP queries join it on the workers "
+                            f"(SELECT create_reference_table('{schema}.{name}'))")
+    return problems
+
+
+def _char(value: object) -> str | None:
+    """A "char" column's value as asyncpg gives it (bytes), as text."""
+    return value.decode() if isinstance(value, bytes) else None if value is None else str(value)
 
 
 def demo_config_text(dsns: BackendDSNs, port: int | None = None) -> str:

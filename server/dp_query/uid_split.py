@@ -201,12 +201,19 @@ class UidSplitter:
         """The table's size and its uid column's type, from the catalog (no histogram yet);
         None for a table too small to split, or never analysed."""
         schema = self.policy[table.name].schema
+        name = f"{quote_ident(schema)}.{quote_ident(table.name)}"
+        if await conn.fetchval(
+                "SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL") and \
+                await conn.fetchval("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_partition "
+                                    "WHERE logicalrelid = $1::regclass)", name):
+            # Citus runs the pushdown on every shard at once already: its shards are the
+            # ranges (the coordinator's reltuples of a distributed table is 0 anyway)
+            return None
         rows = await conn.fetchval(
             "SELECT c.reltuples::float8 FROM pg_class c JOIN pg_namespace n ON n.oid = "
             "c.relnamespace WHERE n.nspname = $1 AND c.relname = $2", schema, table.name)
         if rows is None or rows < max(1, self.config.backend.pushdown_split_min_rows):
             return None  # (-1: never analysed or vacuumed)
-        name = f"{quote_ident(schema)}.{quote_ident(table.name)}"
         column = await conn.fetchrow(
             "SELECT t.typname, a.attnotnull FROM pg_attribute a JOIN pg_type t ON t.oid = "
             "a.atttypid WHERE a.attrelid = $1::regclass AND a.attname = $2", name,

@@ -191,6 +191,18 @@ REFUSED = [
     "SELECT set_config('SESSION_AUTHORIZATION', 'postgres', true)",
     "ALTER ROLE CURRENT_USER SET statement_timeout = 1",
     "ALTER USER CURRENT_USER PASSWORD 'x'",
+    # Citus: shard sizes (a shard holds ~1/32 of the users) and every node's activity
+    "SELECT citus_table_size('visits')",
+    "SELECT pg_catalog.citus_total_relation_size('visits'::regclass)",
+    "SELECT shard_size FROM citus_shards WHERE table_name = 'visits'::regclass",
+    "SELECT table_size FROM citus_tables",
+    "SELECT * FROM citus_shard_sizes()",
+    "SELECT get_shard_id_for_distribution_column('visits', 42)",
+    "SELECT shardid, shardlength FROM pg_dist_placement",
+    "SELECT query FROM citus_stat_statements",
+    "SELECT * FROM citus_stat_activity",
+    "SELECT * FROM citus_dist_stat_activity",
+    "SELECT * FROM citus_lock_waits",
     # notification channels
     "LISTEN ch",
     "NOTIFY \"ch\", 'payload'",

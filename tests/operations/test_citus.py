@@ -1,0 +1,161 @@
+"""Scale-out on Citus (issue 32): with `DPPROXY_TEST_CITUS_DSN` naming a coordinator's database
+(a superuser's, Citus installed, workers added), the setup, the distribution checks and DP
+answers through the proxy; skipped without one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import asyncpg
+import psycopg
+import pytest
+
+from config import Config, TableConfig
+from server.backend_setup import DSN, BackendDSNs, BackendRoles, parse_dsn
+from server.bootstrap import apply_backend_setup, citus_problems
+from server.demo_data import demo_data_sql, demo_schema_sql
+from tests.support.backend import Backend
+from tests.support.proxy import LoopThread, running_proxy, spent
+
+CITUS_DSN = os.environ.get("DPPROXY_TEST_CITUS_DSN")
+pytestmark = [pytest.mark.live,
+              pytest.mark.skipif(not CITUS_DSN, reason="DPPROXY_TEST_CITUS_DSN names no Citus "
+                                                       "coordinator")]
+SCHEMA = "dp_citus_test"
+ROLES = BackendRoles("dpct_pushdown", "dpct_restricted", "dpct_ledger", "dpct_analyst_")
+
+
+@dataclass
+class Cluster:
+    admin_dsn: str
+    backend: Backend
+    config: Config
+
+
+def _run(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+async def _prepare(admin_dsn: str, config: Config, password: str) -> None:
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        await conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
+        await conn.execute(f"CREATE SCHEMA {SCHEMA}")
+        await conn.execute(f"SET search_path TO {SCHEMA}")
+        for stmt in demo_schema_sql():
+            await conn.execute(stmt)
+        await conn.execute("SELECT create_distributed_table('visits', 'uid')")
+        await conn.execute("SELECT create_distributed_table('purchases', 'uid', "
+                           "colocate_with => 'visits')")
+        await conn.execute("SELECT create_reference_table('countries')")
+        for stmt in demo_data_sql():
+            await conn.execute(stmt)
+        await conn.execute("RESET search_path")
+        for _ in range(2):  # (idempotent, also on Citus)
+            await apply_backend_setup(conn, config, parse_dsn(admin_dsn).database, ROLES,
+                                      login_secret=password, harden=True)
+        for role in (ROLES.pushdown, ROLES.restricted, ROLES.ledger):
+            await conn.execute(f"ALTER ROLE {role} PASSWORD '{password}'")
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_config: Config) -> Iterator[Cluster]:
+    assert CITUS_DSN is not None
+    base = parse_dsn(CITUS_DSN)
+    password = secrets.token_hex(12)
+    dsns = BackendDSNs(*(DSN(base.host, base.port, role, base.database, password)
+                         for role in (ROLES.restricted, ROLES.pushdown, ROLES.ledger)),
+                       analyst_prefix=ROLES.analyst_prefix, login_secret=password)
+    tables = {name: t.model_copy(update={"schema_": SCHEMA})
+              for name, t in demo_config.tables.items()}
+    backend = demo_config.backend.model_copy(update={
+        "ledger_schema": "dpct_ledger", "analyst_role_prefix": ROLES.analyst_prefix})
+    public = demo_config.public.model_copy(update={"tables": [f"{SCHEMA}.countries"]})
+    config = demo_config.model_copy(update={"tables": tables, "backend": backend,
+                                            "public": public})
+    _run(_prepare(CITUS_DSN, config, password))
+    yield Cluster(CITUS_DSN, Backend(admin_dsn=CITUS_DSN, dsns=dsns, embedded=None), config)
+    _run(_drop(CITUS_DSN))
+
+
+async def _drop(admin_dsn: str) -> None:
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        await conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
+    finally:
+        await conn.close()
+
+
+def test_the_distribution_is_checked_before_any_query(cluster: Cluster) -> None:
+    """Every protected table distributed by its uid column, all colocated, public tables
+    reference tables: no problem; a table distributed by another column, one in another
+    colocation group, a local one and a public table that is not a reference table are each
+    named, with the statement that fixes it."""
+    async def check() -> list[str]:
+        conn = await asyncpg.connect(cluster.admin_dsn)
+        try:
+            assert await citus_problems(conn, cluster.config) == []
+            await conn.execute(f"CREATE TABLE {SCHEMA}.by_browser (uid bigint, browser text)")
+            await conn.execute(f"SELECT create_distributed_table('{SCHEMA}.by_browser', 'browser')")
+            await conn.execute(f"CREATE TABLE {SCHEMA}.apart (uid bigint, x int)")
+            await conn.execute(f"SELECT create_distributed_table('{SCHEMA}.apart', 'uid', "
+                               "colocate_with => 'none')")
+            await conn.execute(f"CREATE TABLE {SCHEMA}.local_one (uid bigint)")
+            await conn.execute(f"CREATE TABLE {SCHEMA}.lookup (code text)")
+            extra = {n: TableConfig.model_validate({"schema": SCHEMA, "uid_column": "uid"})
+                     for n in ("by_browser", "apart", "local_one")}
+            config = cluster.config.model_copy(update={
+                "tables": {**cluster.config.tables, **extra},
+                "public": cluster.config.public.model_copy(update={
+                    "tables": [*cluster.config.public.tables, f"{SCHEMA}.lookup"]})})
+            return await citus_problems(conn, config)
+        finally:
+            await conn.close()
+
+    problems = _run(check())
+    assert isinstance(problems, list)
+    text = "\n".join(problems)
+    assert f"tables.by_browser: Citus distributes {SCHEMA}.by_browser by browser, not by its " \
+           "uid column uid" in text
+    assert f"tables.local_one: {SCHEMA}.local_one is not distributed" in text
+    assert "Citus colocation groups" in text and f"{SCHEMA}.apart" in text
+    assert f"public.tables: {SCHEMA}.lookup is not a Citus reference table" in text
+    assert len(problems) == 4, problems
+
+
+def test_dp_answers_on_citus(cluster: Cluster, loop_thread: LoopThread) -> None:
+    """The BI forms, the ANON forms, quantiles, COUNT(DISTINCT), joins on the uid and with a
+    reference table answer through the proxy on Citus, each charged once."""
+    queries = [
+        "SELECT browser, COUNT(*), SUM(duration), AVG(duration) FROM visits GROUP BY browser",
+        "SELECT COUNT(*) FROM visits",
+        "SELECT WITH ANONYMIZATION browser, ANON_COUNT(*), ANON_AVG(duration, 0, 100) "
+        "FROM visits GROUP BY browser",
+        "SELECT WITH ANONYMIZATION ANON_MEDIAN(duration, 0, 3600) FROM visits",
+        "SELECT COUNT(DISTINCT browser) FROM visits",
+        "SELECT v.browser, COUNT(*) FROM visits v JOIN purchases p ON p.uid = v.uid "
+        "GROUP BY v.browser",
+        "SELECT c.region, COUNT(*) FROM visits v JOIN countries c ON c.code = v.country "
+        "GROUP BY c.region",
+        "SELECT browser, VAR_POP(duration) FROM visits GROUP BY browser",
+    ]
+    database = cluster.backend.dsns.database
+    with running_proxy(loop_thread, cluster.config, cluster.backend) as px:
+        with psycopg.connect(px.dsn("admin", dbname=database), autocommit=True) as admin:
+            admin.execute("SELECT dp_reset_budget('alice')")
+        with psycopg.connect(px.dsn(dbname=database), autocommit=True) as conn:
+            conn.execute("SET dp.epsilon = 0.5")
+            conn.execute(f"SET search_path TO {SCHEMA}")
+            for q in queries:
+                assert conn.execute(q).fetchall(), q
+            assert spent(conn).epsilon == pytest.approx(0.5 * len(queries))
+            # Citus's shard sizes are closed to the analysts (their activity too)
+            for sql in ("SELECT citus_table_size('visits')", "SELECT * FROM citus_shards"):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    conn.execute(sql)
