@@ -8,13 +8,15 @@ expression over user rows made total so that whether the query fails never depen
 user's data, paper §5.2 (dp_core.totality, over the catalogue of dp_core.catalogue),
 which calls are DP aggregates with which bounds (dp_core.aggregates), and what the names in
 HAVING and ORDER BY read, as Postgres reads them (dp_core.names). Everything outside the rules
-is refused with 0A000 naming the rule.
+is refused with 0A000 naming the rule. A query around a DP query (a WITH query or subquery
+that is one, aggregated, filtered, sorted: what BI tools send) is split off first
+(`post_processed`): post-processing of the released rows, which the result query runs.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -144,22 +146,28 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
             privacy_unit: str | None = None,
             integer_types: Mapping[int, str] | None = None,
             row_work: RowWorkBudget | None = None,
-            columns: InputColumns | None = None) -> AnalyzedQuery:
+            columns: InputColumns | None = None,
+            schemas: Mapping[str, str | None] | None = None,
+            dp_at: int | None = None) -> AnalyzedQuery:
     """Check `stmt` against the DP rules and split it into keys, aggregates and the rest.
 
     `privacy_unit`: BigQuery's OPTIONS(privacy_unit_column=...), which must name the uid
     column (the privacy unit is the configuration's, not the query's). `integer_types`: the
     integer type of arithmetic operators (by location), as Postgres reported them for a first
     analysis's `ArithmeticCheck`s. `columns`: Postgres's reading of a first analysis's
-    `name_checks` (dp_core.names)."""
-    answered = _post_processed(stmt)
+    `name_checks` (dp_core.names). `schemas`: the schema of each unqualified relation name in
+    the asking session's search_path (`Findings.schemas`). `dp_at`: where the paper form's
+    SELECT WITH ANONYMIZATION starts in the text (bytes): the query it belongs to is the DP
+    query, never a query around one."""
+    answered = post_processed(stmt, policy, _clause_owner(stmt, plain_form, dp_at))
     if answered is not None:
-        return replace(analyze(answered, policy, plain_form, privacy_unit, integer_types,
-                               row_work, columns), outer=stmt)
+        dp, outer = answered
+        return replace(analyze(dp, policy, plain_form, privacy_unit, integer_types,
+                               row_work, columns, schemas, dp_at), outer=outer)
     if stmt.op is not None and stmt.op != 0 and stmt.larg is not None:
         raise refuse("set operations (UNION, INTERSECT, EXCEPT)")
     ctes: dict[str, str | None] = {}
-    findings = Findings(budget=row_work or RowWorkBudget())
+    findings = Findings(budget=row_work or RowWorkBudget(), schemas=schemas)
     cte_nodes: tuple[Any, ...] = ()
     if stmt.withClause is not None:
         if stmt.withClause.recursive:
@@ -339,35 +347,118 @@ def _grouped_by(group_exprs: list[Any], outputs: list[OutputColumn]) -> tuple[li
     return found, aliased
 
 
-def _post_processed(stmt: ast.SelectStmt) -> ast.SelectStmt | None:
-    """The DP query that `stmt` only post-processes, or None.
+def _clause_owner(stmt: ast.SelectStmt, plain_form: bool,
+                  dp_at: int | None) -> Callable[[ast.SelectStmt], bool]:
+    """Whether a SELECT of `stmt` is the one with the WITH ANONYMIZATION clause: the one whose
+    select list starts first after the clause's SELECT (at `dp_at`); where that is not known,
+    one that calls ANON_* functions itself."""
+    if plain_form:
+        return lambda sel: False
+    if dp_at is None:
+        return lambda sel: any(func_name(fc).startswith("anon_") for part in (
+            sel.targetList, sel.havingClause, sel.sortClause) for fc in dp_aggregates_in(part))
+    # (by its first select-list item: a copy of the SELECT has the same)
+    firsts = [(t.location, t) for n in walk_nodes(stmt) if isinstance(n, ast.SelectStmt)
+              and n.targetList for t in n.targetList[:1]
+              if isinstance(t.location, int) and t.location > dp_at]
+    owner = min(firsts, key=lambda f: f[0])[1] if firsts else None
+    return lambda sel: bool(sel.targetList) and sel.targetList[0] is owner
 
-    That is a SELECT without aggregates or GROUP BY of its own whose one FROM item is a
-    subquery with them (a DP query): it reads nothing but the released rows, so it may
-    filter, project, sort and limit them freely. It may read nothing else: no other FROM
-    item, WITH or subquery (those stay refused as reads of protected rows)."""
-    if (stmt.op not in (None, 0) or stmt.groupClause or stmt.havingClause or stmt.valuesLists
-            or not stmt.fromClause or len(stmt.fromClause) != 1):
+
+def post_processed(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy],
+                   is_dp: Callable[[ast.SelectStmt], bool] = lambda sel: False,
+                   ) -> tuple[ast.SelectStmt, ast.SelectStmt] | None:
+    """The DP query that `stmt` only post-processes, and `stmt` around its answer; or None.
+
+    That is a SELECT whose one FROM item is a DP query (a subquery, or a WITH query it reads
+    by name: `_with_as_subquery`), or another such SELECT (Superset counts the rows of its
+    chart's query over a virtual dataset: a query around a query around the DP query). It
+    reads nothing but the released rows, so it may do anything to them: filter, project,
+    aggregate, group, sort, limit. It may read nothing else: no other FROM item, WITH query or
+    subquery, no function in FROM (those stay refused as reads of protected rows).
+
+    The query around is returned with a placeholder (a FROM subquery of None) where the DP
+    query was: the result query of its released rows goes there (`dp_core.result`). `is_dp`:
+    a SELECT that is the DP query itself (it has the paper form's clause)."""
+    if is_dp(stmt):
+        return None
+    stmt = _with_as_subquery(stmt) or stmt
+    if (stmt.op not in (None, 0) or stmt.valuesLists or not stmt.fromClause
+            or len(stmt.fromClause) != 1):
         return None
     item = stmt.fromClause[0]
     if not isinstance(item, ast.RangeSubselect) or not isinstance(item.subquery, ast.SelectStmt):
         return None
-    inner = item.subquery
-    if not (inner.groupClause or any(dp_aggregates_in(t) for t in inner.targetList or ())):
-        return None  # a projection of rows: the outer query is the DP query, if any
-    outer_parts = (stmt.targetList, stmt.whereClause, stmt.sortClause, stmt.limitCount,
-                   stmt.limitOffset, stmt.distinctClause, stmt.windowClause)
-    if any(dp_aggregates_in(part) for part in outer_parts if part is not None):
-        return None  # aggregates over the subquery's rows: the outer query is the DP query
+    nested = post_processed(item.subquery, policy, is_dp)
+    if nested is None and not _answers(item.subquery, policy):
+        return None  # a projection of rows or per-user rows: the outer query is the DP query
     if item.lateral or stmt.withClause is not None or stmt.intoClause is not None \
             or stmt.lockingClause:
         raise refuse("LATERAL, WITH, INTO or FOR UPDATE around a DP query", node_sql(stmt))
-    for part in outer_parts:
+    for part in (stmt.targetList, stmt.whereClause, stmt.groupClause, stmt.havingClause,
+                 stmt.sortClause, stmt.limitCount, stmt.limitOffset, stmt.distinctClause,
+                 stmt.windowClause):
         for node in walk_nodes(part) if part is not None else ():
             if isinstance(node, (ast.SubLink, ast.RangeVar, ast.RangeFunction)):
                 raise refuse("a query over a DP answer reads only its rows (no subqueries)",
                               node_sql(node))
-    return inner
+    dp, inner = (item.subquery, None) if nested is None else nested
+    outer = copy.copy(stmt)
+    outer.fromClause = (ast.RangeSubselect(subquery=inner, alias=item.alias),)
+    return dp, outer
+
+
+def _answers(sel: ast.SelectStmt, policy: Mapping[str, TablePolicy]) -> bool:
+    """`sel` (a FROM subquery) is a DP query: it aggregates, groups or is DISTINCT, and not by
+    a uid column (a subquery grouped by the uid has per-user rows, which the query around
+    aggregates with DP)."""
+    if sel.op not in (None, 0):
+        return False
+    distinct = sel.distinctClause == (None,)
+    if not (sel.groupClause or distinct or any(dp_aggregates_in(t) for t in sel.targetList or ())):
+        return False
+    uids = {t.uid_column for t in policy.values()}
+    keys = group_expressions(sel) if sel.groupClause else \
+        [t.val for t in sel.targetList or ()] if distinct else []
+    return not any(isinstance(k, ast.ColumnRef) and isinstance(k.fields[-1], ast.String)
+                   and str(k.fields[-1].sval) in uids for k in keys)
+
+
+def _with_as_subquery(stmt: ast.SelectStmt) -> ast.SelectStmt | None:
+    """`WITH t AS (DP query) SELECT ... FROM t ...` (a BI tool's or psql user's way of naming
+    a DP answer) as `SELECT ... FROM (DP query) AS t ...`, or None where `stmt` is not of that
+    form. The WITH queries before t, which t may read, go with it (into its own WITH list);
+    the others are left out, as Postgres leaves out a WITH query nothing reads (the query
+    around reads t only, or is refused)."""
+    with_clause = stmt.withClause
+    if with_clause is None or with_clause.recursive or not stmt.fromClause \
+            or len(stmt.fromClause) != 1 or not isinstance(stmt.fromClause[0], ast.RangeVar):
+        return None
+    rv = stmt.fromClause[0]
+    if rv.schemaname or rv.catalogname:
+        return None
+    ctes = list(with_clause.ctes)
+    at = next((i for i, c in enumerate(ctes) if str(c.ctename) == str(rv.relname)), None)
+    if at is None or not isinstance(ctes[at].ctequery, ast.SelectStmt) \
+            or not all(isinstance(c.ctequery, ast.SelectStmt) for c in ctes):
+        return None
+    cte = ctes[at]
+    dp = copy.copy(cte.ctequery)
+    before = ctes[:at]
+    if dp.withClause is not None:
+        before += list(dp.withClause.ctes)
+    dp.withClause = ast.WithClause(ctes=tuple(before)) if before else None
+    # (a column alias list renames the columns by position: the WITH query's, then the
+    # FROM item's)
+    colnames = list(cte.aliascolnames or ())
+    renamed = list(rv.alias.colnames or ()) if rv.alias is not None else []
+    colnames = renamed + colnames[len(renamed):]
+    alias = ast.Alias(aliasname=str(rv.alias.aliasname) if rv.alias is not None else
+                      str(cte.ctename), colnames=tuple(colnames) or None)
+    out = copy.copy(stmt)
+    out.withClause = None
+    out.fromClause = (ast.RangeSubselect(subquery=dp, alias=alias),)
+    return out
 
 
 def _key_parts(val: Any, group_exprs: list[Any], plain_form: bool) -> list[Any] | None:

@@ -12,7 +12,7 @@ import json
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -315,9 +315,13 @@ class Classifier:
         for item in stmts:
             start = item.get("stmt_location", 0)
             length = item.get("stmt_len", len(raw) - start)
-            own = [c for c in clauses if start <= c.select_offset < start + length]
+            piece = raw_stripped[start : start + length].decode("utf-8")
+            text_stripped = piece.strip()
+            # (each clause's offset in the statement's own text, as its parse tree counts)
+            lead = start + len(piece[: len(piece) - len(piece.lstrip())].encode("utf-8"))
+            own = [replace(c, select_offset=c.select_offset - lead) for c in clauses
+                   if start <= c.select_offset < start + length]
             text = raw[start : start + length].decode("utf-8").strip()
-            text_stripped = raw_stripped[start : start + length].decode("utf-8").strip()
             node = item.get("stmt", {})
             out.append(self._one(node, text, text_stripped, own))
         return tuple(out)
@@ -384,6 +388,16 @@ class Classifier:
                 return make(StatementKind.PASS_THROUGH)
             if _is_aggregate_select(body):
                 return make(StatementKind.DP_QUERY)
+        if ntype == "LockStmt":
+            if body.get("mode") == _ACCESS_SHARE:
+                # what pg_dump takes: it reads no row, and Postgres grants it to a role with
+                # SELECT (the analyst's own, under row-level security); any SELECT of the
+                # table takes the same lock
+                return make(StatementKind.PASS_THROUGH)
+            return self._refuse(make, protected, "LOCK TABLE of a protected table in a mode "
+                                "stronger than ACCESS SHARE: it would hold off the DP queries "
+                                "that read it", "LOCK TABLE ... IN ACCESS SHARE MODE (what "
+                                "pg_dump takes) is allowed")
         if ntype in _WRAPPERS:
             # a cursor over the plain DP form (psql's FETCH_COUNT, ODBC's declare/fetch mode),
             # or a copy of it to the client (psql's \copy)
@@ -480,9 +494,14 @@ def _is_schema_probe(select: Mapping[str, Any]) -> bool:
     )
 
 
+_ACCESS_SHARE = 1
+"""LockStmt's mode for ACCESS SHARE (Postgres's AccessShareLock)."""
+
+
 def _is_aggregate_select(select: Mapping[str, Any]) -> bool:
     """A top-level SELECT with GROUP BY or an aggregate in its select list, or a SELECT from
-    one subquery that is one (a query over a DP answer): a DP candidate."""
+    one subquery that is one, or from one WITH query that is one (a query over a DP answer):
+    a DP candidate."""
     if select.get("groupClause") or select.get("distinctClause") == [{}]:
         return True  # (SELECT DISTINCT k: the keys that DP partition selection releases)
     items = select.get("fromClause", [])
@@ -490,6 +509,13 @@ def _is_aggregate_select(select: Mapping[str, Any]) -> bool:
         sub = items[0]["RangeSubselect"].get("subquery", {}).get("SelectStmt")
         if sub is not None and _is_aggregate_select(sub):
             return True
+    if len(items) == 1 and "RangeVar" in items[0] and "schemaname" not in items[0]["RangeVar"]:
+        name = items[0]["RangeVar"].get("relname")
+        for cte in select.get("withClause", {}).get("ctes", []):
+            body = cte.get("CommonTableExpr", {})
+            sub = body.get("ctequery", {}).get("SelectStmt")
+            if body.get("ctename") == name and sub is not None and _is_aggregate_select(sub):
+                return True
     for target in select.get("targetList", []):
         for fc in walk(target, "FuncCall", skip=_SUBQUERIES):
             if func_name(fc) in AGGREGATE_NAMES or func_name(fc).startswith("anon_"):

@@ -71,6 +71,12 @@ class UndefinedObject(DPError):
     sqlstate = "42704"
 
 
+class UndefinedTable(DPError):
+    """A relation name that the session's search_path does not find (Postgres's 42P01)."""
+
+    sqlstate = "42P01"
+
+
 class StatementTooComplex(DPError):
     sqlstate = "54001"
 

@@ -13,6 +13,7 @@ from dp_core.catalogue import SYSTEM_SCHEMAS, is_dp_aggregate
 from dp_core.errors import (
     FeatureNotSupported,
     SyntaxError_,
+    UndefinedTable,
 )
 from dp_core.query import TablePolicy, TableRef
 from dp_core.sqlnodes import (
@@ -72,7 +73,35 @@ def _public_relation(rv: ast.RangeVar, ctes: Mapping[str, str | None],
         raise refuse("system catalogs", name)
     if schema is None and name in ctes:
         return
+    schemas = totalize.findings.schemas
+    if schema is None and schemas is not None:
+        # the table the session's search_path finds: the pushdown names it
+        schema = schemas.get(name)
+        if schema is None:
+            raise UndefinedTable(f'relation "{name}" does not exist')
+        if schema in SYSTEM_SCHEMAS:
+            raise refuse("system catalogs", f"{schema}.{name}")
+        rv.schemaname = schema
     totalize.relations.append((schema, name))
+
+
+def _session_table(name: str, configured: str, schemas: Mapping[str, str | None] | None) -> None:
+    """An unqualified protected name must mean the protected table in the session's
+    search_path: 42P01 where the path finds no table of the name (as Postgres), refused where
+    it finds another one first (a table of the session or of another schema, say): the name
+    is protected (the classifier refuses it elsewhere), and the query must not read one table
+    for another."""
+    found = None if schemas is None else schemas.get(name)
+    if schemas is None or found == configured:
+        return
+    qualified = f"{configured}.{name}"
+    if found is None:
+        raise UndefinedTable(f'relation "{name}" does not exist',
+                             hint=f"the protected table is {qualified}: write its schema, or "
+                                  f"add {configured} to search_path")
+    raise FeatureNotSupported(
+        f"{name} means {found}.{name} in this session's search_path, not the protected table "
+        f"{qualified}", hint=f"write the schema: {qualified}")
 
 
 class FromAnalysis:
@@ -175,6 +204,8 @@ class FromAnalysis:
             return rv
         pol = self.policy.get(name)
         if pol is not None and schema in (None, pol.schema):
+            if schema is None:
+                _session_table(name, pol.schema, self.totalize.findings.schemas)
             _no_column_aliases(rv)
             self.tables.append(TableRef(name, alias, pol.uid_column,
                                         bases=frozenset({f"{pol.schema}.{name}"})))

@@ -204,8 +204,10 @@ class AnalyzedQuery:
     JOIN_ROWS_PER_USER rows of a user."""
     outer: ast.SelectStmt | None = None
     """A query over this one's answer (`SELECT ... FROM (DP query) AS t WHERE ...`, as Power BI
-    writes): post-processing, run over the released rows; its FROM item's subquery is
-    replaced by the result query."""
+    writes; `WITH t AS (DP query) SELECT ... FROM t`; aggregates over it, as Superset's
+    charts over a virtual dataset): post-processing, run over the released rows. The DP
+    query's place in it is a FROM subquery left empty (None), maybe under further queries
+    around (`analysis.post_processed`), where the result query goes."""
     grouped_by: tuple[Any, ...] = ()
     """The GROUP BY expressions as written (positions and aliases replaced by their select-list
     expressions): what Postgres checks a HAVING or ORDER BY name against (`column_probe_sql`)."""

@@ -103,7 +103,8 @@ def result_sql(names: list[str], types: list[TypeRef],
     GROUP BY expressions; dp_core.names has replaced their names) and output positions, are
     applied to the (already noisy) values by Postgres, which also encodes the result in
     whatever format the client asked for. With `outer` (a query whose one FROM item is a
-    subquery), that query is run over these rows.
+    subquery left empty, maybe under more such queries: `dp_core.analysis.post_processed`),
+    that query is run over these rows, in the empty subquery's place.
     """
     import secrets
 
@@ -148,9 +149,12 @@ def result_sql(names: list[str], types: list[TypeRef],
     if limit is not None or offset is not None:
         stmt.limitOption = 1  # LIMIT_OPTION_COUNT
     if outer is not None:
-        item = outer.fromClause[0]
+        # the DP query's place: the FROM subquery left empty, under the queries around it
         outer = copy.deepcopy(outer)
-        outer.fromClause = (ast.RangeSubselect(subquery=stmt, alias=copy.deepcopy(item.alias)),)
+        place: Any = outer
+        while place.fromClause[0].subquery is not None:
+            place = place.fromClause[0].subquery
+        place.fromClause = (ast.RangeSubselect(subquery=stmt, alias=place.fromClause[0].alias),)
         stmt = outer
     printed = str(RawStream()(stmt))
     placeholder = f"(VALUES ('{mark}'))"

@@ -31,7 +31,8 @@ class DPClause:
     """One `WITH ANONYMIZATION` clause: where its SELECT starts, and its options."""
 
     select_offset: int
-    """UTF-8 byte offset of the SELECT keyword the clause belongs to."""
+    """UTF-8 byte offset of the SELECT keyword the clause belongs to: in the text it was found
+    in (`strip_dp_clauses`), in its statement's own text once classified (`Statement`)."""
     options: tuple[tuple[str, OptionValue], ...] = ()
 
     def option(self, name: str) -> OptionValue | None:

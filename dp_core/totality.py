@@ -77,6 +77,10 @@ class Findings:
     budget: RowWorkBudget = field(default_factory=RowWorkBudget)
     joins_capped: bool = False
     """Some scope joins two protected items row by row (`FromAnalysis.capped_joins`)."""
+    schemas: Mapping[str, str | None] | None = None
+    """Not a finding but what every scope reads: the schema each unqualified relation name
+    means in the asking session's search_path (None: no such relation there); None: names
+    as written, a protected table's in its configured schema."""
     """The most work per row the query's expressions may do together."""
 
 

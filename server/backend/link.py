@@ -26,6 +26,8 @@ from server.backend.pending import (
     ENDS_INT,
     EXTENDED_TAGS,
     FAILS,
+    FETCH_TRACKED_INT,
+    FETCHES,
     INTERNAL_COMPLETES,
     SIMPLE,
     SYNCS,
@@ -85,7 +87,8 @@ class BackendLink(OwnStatements, asyncio.Protocol):
     # the relay's path (CPython 3.11 stops sharing the keys and inlining the values)
     __slots__ = ("_began_after_end", "_corked", "_drained", "_end_tag", "_frames", "_handshake",
                  "_partial", "_relaying", "_skip", "batch_started", "closed", "codec", "counter",
-                 "cycles", "encoding", "errors", "errors_at_ready", "fatal_relayed", "idle_readies",
+                 "cycles", "encoding", "errors", "errors_at_ready", "fatal_relayed", "fetched",
+                 "idle_readies",
                  "key", "last_split_failed", "last_sqlstate", "log_cycles", "on_cycle", "on_tx_end",
                  "parameters", "pending", "skipping", "startup_frames", "target", "transport",
                  "tx_ends", "tx_status", "watch_tx")
@@ -153,6 +156,8 @@ class BackendLink(OwnStatements, asyncio.Protocol):
         `log_cycles` is set, else the cycle is just counted in `counter`."""
         self.log_cycles = True
         self.counter: CycleCounter | None = None
+        self.fetched: list[tuple[bytes | None, ...]] = []
+        """The rows of the proxy's last own question (`fetch_own`)."""
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -189,11 +194,13 @@ class BackendLink(OwnStatements, asyncio.Protocol):
         n = len(buf)
         pos = keep_from = 0
         unpack, tracked, pending = _LENGTH.unpack_from, TRACKED_INT, self.pending
+        fetching = FETCHES
         ends, query, sync = ENDS_INT, _QUERY, _SYNC
         watch = self.watch_tx
         head = pending[0] if pending else None
         # before the ReadyForQuery that ends a client cycle only errors and parameters matter
-        look = CYCLE_TRACKED_INT if (head is query or head is sync) and not watch else tracked
+        look = CYCLE_TRACKED_INT if (head is query or head is sync) and not watch else \
+            FETCH_TRACKED_INT if head in fetching else tracked
         while pos + 5 <= n:
             tag = buf[pos]  # an int: cheaper than a one-byte slice on this hot path
             length = unpack(buf, pos + 1)[0]
@@ -202,7 +209,7 @@ class BackendLink(OwnStatements, asyncio.Protocol):
                 return
             end = pos + 1 + length
             if end > n:
-                if tag not in tracked:
+                if tag not in tracked and tag not in look:
                     self._skip = end - n
                     pos = n
                 break
@@ -232,7 +239,7 @@ class BackendLink(OwnStatements, asyncio.Protocol):
                         return  # (nothing more goes to the client)
                     head = pending[0] if pending else None
                 look = CYCLE_TRACKED_INT if (head is query or head is sync) and not watch \
-                    else tracked
+                    else FETCH_TRACKED_INT if head in fetching else tracked
             pos = end
         if head is None and self._drained is not None:
             self._wake()
@@ -319,6 +326,14 @@ class BackendLink(OwnStatements, asyncio.Protocol):
                 if msg.name == "client_encoding" and not self.client_encoding(msg.value):
                     self._lose(UnsupportedEncoding(msg.value))
                     return False
+        elif head in FETCHES and tag in b"TDC":
+            relay = False  # (the proxy's own question: its rows are the proxy's)
+            if tag == b"D":
+                row = p.decode_backend(tag, buf[start + 5 : end], self.codec)
+                assert isinstance(row, p.DataRow)
+                self.fetched.append(row.values)
+            elif tag == b"C" and head is Pending.INTERNAL_FETCH:
+                pending.popleft()
         elif head is Pending.INTERNAL_QUERY:
             relay = False  # (its CommandComplete)
         elif head is not None and head is INTERNAL_COMPLETES.get(tag):

@@ -20,7 +20,7 @@ SHADOW_NAME = "dp_proxy_shadow"
 
 class OwnStatements:
     """The statements the proxy runs on its own on a `BackendLink` (mixed into it):
-    transaction commands, DP results, placeholders, failures, quiet closes."""
+    transaction commands, DP results, questions, placeholders, failures, quiet closes."""
 
     __slots__ = ()
 
@@ -30,6 +30,7 @@ class OwnStatements:
         pending: deque[Pending]
         skipping: bool
         closed: bool
+        fetched: list[tuple[bytes | None, ...]]
 
         def uncork(self) -> None: ...
 
@@ -65,6 +66,22 @@ class OwnStatements:
             messages.append(p.Close(b"P", portal))
             kinds.append(Pending.INTERNAL_CLOSE)
         self._send_own(messages, kinds)
+
+    def fetch_own(self, sql: str, extended: bool) -> None:
+        """Ask the backend a question of the proxy's own (`sql`, one statement that reads no
+        table): its rows go to `fetched`, text in the client encoding; only an error reaches
+        the client. `extended`: in the client's extended batch (no Sync: it runs in the
+        client's transaction, and after an error the backend skips to the client's Sync);
+        else one Query. Await `drain()` for it."""
+        self.fetched.clear()
+        if not extended:
+            self._send_own([p.Query(sql)], [Pending.INTERNAL_FETCH_QUERY])
+            return
+        n = SHADOW_NAME
+        self._send_own([p.Close(b"S", n), p.Parse(n, sql), p.Bind(n, n, (), (), ()),
+                        p.Close(b"S", n), p.Execute(n, 0), p.Close(b"P", n)],
+                       [Pending.INTERNAL_CLOSE, Pending.INTERNAL_PARSE, Pending.INTERNAL_BIND,
+                        Pending.INTERNAL_CLOSE, Pending.INTERNAL_FETCH, Pending.INTERNAL_CLOSE])
 
     def shadow_statement(self, name: str) -> None:
         """Prepare a placeholder statement of the name of one the proxy holds, so that the

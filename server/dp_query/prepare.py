@@ -15,6 +15,7 @@ from config.models import MAX_PUBLIC_KEYS, TableConfig
 from dp_core.analysis import analyze, parse_select
 from dp_core.catalogue import INTEGER_TYPES, NUMBER_TYPES, check_casts
 from dp_core.classify import Statement
+from dp_core.clock import fix_clock
 from dp_core.cost import RowWorkBudget
 from dp_core.errors import (
     DPError,
@@ -33,6 +34,7 @@ from dp_core.result import TypeRef
 from dp_core.settings import query_settings
 from server import wire as p
 from server.backend_setup import quote_ident
+from server.dp_query.context import fixed_clock, relation_schemas
 from server.dp_query.prepared import Prepared, answer_sql
 from server.dp_query.request import DPRequest
 from server.wire.params import param_text
@@ -108,13 +110,24 @@ class Preparer:
         unit = st.dp_clause.option("privacy_unit_column") if st.dp_clause is not None else None
 
         columns: InputColumns | None = None
+        # what the text means in the session: the tables its names find in the session's
+        # search_path, and its relative dates fixed now (catalog reads and constants only)
+        parsed = parse_select(st.stripped_sql, params)
+        try:
+            schemas = None if request.search_path is None else \
+                await relation_schemas(conn, parsed, request.search_path)
+            clock = await fixed_clock(conn, parsed, request.timezone)
+        except asyncpg.PostgresError as e:
+            raise _planning_error(e) from None
 
         def analysis(integer_types: dict[int, str] | None = None) -> AnalyzedQuery:
-            return analyze(parse_select(st.stripped_sql, params), self.policy,
-                           plain_form=st.dp_clause is None,
+            stmt = parse_select(st.stripped_sql, params)
+            fix_clock(stmt, clock)
+            return analyze(stmt, self.policy, plain_form=st.dp_clause is None,
                            privacy_unit=None if unit is None else str(unit),
                            integer_types=integer_types, row_work=self._row_work,
-                           columns=columns)
+                           columns=columns, schemas=schemas,
+                           dp_at=None if st.dp_clause is None else st.dp_clause.select_offset)
 
         query = analysis()
         settings = query_settings(request.settings, request.caps,
@@ -154,7 +167,9 @@ class Preparer:
                          bind.params if bind else None, tuple(param_types), settings,
                          tuple(sorted(arg_types.items())),
                          tuple(k.hashed for k in query.keys), tuple(sorted(integers.items())),
-                         tuple(sorted((name, e is None) for name, e in (columns or {}).items())))
+                         tuple(sorted((name, e is None) for name, e in (columns or {}).items())),
+                         None if schemas is None else tuple(sorted(schemas.items(), key=str)),
+                         tuple(clock))
             plan = make_plan(query, settings.epsilon, settings.delta,
                              settings.max_groups_contributed, settings.noise,
                              selection=settings.selection, max_rows=settings.max_rows)
@@ -174,7 +189,7 @@ class Preparer:
             found = [t.oid for t in stmt.get_parameters()]
             param_oids = found if len(found) > len(param_oids) else param_oids
         prepared = Prepared(query, plan, pd, statements, arg_types, key_types, key_oids,
-                            param_oids, cache_key=cache_key)
+                            param_oids, cache_key=cache_key, timezone=request.timezone)
         if query.public_groups:
             odd = [query.keys[i] for i, o in enumerate(key_oids) if o not in ONE_TEXT_KEY_OIDS]
             if odd or (any(o in TEXT_KEY_OIDS for o in key_oids)

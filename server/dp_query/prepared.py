@@ -70,6 +70,9 @@ class Prepared:
     """What the pushdown's statements depend on but the order seed (`PushdownCache`)."""
     public_keys: list[tuple[str, ...]] | None = None
     """Of a query of public groups, the key texts of every group it releases."""
+    timezone: str | None = None
+    """The asking session's TimeZone: the pushdown's too, so that it reads dates as the
+    session does (`date_trunc('day', t)`, `t::date` of a timestamptz)."""
 
     @property
     def sql(self) -> list[str]:

@@ -1,4 +1,4 @@
-"""What the DP path knows of the client that asks: analyst, settings, caps, client encoding."""
+"""What the DP path knows of the client that asks: analyst, settings, caps, encoding, search_path."""
 
 from __future__ import annotations
 
@@ -26,3 +26,11 @@ class DPRequest:
     """The client encoding's Postgres name."""
     charged: Callable[[], None]
     """Told once the answer is charged: from then on a CancelRequest no longer stops it."""
+    search_path: tuple[str, ...] | None = None
+    """The schemas the session's backend looks relation names up in, in order, implicit ones
+    included (`current_schemas(true)`: pg_catalog, the session's temporary schema; only those
+    the analyst may use): a DP query's names mean what they mean there. None: not asked
+    (names as written; a protected table's in its configured schema)."""
+    timezone: str | None = None
+    """The session's TimeZone, for the relative dates a DP query fixes when it is planned and
+    for the pushdown (`date_trunc('day', t)`, `t::date` as the session reads them)."""

@@ -156,7 +156,7 @@ class PushdownRunner:
             # BEGIN ISOLATION LEVEL could not start in: a simple query ends it
             await conn.execute("SELECT")
             per_bin = binned(plan)  # T chosen from the main statement's own rows
-            await self._begin(conn, stack, per_bin=per_bin)
+            await self._begin(conn, stack, per_bin=per_bin, timezone=prepared.timezone)
             ranges, conns = await self._split_run(prepared, conn, stack, per_bin)
             ranged = prepared.ranged
             shards = [ranged.of(r).statements() for r in ranges] if ranged else []
@@ -285,12 +285,14 @@ class PushdownRunner:
         return PushdownRun(query, plan, rows, quantiles, found, selection, tuned)
 
     async def _begin(self, conn: Any, stack: contextlib.AsyncExitStack,
-                     snapshot: str | None = None, per_bin: bool = False) -> None:
+                     snapshot: str | None = None, per_bin: bool = False,
+                     timezone: str | None = None) -> None:
         """Start a pushdown's read-only transaction on `conn` (in `snapshot`, exported by the
         first connection of a split run), ended by `stack`. `per_bin`: the main statement
         groups by bins of the users' row counts too (`dp_core.binned`): a few per group, but
         Postgres cannot know, and would sort every (user, group) row rather than hash them
-        unless hash tables may be larger than work_mem's default share."""
+        unless hash tables may be larger than work_mem's default share. `timezone`: the
+        asking session's, in which the pushdown reads dates as the session would."""
         await stack.enter_async_context(conn.transaction(readonly=True, isolation="repeatable_read"))
         if snapshot is not None:
             await conn.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
@@ -299,6 +301,8 @@ class PushdownRunner:
         await conn.execute(f"SET LOCAL statement_timeout = {int(timeout * 1000)}")
         if per_bin:
             await conn.execute(f"SET LOCAL hash_mem_multiplier = {_BINNED_HASH_MEM}")
+        if timezone is not None:
+            await conn.execute("SELECT pg_catalog.set_config('TimeZone', $1, true)", timezone)
 
     async def _split_run(self, prepared: Prepared, conn: Any, stack: contextlib.AsyncExitStack,
                          per_bin: bool = False) -> tuple[list[UidRange], list[Any]]:
@@ -323,7 +327,7 @@ class PushdownRunner:
             except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError):
                 break
             stack.push_async_callback(pool.release, other)
-            await self._begin(other, stack, snapshot, per_bin)
+            await self._begin(other, stack, snapshot, per_bin, prepared.timezone)
             conns.append(other)
         if len(conns) < len(ranges):
             ranges = uid_ranges(split.histogram, len(conns))

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from dp_core.classify import (
     Statement,
@@ -33,6 +36,15 @@ _LOG_KINDS = {
 DP_KINDS = (StatementKind.DP_QUERY, StatementKind.DP_EXPLAIN, StatementKind.LOCAL_FUNCTION)
 
 
+SESSION_CONTEXT_SQL = (
+    "SELECT pg_catalog.encode(pg_catalog.convert_to(CAST(pg_catalog.json_build_array("
+    "pg_catalog.current_schemas(true), pg_catalog.current_setting('TimeZone')) "
+    "AS pg_catalog.text), 'UTF8'), 'base64')")
+"""What a DP query's text means in the session: the schemas its backend looks names up in (in
+order, implicit ones included) and its TimeZone, asked on its own connection. In base64 of
+UTF-8, whatever the client encoding (a schema's name may have characters it lacks)."""
+
+
 def _wrapped(st: Statement, sql: str) -> str:
     """The proxy's result query `sql` for `st`, declared as the cursor `st` declares or
     copied as it copies, if it does: the cursor or copy has the released rows only."""
@@ -53,6 +65,24 @@ class WithLocalAnswers(WithStartup):
         analyst = self.config.analysts.get(self.user)
         return DPRequest(self.user, analyst is not None and analyst.admin, self.process_id,
                          self.settings, self.caps, link.codec, link.encoding, self.dp_charged)
+
+    async def dp_request_asked(self, extended: bool) -> DPRequest:
+        """`dp_request()` with the session's search_path and TimeZone, asked of its own backend
+        (`SESSION_CONTEXT_SQL`; `extended`: inside the client's extended batch): a DP query
+        reads the tables its names mean there. Raises AlreadyReported (the backend's error
+        relayed) when the backend fails the question."""
+        link = self.link
+        assert link is not None
+        before = link.errors
+        link.fetch_own(SESSION_CONTEXT_SQL, extended)
+        await link.drain()
+        if link.errors != before or link.closed or len(link.fetched) != 1:
+            raise AlreadyReported()
+        (value,) = link.fetched[0]
+        assert value is not None
+        schemas, timezone = json.loads(base64.b64decode(value).decode("utf-8"))
+        return replace(self.dp_request(), search_path=tuple(str(s) for s in schemas),
+                       timezone=str(timezone))
 
     def _backend_failed_batch(self) -> bool:
         """True when the backend reported an error since its last ReadyForQuery."""
@@ -150,10 +180,11 @@ class WithLocalAnswers(WithStartup):
                 if not await self._backend_accepts(
                         lambda: link.try_declare(declare, cursor.name, bind is not None)):
                     raise AlreadyReported()
+            request = await self.dp_request_asked(extended=bind is not None)
             # its own task, so that a CancelRequest can stop it (and its pushdown) alone
             self._dp_charged = False
             self._dp_task = asyncio.get_running_loop().create_task(
-                self.server.dp.answer(self.dp_request(), st, bind, param_types))
+                self.server.dp.answer(request, st, bind, param_types))
             try:
                 sql, notices = await self._dp_task
             except asyncio.CancelledError:

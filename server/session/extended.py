@@ -205,7 +205,9 @@ class WithLocalExtended(WithLocalAnswers):
             types = tuple(local.param_types)
             if st.kind in DP_KINDS:
                 declared = types + (0,) * (local.n_params - len(types))
-                types = await self.server.dp.parameter_types(self.dp_request(), st, declared)
+                request = self.dp_request() if st.kind is StatementKind.LOCAL_FUNCTION \
+                    else await self.dp_request_asked(extended=True)
+                types = await self.server.dp.parameter_types(request, st, declared)
             self.send(p.ParameterDescription(types))
             self.send(await self._row_description(st, None, local.param_types, ()))
         else:
@@ -224,8 +226,10 @@ class WithLocalExtended(WithLocalAnswers):
         if st.kind in (StatementKind.LOCAL_SET, StatementKind.PASS_THROUGH) or st.wraps_result:
             # (a forwarded statement the proxy follows returns no rows, nor DECLARE or COPY)
             return p.NoData()
+        request = self.dp_request() if st.kind is StatementKind.LOCAL_FUNCTION \
+            else await self.dp_request_asked(extended=True)
         desc: p.RowDescription = await self.server.dp.describe(
-            self.dp_request(), st, bind, param_types, formats)
+            request, st, bind, param_types, formats)
         return desc
 
     async def _local_execute(self, ex: p.Execute, portal: LocalPortal) -> None:

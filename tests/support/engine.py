@@ -29,7 +29,8 @@ def build(sql: str, epsilon: float = 1.0, delta: float = 1e-6, max_groups: int =
     options = dict(st.dp_clause.options) if st.dp_clause else {}
     unit = options.get("privacy_unit_column")
     query = analyze(parse_select(st.stripped_sql), POLICY, plain_form=st.dp_clause is None,
-                    privacy_unit=None if unit is None else str(unit))
+                    privacy_unit=None if unit is None else str(unit),
+                    dp_at=None if st.dp_clause is None else st.dp_clause.select_offset)
     plan = make_plan(query, float(options.get("epsilon", epsilon)), float(options.get("delta", delta)),
                      int(options.get("max_groups_contributed", max_groups)),
                      NoiseKind(options.get("noise", noise)),
