@@ -24,7 +24,8 @@ from dp_core.reach import REACH_WORDS, reach_refusal
 from dp_core.setting_changes import SettingAtBind, SettingChanges
 from dp_core.syntax import DPClause, strip_dp_clauses
 
-LOCAL_FUNCTIONS = frozenset({"dp_budget", "dp_ledger", "dp_reset_budget", "dp_reset_total_budget"})
+LOCAL_FUNCTIONS = frozenset({"dp_budget", "dp_total_budgets", "dp_ledger", "dp_reset_budget",
+                             "dp_reset_total_budget"})
 DP_SETTING_PREFIX = "dp."
 AGGREGATE_NAMES = frozenset(
     {"count", "sum", "avg", "min", "max", "stddev", "stddev_samp", "stddev_pop", "variance",

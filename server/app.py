@@ -206,7 +206,7 @@ class ProxyServer:
             set_format(new.log.format)
             self.statement_log = StatementLogger(new.log)
         if self.dp is not None:
-            await self.dp.ledger.migrate(merged)
+            await self.dp.ledger.migrate(merged, totals=False)
             self.dp.ledger.refresh_days = {n: a.refresh_days for n, a in merged.analysts.items()}
             self.dp.config = merged
         self.config = merged

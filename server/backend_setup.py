@@ -140,20 +140,26 @@ def setup_statements(
     watched = [*((table.schema_, name) for name, table in sorted(config.tables.items())),
                *public_tables]
     for schema, name in watched:
-        # tables only (a view or foreign table is not watched), and not a table Citus
-        # distributes, which takes no trigger: answers over those are not reused
+        # plain tables only (a view, a foreign or partitioned table is not watched), not a
+        # table Citus distributes, which takes no trigger (answers over those are not
+        # reused), and none at all with answer reuse off; ENABLE ALWAYS: it fires in replica
+        # mode too (a restore that sets session_replication_role)
         t = f"{quote_ident(schema)}.{quote_ident(name)}"
-        trigger = (f"CREATE TRIGGER {DATA_CHANGE_TRIGGER} AFTER INSERT OR UPDATE OR DELETE OR "
-                   f"TRUNCATE ON {t} FOR EACH STATEMENT EXECUTE FUNCTION "
-                   f"{quote_ident(config.backend.ledger_schema)}.note_data_change()")
+        drop = f"DROP TRIGGER IF EXISTS {DATA_CHANGE_TRIGGER} ON {t}"
+        trigger = "" if config.defaults.answer_reuse == "off" else (
+            f"CREATE TRIGGER {DATA_CHANGE_TRIGGER} AFTER INSERT OR UPDATE OR DELETE OR "
+            f"TRUNCATE ON {t} FOR EACH STATEMENT EXECUTE FUNCTION "
+            f"{quote_ident(config.backend.ledger_schema)}.note_data_change(); "
+            f"ALTER TABLE {t} ENABLE ALWAYS TRIGGER {DATA_CHANGE_TRIGGER};")
         stmts.append(
-            "DO $$ DECLARE distributed boolean := false; BEGIN "
+            "DO $dp$ DECLARE distributed boolean := false; BEGIN "
             "IF to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN EXECUTE "
             "'SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_partition WHERE logicalrelid = "
             f"$1::regclass)' INTO distributed USING {quote_literal(t)}; END IF; "
             f"IF NOT distributed AND (SELECT relkind FROM pg_class WHERE oid = "
-            f"{quote_literal(t)}::regclass) IN ('r', 'p') THEN "
-            f"DROP TRIGGER IF EXISTS {DATA_CHANGE_TRIGGER} ON {t}; {trigger}; END IF; END $$")
+            f"{quote_literal(t)}::regclass) IN ('r', 'p') THEN {drop}; "
+            f"IF (SELECT relkind FROM pg_class WHERE oid = {quote_literal(t)}::regclass) = 'r' "
+            f"THEN {trigger} NULL; END IF; END IF; END $dp$")
     for name, table in sorted(config.tables.items()):
         t = f"{quote_ident(table.schema_)}.{quote_ident(name)}"
         stmts.append(f"ALTER TABLE {t} ENABLE ROW LEVEL SECURITY")
@@ -206,9 +212,9 @@ def _data_changes(schema: str, owner: str) -> list[str]:
         f"CREATE INDEX IF NOT EXISTS data_changes_relation ON {s}.data_changes (relation, id)",
         f"ALTER TABLE {s}.data_changes OWNER TO {o}",
         f"CREATE OR REPLACE FUNCTION {s}.note_data_change() RETURNS trigger LANGUAGE plpgsql "
-        "SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$BEGIN "
+        "SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $dp$BEGIN "
         f"INSERT INTO {s}.data_changes (relation) VALUES (TG_TABLE_SCHEMA || '.' || "
-        "TG_TABLE_NAME); RETURN NULL; END$$",
+        "TG_TABLE_NAME); RETURN NULL; END$dp$",
         f"ALTER FUNCTION {s}.note_data_change() OWNER TO {o}",
         f"REVOKE ALL ON FUNCTION {s}.note_data_change() FROM PUBLIC",
     ]

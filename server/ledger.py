@@ -72,8 +72,10 @@ class Ledger:
                 f"VALUES ($1, 'reset', 'budget renewed: refresh period of {int(days)} days', "
                 "'refresh period')", analyst)
 
-    async def migrate(self, config: Config) -> None:
-        """Create or upgrade the schema (idempotent) and load the analysts' limits from the config."""
+    async def migrate(self, config: Config, totals: bool = True) -> None:
+        """Create or upgrade the schema (idempotent) and load the analysts' limits from the
+        config, and the total budgets' unless `totals` is False (a reload: they take effect at
+        the next start)."""
         s = self.s
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext('dp-proxy ledger migration'))")
@@ -135,12 +137,31 @@ class Ledger:
                         detail text,
                         ledger_id bigint NOT NULL,
                         PRIMARY KEY (key, analyst))""")
+                await conn.execute(f"CREATE INDEX answers_expires ON {s}.answers (expires_at)")
                 await conn.execute(f"ALTER TABLE {s}.ledger DROP CONSTRAINT ledger_kind_check")
                 await conn.execute(
                     f"ALTER TABLE {s}.ledger ADD CONSTRAINT ledger_kind_check CHECK "
                     "(kind IN ('charge', 'reset', 'refused', 'limits', 'reuse'))")
                 await conn.execute(f"INSERT INTO {s}.schema_version VALUES (3)")
-            for scope, total in config.total_budgets().items():
+        # the limits in a transaction of their own, analysts' rows then totals' in name order,
+        # as a charge locks them (an analyst's row, then totals' in scope order): no cycle
+        async with self.pool.acquire() as conn, conn.transaction():
+            for name, a in sorted(config.analysts.items()):
+                eps, dlt = decimal.Decimal(repr(a.epsilon_budget)), decimal.Decimal(repr(a.delta_budget))
+                changed = await conn.fetchval(f"""
+                    INSERT INTO {s}.analysts AS t (analyst, epsilon_total, delta_total)
+                    VALUES ($1, $2, $3)
+                    ON CONFLICT (analyst) DO UPDATE SET epsilon_total = EXCLUDED.epsilon_total,
+                        delta_total = EXCLUDED.delta_total, updated_at = now()
+                    WHERE t.epsilon_total <> EXCLUDED.epsilon_total
+                       OR t.delta_total <> EXCLUDED.delta_total
+                    RETURNING true""", name, eps, dlt)
+                if changed:
+                    await conn.execute(
+                        f"INSERT INTO {s}.ledger (analyst, kind, outcome, mechanisms) "
+                        "VALUES ($1, 'limits', 'limits set from the configuration', $2)",
+                        name, json.dumps({"epsilon_total": str(eps), "delta_total": str(dlt)}))
+            for scope, total in sorted(config.total_budgets().items()) if totals else ():
                 eps = decimal.Decimal(repr(total.epsilon))
                 dlt = decimal.Decimal(repr(total.delta))
                 changed = await conn.fetchval(f"""
@@ -157,21 +178,6 @@ class Ledger:
                         "VALUES ($1, 'limits', 'total limits set from the configuration', $2)",
                         TOTAL + scope,
                         json.dumps({"epsilon_total": str(eps), "delta_total": str(dlt)}))
-            for name, a in config.analysts.items():
-                eps, dlt = decimal.Decimal(repr(a.epsilon_budget)), decimal.Decimal(repr(a.delta_budget))
-                changed = await conn.fetchval(f"""
-                    INSERT INTO {s}.analysts AS t (analyst, epsilon_total, delta_total)
-                    VALUES ($1, $2, $3)
-                    ON CONFLICT (analyst) DO UPDATE SET epsilon_total = EXCLUDED.epsilon_total,
-                        delta_total = EXCLUDED.delta_total, updated_at = now()
-                    WHERE t.epsilon_total <> EXCLUDED.epsilon_total
-                       OR t.delta_total <> EXCLUDED.delta_total
-                    RETURNING true""", name, eps, dlt)
-                if changed:
-                    await conn.execute(
-                        f"INSERT INTO {s}.ledger (analyst, kind, outcome, mechanisms) "
-                        "VALUES ($1, 'limits', 'limits set from the configuration', $2)",
-                        name, json.dumps({"epsilon_total": str(eps), "delta_total": str(dlt)}))
 
     async def budget(self, analyst: str, conn: Any = None) -> Budget:
         if conn is None:

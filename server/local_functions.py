@@ -1,6 +1,6 @@
-"""dp_budget(), dp_ledger(), dp_reset_budget() and dp_reset_total_budget(): the proxy's own functions,
-answered from the ledger in place of their calls (admins only, but an analyst's own dp_budget(),
-which also shows the total budgets every analyst's answers charge)."""
+"""dp_budget(), dp_total_budgets(), dp_ledger() and the resets: the proxy's own functions, answered
+from the ledger in place of their calls (admins only, but an analyst's own dp_budget() and the
+total budgets every analyst's answers charge)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class LocalFunctions(Visitor):
         super().__init__()
         self.ledger = ledger
         self.total_scopes = list(total_scopes)
-        """The configured total budgets, which dp_budget() shows."""
+        """The configured total budgets, which dp_total_budgets() shows."""
         self.user = user
         self.is_admin = is_admin
         self.dry_run = dry_run
@@ -43,6 +43,12 @@ class LocalFunctions(Visitor):
             name = str(fc.funcname[-1].sval).lower()
             args = list(fc.args or ())
             target = "database" if name == "dp_reset_total_budget" else self.user
+            if name == "dp_total_budgets":
+                if args:
+                    raise FeatureNotSupported("dp_total_budgets() takes no argument")
+                self.results[id(fc)] = [b.row() for b in await self.ledger.totals(
+                    self.total_scopes)] if self.total_scopes else []
+                continue
             if (name != "dp_budget" and name != "dp_reset_total_budget") or args:
                 arg = args[0] if len(args) == 1 else None
                 if isinstance(arg, ast.TypeCast):  # a typed parameter, bound
@@ -58,9 +64,7 @@ class LocalFunctions(Visitor):
             if name == "dp_budget":
                 if target != self.user:
                     require_admin(self.is_admin, "dp_budget(analyst)")
-                self.results[id(fc)] = [(await self.ledger.budget(target)).row(),
-                                        *(b.row() for b in await self.ledger.totals(
-                                            self.total_scopes) if self.total_scopes)]
+                self.results[id(fc)] = [(await self.ledger.budget(target)).row()]
             elif name == "dp_ledger":
                 require_admin(self.is_admin, name)
                 self.results[id(fc)] = await self.ledger.entries(target)
@@ -84,7 +88,8 @@ class LocalFunctions(Visitor):
         if not isinstance(fc, ast.FuncCall) or id(fc) not in self.results:
             return None
         name = str(fc.funcname[-1].sval).lower()
-        cols, types = ((BUDGET_COLUMNS, ["text"] + ["numeric"] * 6) if name == "dp_budget" else
+        budgets = name in ("dp_budget", "dp_total_budgets")
+        cols, types = ((BUDGET_COLUMNS, ["text"] + ["numeric"] * 6) if budgets else
                        (LEDGER_COLUMNS, ["int8", "timestamptz", "text", "numeric", "numeric", "text",
                                          "text", "text", "text", "text"]) if name == "dp_ledger" else
                        ([name], ["text"]))
@@ -98,6 +103,8 @@ class LocalFunctions(Visitor):
         if id(node) not in self.results:
             return None
         rows = self.results[id(node)]
+        if not rows:
+            return ast.A_Const(isnull=True)
         text = rows[0][0] if len(rows[0]) == 1 else "(" + ",".join(str(_plain(v)) for v in rows[0]) + ")"
         return ast.A_Const(val=ast.String(sval=str(text)))
 

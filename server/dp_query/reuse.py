@@ -8,17 +8,19 @@ ledger schema (`answers`), so they outlive a restart and several proxies share t
 answers an analyst may reuse is `defaults.answer_reuse` ("analyst": its own; "all": anyone's).
 
 An answer is reused only while the data of every table it read is unchanged. `init-backend`
-puts a statement trigger on each protected and public table that appends a row of weight 1 to
-the ledger's `data_changes` (in the writer's transaction: visible when it commits); a table's
-version is the sum of its rows' weights, read by the ledger role from the catalog and that log
+puts a statement trigger (enabled ALWAYS) on each protected and public table that appends a
+row of weight 1 to the ledger's `data_changes` (in the writer's transaction: visible when it
+commits); a table's version is its oid, its file, the xmin of its and its trigger's catalog
+rows, and the sum of its rows' weights, read by the ledger role from the catalog and that log
 (no protected row is read). The versions are read before the answer's pushdown runs, so a
 write that commits after that, before or after the pushdown's snapshot, changes the version
 the next asker reads: a stale answer is never reused (an answer whose data changed in
 between is only not reused). Compaction replaces a table's rows by one of their summed weight
 in one statement, which keeps every version. Answers also expire after
-`defaults.answer_reuse_hours`. A table without the trigger (init-backend not run since) or a
-relation that is not a configured table (a table of a public schema, a view) is not watched:
-answers that read one are not reused.
+`defaults.answer_reuse_hours`. A table without the trigger enabled ALWAYS (init-backend not
+run since), a partitioned table or one with inheritance children, a table a subscription
+writes, or a relation that is not a configured table (a table of a public schema, a view) is
+not watched: answers that read one are not reused.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ from dp_core.query import AnalyzedQuery
 from server import wire as p
 from server.backend_setup import DATA_CHANGE_TRIGGER, quote_ident
 
+_COMPACT_FROM = 256
+"""A table's rows in the log from which reading its version compacts them."""
+
 EVERYONE = "*"
 """The `answers.analyst` of an answer any analyst may reuse (`answer_reuse = "all"`)."""
 
-Versions = dict[str, int]
+Versions = dict[str, str]
 """The data version of each table an answer read ("schema.table")."""
 
 
@@ -56,15 +61,21 @@ class Reused:
 
 
 def question_key(st: Statement, bind: p.Bind | None, param_types: Sequence[int],
-                 plan: DPQueryPlan) -> str:
+                 plan: DPQueryPlan, session: Sequence[Any] = (), meaning: Any = None) -> str:
     """What makes two DP questions the same: the statement's parse tree without positions
     (spacing, comments and keyword case aside), its DP clause's options, its bound
-    parameters, and the plan's every parameter of the answer's distribution."""
+    parameters, the plan's every parameter of the answer's distribution, what the text
+    means in the asking `session` (its TimeZone, which dates and date_trunc read; its
+    search_path; its client encoding, which the parameters' bytes are in), and `meaning`:
+    what the preparer found the query to mean (the policies of the tables it reads, their
+    configured bounds and uid columns; the argument and key types; the public keys)."""
     tree = _without_locations(json.loads(parser.parse_sql_json(st.stripped_sql)))
     parts = {
         "tree": tree,
         "clause": None if st.dp_clause is None else [[k, str(v)] for k, v in st.dp_clause.options],
         "kind": st.kind.value,
+        "session": list(session),
+        "meaning": repr(meaning),
         # (a statement without parameters is the same question by simple Query or prepared)
         "params": None if bind is None or not bind.params else [
             list(bind.param_formats), [None if v is None else v.hex() for v in bind.params],
@@ -86,16 +97,26 @@ def _without_locations(node: Any) -> Any:
 
 
 def tables_read(query: AnalyzedQuery, config: Config) -> list[str] | None:
-    """Every table `query` reads, "schema.table"; None where one is not a configured table
-    (a table of a public schema, an unqualified name of no configured public table): its
-    changes are not watched."""
+    """Every table `query` reads, "schema.table" (and those its public keys come from); None
+    where one is not a configured table (a table of a public schema, an unqualified name of
+    no configured public table): its changes are not watched."""
     read = set().union(*(t.bases for t in query.tables))
+    for base in list(read):
+        base_schema, _, base_name = base.partition(".")
+        table = config.tables.get(base_name)
+        if table is None or table.schema_ != base_schema:
+            continue
+        for column in table.columns.values():
+            source = column.keys_source()
+            if source is not None:
+                read.add(f"{source[0]}.{source[1]}")
     public = config.public.qualified()
     for schema, name in query.relations:
         if schema is not None and (schema, name) in public:
             read.add(f"{schema}.{name}")
             continue
-        named = [(s, n) for s, n in public if n == name] if schema is None else []
+        named: list[tuple[str, str]] = \
+            [(s, n) for s, n in public if n == name] if schema is None else []
         if len(named) != 1:
             return None
         read.add(f"{named[0][0]}.{named[0][1]}")
@@ -111,29 +132,42 @@ class AnswerStore:
         self.s = quote_ident(schema)
 
     async def versions(self, tables: Iterable[str]) -> Versions | None:
-        """Each table's data version; None unless every one is watched (its trigger there and
-        enabled) and the log exists."""
+        """Each table's data version; None unless every one is watched: a plain table (no
+        partitions, no inheritance children, no logical replication subscription, whose apply
+        fires no statement trigger) with its trigger enabled ALWAYS (it fires in replica mode
+        too), and the log exists. The version is the table's oid, its file (a rewrite, a
+        TRUNCATE), the xmin of its catalog row (any ALTER TABLE) and of its trigger's (a
+        disable and enable in between), and the sum of its log's weights."""
         tables = sorted(set(tables))
         if not tables:
             return None
         try:
             rows = await self.pool.fetch(
-                "SELECT r.rel, EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t "
-                "JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid "
-                "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
-                "WHERE n.nspname = split_part(r.rel, '.', 1) "
-                "AND c.relname = split_part(r.rel, '.', 2) AND t.tgname = $2 "
-                "AND t.tgenabled <> 'D') AS watched, "
+                "SELECT r.rel, c.oid IS NOT NULL AND c.relkind = 'r' AND t.tgenabled = 'A' "
+                "AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_inherits i "
+                "WHERE i.inhparent = c.oid OR i.inhrelid = c.oid) "
+                "AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_subscription_rel sr "
+                "WHERE sr.srrelid = c.oid) AS watched, "
+                "concat_ws(':', c.oid, c.relfilenode, c.xmin, t.xmin, "
                 f"(SELECT coalesce(sum(d.n), 0) FROM {self.s}.data_changes d "
-                "WHERE d.relation = r.rel) AS version "
-                "FROM unnest($1::text[]) AS r(rel)", tables, DATA_CHANGE_TRIGGER)
+                "WHERE d.relation = r.rel)) AS version, "
+                f"(SELECT count(*) FROM {self.s}.data_changes d WHERE d.relation = r.rel) AS logged "
+                "FROM unnest($1::text[]) AS r(rel) "
+                "LEFT JOIN pg_catalog.pg_namespace n ON n.nspname = split_part(r.rel, '.', 1) "
+                "LEFT JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid "
+                "AND c.relname = split_part(r.rel, '.', 2) "
+                "LEFT JOIN pg_catalog.pg_trigger t ON t.tgrelid = c.oid AND t.tgname = $2",
+                tables, DATA_CHANGE_TRIGGER)
         except Exception as e:  # (no log yet: init-backend not run since the upgrade)
             if getattr(e, "sqlstate", None) == "42P01":
                 return None
             raise
         if not all(r["watched"] for r in rows):
             return None
-        return {r["rel"]: int(r["version"]) for r in rows}
+        for r in rows:
+            if int(r["logged"]) > _COMPACT_FROM:
+                await self._compact(self.pool, str(r["rel"]))
+        return {r["rel"]: str(r["version"]) for r in rows}
 
     async def find(self, key: str, who: Sequence[str], versions: Versions) -> Reused | None:
         """The answer to question `key` released to one of `who` over data at `versions`, if
@@ -161,10 +195,14 @@ class AnswerStore:
                 ledger_id)
             await conn.execute(f"DELETE FROM {self.s}.answers WHERE expires_at < clock_timestamp()")
             for table in versions:
-                # one statement: the rows it deletes are the ones it sums (a concurrent
-                # compaction's are not counted twice), so every version is kept
-                await conn.execute(
-                    f"WITH gone AS (DELETE FROM {self.s}.data_changes WHERE relation = $1 "
-                    f"AND (SELECT count(*) FROM {self.s}.data_changes WHERE relation = $1) > 1 "
-                    f"RETURNING n) INSERT INTO {self.s}.data_changes (relation, n) "
-                    "SELECT $1, sum(n) FROM gone HAVING count(*) > 0", table)
+                await self._compact(conn, table)
+
+    async def _compact(self, conn: Any, table: str) -> None:
+        """Replace `table`'s rows in the log by one of their summed weight. One statement: the
+        rows it deletes are the ones it sums (a concurrent compaction's are not counted twice),
+        so every version is kept."""
+        await conn.execute(
+            f"WITH gone AS (DELETE FROM {self.s}.data_changes WHERE relation = $1 "
+            f"AND (SELECT count(*) FROM {self.s}.data_changes WHERE relation = $1) > 1 "
+            f"RETURNING n) INSERT INTO {self.s}.data_changes (relation, n) "
+            "SELECT $1, sum(n) FROM gone HAVING count(*) > 0", table)

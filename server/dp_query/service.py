@@ -40,7 +40,14 @@ if TYPE_CHECKING:
 from server.dp_query.prepare import Preparer
 from server.dp_query.prepared import PG, Prepared, answer_sql
 from server.dp_query.request import DPRequest
-from server.dp_query.reuse import EVERYONE, AnswerStore, Reused, question_key, tables_read
+from server.dp_query.reuse import (
+    EVERYONE,
+    AnswerStore,
+    Reused,
+    Versions,
+    question_key,
+    tables_read,
+)
 from server.dp_query.run import PushdownRun, PushdownRunner
 from server.dp_query.uid_split import UidSplitter
 
@@ -253,16 +260,15 @@ class DPService:
         reuse = self.config.defaults.answer_reuse
         key, versions = None, None
         if reuse != "off" and st.kind is StatementKind.DP_QUERY:
-            # (the versions are read before the pushdown: a write that commits after this
-            # changes the version the next asker reads)
-            tables = tables_read(prepared.query, self.config)
-            versions = await self.answers.versions(tables) if tables else None
-            if versions is not None:
-                key = question_key(st, bind, param_types, plan)
-                who = [request.analyst, *([EVERYONE] if reuse == "all" else [])]
-                found = await self.answers.find(key, who, versions)
-                if found is not None:
-                    return await self._reused(request, st, found)
+            try:
+                key, versions, found = await self._find_reusable(request, st, bind, param_types,
+                                                                 prepared)
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
+                log.warning("session %s: could not look for a reusable answer: %s",
+                            request.process_id, type(e).__name__)
+                key, versions, found = None, None, None
+            if found is not None:
+                return await self._reused(request, st, found, arrived)
         mechanisms = plan.mechanisms()
         accountant = self.config.analysts[request.analyst].accountant
         try:
@@ -301,9 +307,30 @@ class DPService:
         await self._release_on_quantum(arrived)
         return sql, [notice]
 
-    async def _reused(self, request: DPRequest, st: Statement,
-                      found: Reused) -> tuple[str, list[p.NoticeResponse]]:
-        """An answer released before, given again: no charge, a 'reuse' event in the ledger."""
+    async def _find_reusable(self, request: DPRequest, st: Statement, bind: p.Bind | None,
+                             param_types: Sequence[int], prepared: Prepared
+                             ) -> tuple[str | None, Versions | None, Reused | None]:
+        """The question's key and its tables' versions, and the answer released for them, if
+        any. The versions are read before the pushdown: a write that commits after this
+        changes the version the next asker reads."""
+        tables = tables_read(prepared.query, self.config)
+        versions = await self.answers.versions(tables) if tables else None
+        if versions is None:
+            return None, None, None
+        policies = sorted((t.name, repr(self.preparer.policy.get(t.name)))
+                          for t in prepared.query.tables)
+        meaning = (prepared.cache_key[4:10] if isinstance(prepared.cache_key, tuple) else None,
+                   policies, prepared.public_keys)
+        key = question_key(st, bind, param_types, prepared.plan,
+                           (request.timezone, request.search_path, request.encoding), meaning)
+        reuse = self.config.defaults.answer_reuse
+        who = [request.analyst, *([EVERYONE] if reuse == "all" else [])]
+        return key, versions, await self.answers.find(key, who, versions)
+
+    async def _reused(self, request: DPRequest, st: Statement, found: Reused,
+                      arrived: float) -> tuple[str, list[p.NoticeResponse]]:
+        """An answer released before, given again: no charge, a 'reuse' event in the ledger;
+        on the release quantum as a fresh one, so that its time does not tell reuse apart."""
         released = found.released_at.astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         try:
             await self.ledger.record_reuse(request.analyst, st.sql, released)
@@ -314,6 +341,7 @@ class DPService:
         message = (f"DP answer reused: first released at {released}, its data unchanged since; "
                    f"spent nothing; budget left epsilon {fmt(float(budget.epsilon_remaining))}, "
                    f"delta {fmt(float(budget.delta_remaining))}")
+        await self._release_on_quantum(arrived)
         return found.result, [notice_response(message, found.detail)]
 
     async def _check_affordable(self, request: DPRequest, query: AnalyzedQuery,

@@ -35,7 +35,7 @@ def test_answers_charge_the_total_budgets_of_what_they_read(
         loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
     """The database's total and visits' are charged by every analyst's answers over visits;
     an answer over purchases only the database's. A refusal names the budget that ran out and
-    charges nothing; dp_budget() shows the totals; only an admin resets them, by scope."""
+    charges nothing; dp_total_budgets() shows them; only an admin resets them, by scope."""
     with running_proxy(loop_thread, _with_totals(demo_config), backend) as px:
         with psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
             admin.execute("SELECT dp_reset_total_budget(), "
@@ -59,10 +59,13 @@ def test_answers_charge_the_total_budgets_of_what_they_read(
             with pytest.raises(psycopg.errors.ConfigurationLimitExceeded) as info:
                 admin.execute(PURCHASES.format(e=0.25)).fetchall()
             assert "total privacy budget of database" in str(info.value)
+            # dp_budget(): the analyst's own, one row (DESIGN); dp_total_budgets(): the totals
             rows = alice.execute("SELECT analyst, epsilon_total, epsilon_spent, epsilon_remaining "
                                  "FROM dp_budget()").fetchall()
-            assert rows == [("alice", Decimal(10), Decimal(2), Decimal(8)),
-                            ("total:database", Decimal(3), Decimal(3), Decimal(0)),
+            assert rows == [("alice", Decimal(10), Decimal(2), Decimal(8))]
+            rows = alice.execute("SELECT analyst, epsilon_total, epsilon_spent, epsilon_remaining "
+                                 "FROM dp_total_budgets()").fetchall()
+            assert rows == [("total:database", Decimal(3), Decimal(3), Decimal(0)),
                             ("total:public.visits", Decimal(2), Decimal(2), Decimal(0))]
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 alice.execute("SELECT dp_reset_total_budget('public.visits')")
@@ -136,3 +139,13 @@ def test_racing_analysts_and_proxies_never_overspend_the_total(backend: Backend,
     finally:
         for px in proxies:
             px.stop()
+
+
+def test_without_total_budgets_there_are_none_to_show(loop_thread: LoopThread,
+                                                      demo_config: Config,
+                                                      backend: Backend) -> None:
+    with running_proxy(loop_thread, demo_config, backend) as px, \
+            psycopg.connect(px.dsn(), autocommit=True) as conn:
+        assert conn.execute("SELECT * FROM dp_total_budgets()").fetchall() == []
+        assert conn.execute("SELECT dp_total_budgets()").fetchall() == [(None,)]
+        assert len(conn.execute("SELECT * FROM dp_budget()").fetchall()) == 1

@@ -130,6 +130,15 @@ def test_the_same_question_is_what_changes_the_answer(reusing: Proxy) -> None:
         conn.execute("SET dp.epsilon = 0.5")
         _ask(conn, q, (10,))
         assert spent(conn).epsilon == charged + 0.5
+        # the session's TimeZone: what its dates and date_trunc read
+        day = ("SELECT COUNT(*) FROM visits WHERE date_trunc('day', now()) > "
+               "now() - interval '400 days'")
+        _ask(conn, day)
+        _ask(conn, day)
+        assert spent(conn).epsilon == charged + 1.0
+        conn.execute("SET TimeZone = 'Asia/Tokyo'")
+        _ask(conn, day)
+        assert spent(conn).epsilon == charged + 1.5
 
 
 def test_by_default_an_analyst_reuses_only_its_own_answers(
@@ -172,3 +181,47 @@ def test_reuse_off_answers_afresh(loop_thread: LoopThread, demo_config: Config,
             for _ in range(2):
                 _ask(conn, DASHBOARD[2])
             assert spent(conn).epsilon == 2.0
+
+
+def test_a_table_is_watched_only_while_its_trigger_fires_always(reusing: Proxy,
+                                                                backend: Backend) -> None:
+    """The version holds the trigger's catalog row: disabled (a write may go unseen), or
+    enabled only for origin sessions (a restore in replica mode), the table is not watched;
+    enabled ALWAYS again, its version is another (what was written in between is unknown),
+    so an answer kept before is not reused."""
+    with psycopg.connect(reusing.dsn(), autocommit=True) as conn, \
+            psycopg.connect(backend.admin_dsn, autocommit=True) as admin:
+        sql = "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.25) ANON_COUNT(*) FROM visits"
+        _ask(conn, sql)
+        _ask(conn, sql)
+        assert spent(conn).epsilon == 0.25
+        try:
+            admin.execute("ALTER TABLE visits DISABLE TRIGGER dp_data_change")
+            _ask(conn, sql)
+            admin.execute("ALTER TABLE visits ENABLE TRIGGER dp_data_change")  # (origin only)
+            _ask(conn, sql)
+            assert spent(conn).epsilon == 0.75  # (not watched: each answered afresh)
+        finally:
+            admin.execute("ALTER TABLE visits ENABLE ALWAYS TRIGGER dp_data_change")
+        _ask(conn, sql)
+        assert spent(conn).epsilon == 1.0  # (watched again, another version)
+        _ask(conn, sql)
+        assert spent(conn).epsilon == 1.0
+
+
+def test_the_configured_meaning_is_part_of_the_question(
+        reusing: Proxy, loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
+    """The same text over a table configured with other bounds is another question."""
+    sql = "SELECT browser, AVG(duration) FROM visits GROUP BY browser"
+    with psycopg.connect(reusing.dsn(), autocommit=True) as conn:
+        _ask(conn, sql)
+        assert spent(conn).epsilon == 1.0
+    tables = dict(demo_config.tables)
+    columns = dict(tables["visits"].columns)
+    columns["duration"] = columns["duration"].model_copy(update={"upper": 1800.0})
+    tables["visits"] = tables["visits"].model_copy(update={"columns": columns})
+    other = demo_config.model_copy(update={"tables": tables})
+    with _proxy(loop_thread, other, backend, "analyst") as px, \
+            psycopg.connect(px.dsn(), autocommit=True) as conn:
+        _, notice = _ask(conn, sql)
+        assert notice.startswith("DP answer: spent") and spent(conn).epsilon == 2.0

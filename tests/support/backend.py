@@ -103,10 +103,14 @@ SUITE_ANALYSTS = ("carol",)
 
 
 def suite_config(config: Config) -> Config:
-    """`config` with the analysts of SUITE_ANALYSTS too (as alice, whatever their password)."""
+    """`config` with the analysts of SUITE_ANALYSTS too (as alice, whatever their password),
+    as the suite's database is set up: with answer reuse's triggers (the suite's proxies run
+    with reuse off, tests/proxy/test_reuse.py turns it on)."""
     extra = {name: config.analysts["alice"] for name in SUITE_ANALYSTS
              if name not in config.analysts}
-    return config.model_copy(update={"analysts": {**config.analysts, **extra}})
+    defaults = config.defaults.model_copy(update={"answer_reuse": "analyst"})
+    return config.model_copy(update={"analysts": {**config.analysts, **extra},
+                                     "defaults": defaults})
 
 
 def init_backend(backend: Backend, config: Config) -> None:
