@@ -201,10 +201,11 @@ def test_filtered_aggregates(proxy: Proxy, fresh_budgets: None, backend: Backend
             ).fetchall()
         assert long_total > 0
         # near the truth: within the rows of the heaviest users beyond T (the demo's have
-        # 5,000 rows: up to a tenth) and twice the noise's 95% half-width the notice gives
+        # 5,000 rows: a quarter where the tail is not seen and T is a few hundred) and twice
+        # the noise's 95% half-width the notice gives
         for answer, detail in ((us, notices[0]), (where_us, notices[1])):
             width = float(re.search(r"(?:us|count) ±([\d.]+)", detail).group(1))  # type: ignore[union-attr]
-            assert abs(answer - true_us) <= 0.1 * true_us + 2 * width, (answer, true_us, detail)
+            assert abs(answer - true_us) <= 0.25 * true_us + 2 * width, (answer, true_us, detail)
         (users_us,), = conn.execute("SELECT count(DISTINCT uid) FILTER (WHERE country = 'US') "
                                     "FROM visits").fetchall()
         assert abs(users_us - true_users) < 100
