@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from typing import Any
 
@@ -37,7 +38,7 @@ from dp_core.errors import (
     StatementTooComplex,
     SyntaxError_,
 )
-from dp_core.names import InputColumns, Names
+from dp_core.names import InputColumns, Names, column_name
 from dp_core.ownership import FromAnalysis, group_expressions, owned_subquery, semi_join
 from dp_core.query import (
     Aggregate,
@@ -229,6 +230,13 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
                              args=(semi(stmt.whereClause, "WHERE"), owned))
 
     group_exprs = group_expressions(stmt)
+    group_checks, inputs = _group_names(stmt, columns)
+    """GROUP BY names Postgres must say the meaning of, and those that are input columns: a
+    bare GROUP BY name is an input column where one has it, an output column's alias else."""
+
+    def alias_of(g: Any, name: str) -> bool:
+        return is_ref_to(g, name) and name not in inputs
+
     keys: list[Key] = []
     aggregates: list[Aggregate] = []
     outputs: list[OutputColumn] = []
@@ -272,7 +280,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         if any(isinstance(n, ast.FuncCall) and n.over is not None for n in walk_nodes(val)):
             raise refuse("window functions but over DP aggregates (sum(count(*)) OVER ())",
                           node_sql(val))
-        if not any(same_node(val, g) or is_ref_to(g, name) for g in group_exprs):
+        if not any(same_node(val, g) or alias_of(g, name) for g in group_exprs):
             parts = _key_parts(val, group_exprs, plain_form)
             if parts is None:
                 raise refuse("every selected column must be a GROUP BY key or a DP aggregate "
@@ -286,7 +294,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
                         domain=configured_domain(val, fa, policy)))
         outputs.append(OutputColumn(name, key=len(keys) - 1, source=val))
         select.append(SelectItem(name, column=len(outputs) - 1))
-    grouped_by, aliased = _grouped_by(group_exprs, outputs)
+    grouped_by, aliased = _grouped_by(group_exprs, outputs, inputs)
     names = Names(targets, grouped_by, columns, aliased)
     having = names.having(stmt.havingClause)
     order_by = names.order_by(stmt.sortClause or (), distinct)
@@ -306,7 +314,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     for g in group_exprs:
         # (against the selected expressions as written: the keys are totalised, `x % 2`
         # became `x % NULLIF(2, 0)`, and would not match `GROUP BY x % 2` or `GROUP BY 1`)
-        if not any(same_node(g, source) or is_ref_to(g, name) for source, name in selected):
+        if not any(same_node(g, source) or alias_of(g, name) for source, name in selected):
             # a GROUP BY key that is not selected still partitions the result
             keys.append(Key(totalize(g, "GROUP BY key"), f"__key{len(keys)}",
                             domain=configured_domain(g, fa, policy)))
@@ -324,12 +332,44 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         casts=tuple(findings.casts), arithmetic=tuple(findings.arithmetic),
         relations=tuple(dict.fromkeys(findings.relations)),
         sublinks=tuple(findings.sublinks), joins_capped=findings.joins_capped,
-        grouped_by=tuple(grouped_by), name_checks=tuple(dict.fromkeys(names.missing)),
+        grouped_by=tuple(grouped_by),
+        # (GROUP BY's names first: HAVING's and ORDER BY's are read against its grouping)
+        name_checks=tuple(dict.fromkeys(group_checks or names.missing)),
     )
 
 
-def _grouped_by(group_exprs: list[Any], outputs: list[OutputColumn]) -> tuple[list[Any],
-                                                                                set[str]]:
+GROUP_NAME = ""
+"""The first part of a GROUP BY name's check (`AnalyzedQuery.name_checks`): no column
+reference has an empty part, so it is told apart from HAVING's and ORDER BY's names."""
+
+
+def _group_names(stmt: ast.SelectStmt, columns: InputColumns | None
+                 ) -> tuple[list[tuple[str, ...]], set[str]]:
+    """The bare GROUP BY names that are also another select-list expression's alias (`GROUP
+    BY ts` of `date_trunc('month', ts) AS ts`), whose meaning Postgres must say: not answered
+    yet; and those an input column has, which Postgres groups by (where none has it, the
+    alias's expression)."""
+    aliases = {str(t.name): t.val for t in stmt.targetList or ()
+               if isinstance(t, ast.ResTarget) and t.name}
+    checks: list[tuple[str, ...]] = []
+    inputs: set[str] = set()
+    for g in stmt.groupClause or ():
+        name = column_name(g)
+        if name is None or len(name) != 1 or name[0] not in aliases:
+            continue
+        aliased = column_name(aliases[name[0]])
+        if aliased is not None and aliased[-1] == name[0]:
+            continue  # (`rows.country AS country`: the column either reading names)
+        check = (GROUP_NAME, name[0])
+        if columns is None or check not in columns:
+            checks.append(check)
+        elif columns[check] is None:
+            inputs.add(name[0])
+    return checks, inputs
+
+
+def _grouped_by(group_exprs: list[Any], outputs: list[OutputColumn],
+                inputs: AbstractSet[str] = frozenset()) -> tuple[list[Any], set[str]]:
     """The GROUP BY expressions as the query is grouped by them, as written: a selected key's
     select-list expression where GROUP BY names it (by its name, position or expression),
     else the GROUP BY expression itself; and the names GROUP BY reads as another expression's
@@ -338,7 +378,7 @@ def _grouped_by(group_exprs: list[Any], outputs: list[OutputColumn]) -> tuple[li
     aliased: set[str] = set()
     for g in group_exprs:
         named = [o.source for o in outputs if o.key is not None
-                 and (same_node(o.source, g) or is_ref_to(g, o.name))]
+                 and (same_node(o.source, g) or (is_ref_to(g, o.name) and o.name not in inputs))]
         for expr in named or [g]:
             if not same_node(expr, g):
                 aliased.add(str(g.fields[0].sval))

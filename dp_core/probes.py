@@ -74,8 +74,11 @@ def column_probe_sql(query: AnalyzedQuery, name: tuple[str, ...]) -> str:
     plans where the name is a GROUP BY key (42803 where it is an input column that is not, 42703
     where no input column has the name). The GROUP BY is the query's as the proxy groups it;
     without one, `GROUP BY ()`: one group, as a query of aggregates alone."""
-    groups = tuple(copy.deepcopy(query.grouped_by)) or (
+    groups: tuple[Any, ...] | None = tuple(copy.deepcopy(query.grouped_by)) or (
         ast.GroupingSet(kind=GroupingSetKind.GROUPING_SET_EMPTY),)
+    if name and name[0] == "":
+        # a GROUP BY name (analysis.GROUP_NAME): whether an input column has it, ungrouped
+        name, groups = name[1:], None
     stmt = ast.SelectStmt(
         targetList=(ast.ResTarget(val=ast.ColumnRef(fields=tuple(ast.String(sval=part)
                                                                  for part in name))),),

@@ -134,12 +134,15 @@ class Preparer:
                                   st.dp_clause.options if st.dp_clause is not None else ())
         try:
             await self._check_relations(query, conn)
-            if query.name_checks:
-                # names of HAVING and ORDER BY, as Postgres reads them in the query's FROM
-                columns = await self._input_columns(query, conn)
+            for _ in range(2):
+                # names of GROUP BY, then of HAVING and ORDER BY (read against its grouping),
+                # as Postgres reads them in the query's FROM
+                if not query.name_checks:
+                    break
+                columns = {**(columns or {}), **await self._input_columns(query, conn)}
                 query = analysis()
-                if query.name_checks:
-                    raise InternalError()
+            if query.name_checks:
+                raise InternalError()
             attrs = await self._probe(query, conn)
             types = {a.name: a.type.name for a in attrs}
             for i in range(len(query.arithmetic)):

@@ -29,6 +29,7 @@ from dp_core.plan import make_plan
 from dp_core.probes import column_probe_sql
 from dp_core.query import AnalyzedQuery
 from dp_core.result import result_sql
+from dp_core.sqlnodes import node_sql
 from tests.support.engine import CLASSIFIER, POLICY
 
 
@@ -249,15 +250,24 @@ def test_the_result_query_reads_no_name_itself() -> None:
                    having=parse_sql("SELECT n > 1")[0].stmt.targetList[0].val)
 
 
-def test_having_reading_a_column_that_group_by_read_as_an_alias_is_refused() -> None:
-    """`browser AS country ... GROUP BY browser, country`: the proxy reads `GROUP BY country` as
-    the output column (Postgres, as the input column), so the input column country that HAVING
-    reads is not grouped; refused, saying why, rather than Postgres's 42803."""
-    with pytest.raises(FeatureNotSupported, match="GROUP BY country read as the output column") \
-            as err:
-        answered("SELECT browser AS country, COUNT(*) FROM visits GROUP BY browser, country "
-                 "HAVING country = 'US'", {("country",): _ungrouped("visits.country")})
-    assert "give its output column another name" in (err.value.hint or "")
+def test_a_group_by_name_an_input_column_has_is_that_column() -> None:
+    """`browser AS country ... GROUP BY browser, country`: Postgres groups by the input column
+    country (an input column has the name), so HAVING reads it grouped; the proxy asks which
+    (analysis.GROUP_NAME) before it reads HAVING's names against that grouping."""
+    from dp_core.analysis import GROUP_NAME
+
+    sql = ("SELECT browser AS country, COUNT(*) FROM visits GROUP BY browser, country "
+           "HAVING country = 'US'")
+    assert analysed(sql).name_checks == ((GROUP_NAME, "country"),)  # (GROUP BY's names first)
+    grouping: dict[tuple[str, ...], DPError | None] = {(GROUP_NAME, "country"): None}
+    assert analysed(sql, grouping).name_checks == (("country",),)
+    q = analysed(sql, {**grouping, ("country",): None})
+    assert q.name_checks == ()
+    assert [node_sql(g) for g in q.grouped_by] == ["browser", "country"]
+    # where no input column has it, the alias's expression
+    q = answered("SELECT left(browser, 1) AS initial, COUNT(*) FROM visits GROUP BY initial",
+                 {(GROUP_NAME, "initial"): _absent("initial")})
+    assert [node_sql(g) for g in q.grouped_by] == ['"left"(browser, 1)']
 
 
 @pytest.mark.parametrize("sql", [

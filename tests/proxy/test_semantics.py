@@ -256,3 +256,23 @@ def test_a_bare_order_by_name_is_an_output_column_first(proxy: Proxy, backend: B
     assert [len(r) for r in rows] == [1, 1, 1]
     assert all(abs(int(n) - truth[c]) <= 2 for (n,), c in zip(rows, ["US", "IN", "BR"],
                                                                strict=True))
+
+
+def test_a_group_by_name_is_an_input_column_first(proxy: Proxy, backend: Backend) -> None:
+    """`GROUP BY browser` of `left(browser, 1) AS browser` groups by the input column browser,
+    as Postgres does (one row per browser: several share an initial); `GROUP BY initial` of
+    `left(browser, 1) AS initial`, which no input column has, by the alias's expression."""
+    by_input = "SELECT left(browser, 1) AS browser, COUNT(*) AS n FROM visits GROUP BY browser"
+    by_alias = "SELECT left(browser, 1) AS initial, COUNT(*) AS n FROM visits GROUP BY initial"
+    with psycopg.connect(backend.admin_dsn) as admin:
+        truth_input = sorted(r[0] for r in admin.execute(by_input).fetchall())
+        truth_alias = sorted(r[0] for r in admin.execute(by_alias).fetchall())
+    assert len(truth_input) > len(truth_alias)  # (the data tells the two readings apart)
+    reset_budget(proxy)
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        assert sorted(r[0] for r in conn.execute(by_input).fetchall()) == truth_input
+        assert sorted(r[0] for r in conn.execute(by_alias).fetchall()) == truth_alias
+        # and HAVING, read against that grouping: the input column browser, grouped
+        rows = conn.execute("SELECT left(browser, 1) AS browser, COUNT(*) AS n FROM visits "
+                            "GROUP BY browser HAVING browser = 'Safari'").fetchall()
+        assert [r[0] for r in rows] == ["S"]
