@@ -111,3 +111,8 @@ class PushdownBusy(DPError):
     charged, and trying again may succeed."""
 
     sqlstate = "53300"
+
+
+class LedgerTooNew(RuntimeError):
+    """The ledger was made or upgraded by a newer dp-proxy: this one cannot start on it (an
+    older proxy would charge answers without what the newer schema keeps)."""

@@ -25,6 +25,7 @@ from dp_core.accounting import AnswerCost, rdp_total
 from dp_core.budget import TOTAL, Budget, check_affordable, to_numeric
 from dp_core.errors import InsufficientPrivilege, UndefinedObject
 from server.backend_setup import quote_ident
+from server.errors import LedgerTooNew
 
 SCHEMA_VERSION = 3
 BUDGET_COLUMNS = ["analyst", "epsilon_total", "epsilon_spent", "epsilon_remaining", "delta_total",
@@ -81,6 +82,11 @@ class Ledger:
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext('dp-proxy ledger migration'))")
             await conn.execute(f"CREATE TABLE IF NOT EXISTS {s}.schema_version (version int NOT NULL)")
             version = await conn.fetchval(f"SELECT max(version) FROM {s}.schema_version")
+            if version is not None and version > SCHEMA_VERSION:
+                # (an older proxy would charge an answer without what the newer schema keeps:
+                # total budgets, say)
+                raise LedgerTooNew(f"the ledger's schema is version {version}, newer than this "
+                                   f"dp-proxy's ({SCHEMA_VERSION}): upgrade dp-proxy")
             if version is None:
                 await conn.execute(f"""
                     CREATE TABLE {s}.analysts (

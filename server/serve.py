@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from config import Config, ConfigError, load_config
+from server.errors import LedgerTooNew
 from server.logs import configure as configure_logs
 from server.logs import set_format
 
@@ -150,8 +151,10 @@ async def serve(config: Config, data_dir: Path | None, demo: bool,
                     server.worker = WorkerLink(server, worker[3], worker[1], worker[2])
                 await server.start()
                 port = server.port
-        except (OSError, WorkerStartError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-            # (the backend unreachable or refusing the pushdown role, the port taken...)
+        except (OSError, WorkerStartError, asyncpg.PostgresError, asyncpg.InterfaceError,
+                LedgerTooNew) as e:
+            # (the backend unreachable or refusing the pushdown role, the port taken, a ledger
+            # of a newer dp-proxy...)
             log.debug("start failed", exc_info=True)
             where = f" (backend {dsns.pushdown.host}:{dsns.pushdown.port})" \
                 if isinstance(e, ConnectionError) else ""

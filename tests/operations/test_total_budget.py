@@ -13,7 +13,7 @@ import asyncpg
 import psycopg
 import pytest
 
-from config import Config
+from config import DEMO_CONFIG, Config, load_config
 from config.models import TotalBudgetConfig
 from tests.operations.test_ledger_processes import ProxyProcess
 from tests.support.backend import Backend
@@ -149,3 +149,30 @@ def test_without_total_budgets_there_are_none_to_show(loop_thread: LoopThread,
         assert conn.execute("SELECT * FROM dp_total_budgets()").fetchall() == []
         assert conn.execute("SELECT dp_total_budgets()").fetchall() == [(None,)]
         assert len(conn.execute("SELECT * FROM dp_budget()").fetchall()) == 1
+
+
+def test_a_ledger_of_a_newer_dp_proxy_is_refused(backend: Backend) -> None:
+    """An older proxy on a ledger a newer one upgraded would charge without what the newer
+    schema keeps (total budgets, say): it does not start."""
+    from server.errors import LedgerTooNew
+    from server.ledger import SCHEMA_VERSION, Ledger
+
+    async def check() -> None:
+        pool = await asyncpg.create_pool(backend.admin_dsn, min_size=1, max_size=2)
+        assert pool is not None
+        try:
+            await pool.execute("DROP SCHEMA IF EXISTS dp_ledger_version_test CASCADE")
+            await pool.execute("CREATE SCHEMA dp_ledger_version_test")
+            ledger = Ledger(pool, "dp_ledger_version_test")
+            config = load_config(DEMO_CONFIG, environ={})
+            await ledger.migrate(config)
+            await ledger.migrate(config)  # (idempotent)
+            await pool.execute("INSERT INTO dp_ledger_version_test.schema_version VALUES ($1)",
+                               SCHEMA_VERSION + 1)
+            with pytest.raises(LedgerTooNew, match="upgrade dp-proxy"):
+                await ledger.migrate(config)
+        finally:
+            await pool.execute("DROP SCHEMA IF EXISTS dp_ledger_version_test CASCADE")
+            await pool.close()
+
+    asyncio.run(check())
