@@ -294,7 +294,13 @@ class DPService:
         released = release(run.query, run.plan, run.rows, quantiles=run.quantiles,
                            selection=run.selection)
         sql = answer_sql(prepared, released.rows)
-        budget = await self.ledger.budget(request.analyst)
+        try:
+            budget = await self.ledger.budget(request.analyst)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
+            # the answer is charged: released all the same, without what is left
+            log.warning("session %s: could not read the budget left: %s", request.process_id,
+                        type(e).__name__)
+            budget = None
         notice = self._notice(prepared, run, released, budget)
         if key is not None and versions is not None:
             try:
@@ -360,9 +366,14 @@ class DPService:
 
     def _notice(self, prepared: Prepared, run: PushdownRun, released: Released,
                 budget: Any) -> p.NoticeResponse:
-        message, detail = notice_text(prepared.query, run.plan, released.spread, run.bounds,
-                                      float(budget.epsilon_remaining),
-                                      float(budget.delta_remaining), run.tuned)
+        """The answer's notice; `budget` None: the ledger did not say what is left."""
+        message, detail = notice_text(
+            prepared.query, run.plan, released.spread, run.bounds,
+            float("nan") if budget is None else float(budget.epsilon_remaining),
+            float("nan") if budget is None else float(budget.delta_remaining), run.tuned)
+        if budget is None:
+            message = message.split("; budget left")[0] + "; the budget left is unknown (the " \
+                "ledger did not answer)"
         return notice_response(message, detail)
 
     async def local_function(self, request: DPRequest, st: Statement, dry_run: bool = False,

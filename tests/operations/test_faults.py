@@ -145,3 +145,35 @@ def test_backend_restart_mid_session(loop_thread: LoopThread, demo_config: Confi
             charged = sum(e for k, e in events[last_reset:] if k == "charge")
             # the running total and the ledger's rows agree, and both answers are in them
             assert spent(px).epsilon == pytest.approx(charged) and charged >= 0.25 - 1e-9
+
+
+def test_a_ledger_that_fails_after_the_charge_loses_no_answer(px: Proxy) -> None:
+    """The budget left is read after the answer is charged, for its notice: a ledger that does
+    not answer then leaves the notice without it, and the charged answer is released."""
+    ledger = px.server.dp.ledger
+    real, real_charge = ledger.budget, ledger.charge
+    charged = False
+
+    async def charge(*args: object, **kwargs: object) -> object:
+        nonlocal charged
+        out = await real_charge(*args, **kwargs)
+        charged = True
+        return out
+
+    async def flaky(analyst: str, conn: object = None) -> object:
+        if charged:  # (the checks before the charge read it too)
+            raise OSError("the ledger went away")
+        return await real(analyst, conn)
+
+    ledger.budget, ledger.charge = flaky, charge
+    try:
+        with psycopg.connect(px.dsn(), autocommit=True) as conn:
+            notices: list[str] = []
+            conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+            rows = conn.execute("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits").fetchall()
+            assert len(rows) == 1 and rows[0][0] > 0
+            assert notices and notices[-1].startswith("DP answer: spent epsilon 1,")
+            assert notices[-1].endswith("the budget left is unknown (the ledger did not answer)")
+    finally:
+        ledger.budget, ledger.charge = real, real_charge
+    assert spent(px).epsilon == 1.0
