@@ -153,37 +153,33 @@ class Ledger:
         # as a charge locks them (an analyst's row, then totals' in scope order): no cycle
         async with self.pool.acquire() as conn, conn.transaction():
             for name, a in sorted(config.analysts.items()):
-                eps, dlt = decimal.Decimal(repr(a.epsilon_budget)), decimal.Decimal(repr(a.delta_budget))
-                changed = await conn.fetchval(f"""
-                    INSERT INTO {s}.analysts AS t (analyst, epsilon_total, delta_total)
-                    VALUES ($1, $2, $3)
-                    ON CONFLICT (analyst) DO UPDATE SET epsilon_total = EXCLUDED.epsilon_total,
-                        delta_total = EXCLUDED.delta_total, updated_at = now()
-                    WHERE t.epsilon_total <> EXCLUDED.epsilon_total
-                       OR t.delta_total <> EXCLUDED.delta_total
-                    RETURNING true""", name, eps, dlt)
-                if changed:
-                    await conn.execute(
-                        f"INSERT INTO {s}.ledger (analyst, kind, outcome, mechanisms) "
-                        "VALUES ($1, 'limits', 'limits set from the configuration', $2)",
-                        name, json.dumps({"epsilon_total": str(eps), "delta_total": str(dlt)}))
+                await self._set_limits(conn, "analysts", "analyst", name, name,
+                                       a.epsilon_budget, a.delta_budget,
+                                       "limits set from the configuration")
             for scope, total in sorted(config.total_budgets().items()) if totals else ():
-                eps = decimal.Decimal(repr(total.epsilon))
-                dlt = decimal.Decimal(repr(total.delta))
-                changed = await conn.fetchval(f"""
-                    INSERT INTO {s}.totals AS t (scope, epsilon_total, delta_total)
-                    VALUES ($1, $2, $3)
-                    ON CONFLICT (scope) DO UPDATE SET epsilon_total = EXCLUDED.epsilon_total,
-                        delta_total = EXCLUDED.delta_total, updated_at = now()
-                    WHERE t.epsilon_total <> EXCLUDED.epsilon_total
-                       OR t.delta_total <> EXCLUDED.delta_total
-                    RETURNING true""", scope, eps, dlt)
-                if changed:
-                    await conn.execute(
-                        f"INSERT INTO {s}.ledger (analyst, kind, outcome, mechanisms) "
-                        "VALUES ($1, 'limits', 'total limits set from the configuration', $2)",
-                        TOTAL + scope,
-                        json.dumps({"epsilon_total": str(eps), "delta_total": str(dlt)}))
+                await self._set_limits(conn, "totals", "scope", scope, TOTAL + scope,
+                                       total.epsilon, total.delta,
+                                       "total limits set from the configuration")
+
+    async def _set_limits(self, conn: Any, table: str, column: str, key: str, subject: str,
+                          epsilon: float, delta: float, outcome: str) -> None:
+        """Set the limits of `key`'s row of `table` (made if absent); where they change, a
+        'limits' event of `subject` is appended to the ledger."""
+        s = self.s
+        eps, dlt = decimal.Decimal(repr(epsilon)), decimal.Decimal(repr(delta))
+        changed = await conn.fetchval(f"""
+            INSERT INTO {s}.{table} AS t ({column}, epsilon_total, delta_total)
+            VALUES ($1, $2, $3)
+            ON CONFLICT ({column}) DO UPDATE SET epsilon_total = EXCLUDED.epsilon_total,
+                delta_total = EXCLUDED.delta_total, updated_at = now()
+            WHERE t.epsilon_total <> EXCLUDED.epsilon_total
+               OR t.delta_total <> EXCLUDED.delta_total
+            RETURNING true""", key, eps, dlt)
+        if changed:
+            await conn.execute(
+                f"INSERT INTO {s}.ledger (analyst, kind, outcome, mechanisms) "
+                "VALUES ($1, 'limits', $2, $3)", subject, outcome,
+                json.dumps({"epsilon_total": str(eps), "delta_total": str(dlt)}))
 
     async def budget(self, analyst: str, conn: Any = None) -> Budget:
         if conn is None:
