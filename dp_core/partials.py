@@ -119,12 +119,14 @@ def partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
         assert agg.quantile is not None
         return (f"percentile_cont({float(agg.quantile)!r}::float8) WITHIN GROUP "
                 f"(ORDER BY {_float_arg(i, arg_type)}) AS dp_p{i}")
-    # AVG, VAR, STDDEV: the user's mean, divided only for the rows a user keeps (avg() would
-    # divide in numeric for every user and group). For floats, avg() would also accumulate
-    # the sum of squares, which overflows (an error) above ~1e154; the row clamp keeps the
-    # sum finite.
+    # AVG, VAR, STDDEV: the user's mean, divided once per user and group where it is
+    # aggregated: a column of the per-user rows, so the later stages (which Citus runs on the
+    # workers only with no fence between them) read it as a column and never divide again.
+    # Not avg(): for floats it would also accumulate the sum of squares, which overflows (an
+    # error) above ~1e154; the row clamp keeps the sum finite.
     arg = _arg(i, arg_type)
-    return f"sum({arg}) AS dp_s{i}, count({arg}) AS dp_n{i}"
+    total = f"sum({arg})" if arg_type in _FLOATS else f"(sum({arg}))::numeric"
+    return f"{total} / NULLIF(count({arg}), 0) AS dp_v{i}"
 
 
 def check_number(agg: Aggregate, arg_type: str | None) -> None:
@@ -145,18 +147,9 @@ def weighted(i: int, agg: Aggregate, component: str, weight: str) -> str:
 
 
 MEANS = frozenset({AggKind.AVG, AggKind.VAR, AggKind.STDDEV})
-"""Aggregates whose per-user value is a mean: `partial` makes a sum and a count."""
+"""Aggregates whose per-user value is a mean (`partial`'s dp_v column)."""
 
 
 def value(i: int, agg: Aggregate, arg_type: str | None) -> str:
-    """Aggregate i's per-user value, over the columns `partial` made."""
-    if agg.kind not in MEANS:
-        return f"dp_p{i}"
-    total = f"dp_s{i}" if arg_type in _FLOATS else f"(dp_s{i})::numeric"
-    return f"({total} / NULLIF(dp_n{i}, 0))"
-
-
-def present(i: int, agg: Aggregate) -> str:
-    """A column `partial` made that is NULL exactly when aggregate i's per-user value is (a
-    mean's sum is NULL iff its count is 0): cheaper to test than the value, a division."""
-    return f"dp_s{i}" if agg.kind in MEANS else f"dp_p{i}"
+    """Aggregate i's per-user value: the column `partial` made (NULL for a user without one)."""
+    return f"dp_v{i}" if agg.kind in MEANS else f"dp_p{i}"

@@ -31,13 +31,11 @@ from dp_core.binned import binned_plan, value_bin_columns
 from dp_core.bounding import Prefilter, kept_rows
 from dp_core.errors import InternalError
 from dp_core.partials import (
-    MEANS,
     check_number,
     clamp,
     f8,
     num,
     partial,
-    present,
     row_value,
     value,
     weighted,
@@ -86,15 +84,20 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
         return _binned_template(query, plan, arg_types, order_seed)
     partials = [partial(i, agg, arg_types.get(i)) for i, agg in enumerate(query.aggregates)
                 if not reads_user_count(agg) and agg.kind is not AggKind.QUANTILE]
-    finals = []
-    means: dict[str, str] = {}
+    finals: list[str] = []
+    # COUNT(DISTINCT x): each user's values (an array per user and group) are unnested, a
+    # row each (`_unnested`), and counted once per group; the other aggregates read the
+    # first row of each (user, group) only
+    distinct = [value(q.aggregate, query.aggregates[q.aggregate], None)
+                for q in plan.quantities
+                if q.component == Component.DISTINCT and q.aggregate is not None]
+    first = ["(dp_o IS NULL OR dp_o = 1)"] if distinct else []
     # with row-level aggregates every (user, group) row is read: the rest read the kept ones
     row_level = bool(query.keys) and any(a.row_level for a in query.aggregates)
-    only_kept = "" if not row_level else \
-        f" FILTER (WHERE dp_rn <= {int(plan.max_groups_contributed)})"
+    kept_only = [f"dp_rn <= {int(plan.max_groups_contributed)}"] if row_level else []
     if plan.threshold is not None or plan.shared_users or query.public_groups:
         # (public groups: not released, but a row for each group with users, quantiles too)
-        finals.append(f"count(*){only_kept} AS dp_users")
+        finals.append(f"count(*){_filter(kept_only + first)} AS dp_users")
     for q in plan.quantities:
         if q.component in (Component.USERS, Component.TREE):
             continue  # dp_users, above; trees have their own statement
@@ -102,33 +105,28 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
         agg = query.aggregates[q.aggregate]
         if agg.row_level:
             weight = f"LEAST((1.0)::float8, ({plan.rows_for(agg) or 1})::float8 / dp_total)"
-            finals.append(f"{weighted(q.aggregate, agg, q.component, weight)} AS {q.name}")
+            finals.append(f"{weighted(q.aggregate, agg, q.component, weight)}{_filter(first)} "
+                          f"AS {q.name}")
             continue
         lo, hi = agg.known_bounds.lower, agg.known_bounds.upper
         p = value(q.aggregate, agg, arg_types.get(q.aggregate))
-        if agg.kind in MEANS:  # divided once per kept row, in dp_kept below
-            means[f"dp_v{q.aggregate}"] = p
-            p = f"dp_v{q.aggregate}"
         if q.component == Component.DISTINCT:
-            # each user's values padded with NULLs to k (array_agg of arrays needs one length)
-            # and counted once over all the group's users
-            v = f"coalesce({p}, '{{}}')"
-            padded = f"array_cat({v}, array_fill(({v})[0], ARRAY[{int(hi)} - cardinality({v})]))"
-            finals.append(f"(SELECT count(DISTINCT dp_v) FROM unnest(array_agg({padded})"
-                          f"{only_kept}) AS dp_v) AS {q.name}")
+            finals.append(f"count(DISTINCT dp_d{distinct.index(p)}){_filter(kept_only)} "
+                          f"AS {q.name}")
         else:
-            finals.append(f"{_per_user_sum(q.component, p, lo, hi)}{only_kept} AS {q.name}")
+            finals.append(f"{_per_user_sum(q.component, p, lo, hi)}{_filter(kept_only + first)} "
+                          f"AS {q.name}")
     if not finals:
         return None  # a global query of quantiles only: the tree statement answers it
     with_list, relation, kept = kept_rows(query, plan, partials, order_seed, prefilter)
     if row_level:
         kept = "TRUE"
-    if means:
-        # OFFSET 0 keeps the subquery from being flattened, which would copy each mean into
-        # every expression that uses it and divide several times per row
-        cols = ", ".join(f"{expr} AS {name}" for name, expr in means.items())
-        relation = f"(SELECT *, {cols} FROM {relation} WHERE {kept} OFFSET 0) AS dp_kept"
-        kept = "TRUE"
+    if distinct:
+        # (a LEFT JOIN: a user and group without values keeps its row, dp_o NULL; unnest of
+        # several arrays pads the shorter ones with NULLs, which count(DISTINCT) skips)
+        names = ", ".join(f"dp_d{j}" for j in range(len(distinct)))
+        relation = (f"{relation} LEFT JOIN LATERAL unnest({', '.join(distinct)}) WITH ORDINALITY "
+                    f"AS dp_d({names}, dp_o) ON TRUE")
     if not query.keys:
         return f"WITH {with_list} SELECT {', '.join(finals)} FROM {relation}"
     key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
@@ -136,6 +134,11 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
     # (with row-level aggregates, groups whose dp_users is 0 are no candidates: `release`)
     return (f"WITH {with_list} SELECT {', '.join(columns)} "
             f"FROM {relation} WHERE {kept} GROUP BY {', '.join(key_cols)}")
+
+
+def _filter(conditions: list[str]) -> str:
+    """An aggregate's FILTER clause for these conditions (none: no clause)."""
+    return f" FILTER (WHERE {' AND '.join(conditions)})" if conditions else ""
 
 
 def _per_user_sum(component: str, p: str, lo: float, hi: float) -> str:
@@ -280,18 +283,18 @@ def _tree_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int,
     partials = [partial(i, query.aggregates[i], arg_types.get(i)) for i in indexes]
     with_list, relation, kept = kept_rows(query, plan, partials, order_seed, prefilter)
     key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
-    leaves = []
-    for i in indexes:
-        b = query.aggregates[i].known_bounds
-        lo, hi = f8(b.lower), f8(b.upper)
-        leaf = (f"LEAST(GREATEST(floor((LEAST(GREATEST(dp_p{i}, {lo}), {hi}) - {lo}) / ({hi} - {lo}) "
-                f"* {f8(LEAVES)}), 0), {LEAVES - 1})::int4")
-        leaves.append(f"SELECT {', '.join([*key_cols, f'{i} AS dp_agg', f'{leaf} AS dp_leaf'])} "
-                      f"FROM {relation} WHERE {kept} AND dp_p{i} IS NOT NULL")
+    # each quantile's value and bounds, its leaf computed once over them
+    leaves = [f"({i}, dp_p{i}, {f8(query.aggregates[i].known_bounds.lower)}, "
+              f"{f8(query.aggregates[i].known_bounds.upper)})" for i in indexes]
+    leaf = (f"LEAST(GREATEST(floor((LEAST(GREATEST(dp_x, dp_lo), dp_hi) - dp_lo) / (dp_hi - dp_lo) "
+            f"* {f8(LEAVES)}), 0), {LEAVES - 1})::int4")
+    leaf_rows = _unpivoted(key_cols, relation, kept, leaves, "dp_x, dp_lo, dp_hi",
+                           f"{leaf} AS dp_leaf")
     levels = ", ".join(f"({off}, {div})" for off, div in zip(LEVEL_OFFSETS, LEVEL_DIVISORS,
                                                              strict=True))
     nodes = (f"SELECT {', '.join([*key_cols, 'dp_agg'])}, lv.off + dp_leaf / lv.div AS dp_code, "
-             f"count(*) AS dp_n FROM ({' UNION ALL '.join(leaves)}) AS dp_leaves "
+             f"count(*) AS dp_n FROM ({leaf_rows}) "
+             "AS dp_leaves "
              f"CROSS JOIN (VALUES {levels}) AS lv(off, div) "
              f"GROUP BY {', '.join(str(n) for n in range(1, len(key_cols) + 3))}")
     key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
@@ -321,11 +324,23 @@ def _bounds_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     partials = [partial(i, aggs[i], arg_types.get(i)) for i in indexes]
     with_list, relation, kept = kept_rows(query, plan, partials, order_seed, prefilter)
     edges = ", ".join(str(e) for e in EDGES)
-    bins = [f"SELECT {i} AS dp_agg, width_bucket(({value(i, aggs[i], arg_types.get(i))})::numeric, "
-            f"(ARRAY[{edges}])::numeric[]) AS dp_bin FROM {relation} "
-            f"WHERE {kept} AND {present(i, aggs[i])} IS NOT NULL" for i in indexes]
+    values = [f"({i}, ({value(i, aggs[i], arg_types.get(i))})::numeric)" for i in indexes]
+    bins = f"width_bucket(dp_x, (ARRAY[{edges}])::numeric[]) AS dp_bin"
     return (f"WITH {with_list} SELECT dp_agg, dp_bin, count(*) AS dp_n "
-            f"FROM ({' UNION ALL '.join(bins)}) AS dp_bins GROUP BY 1, 2")
+            f"FROM ({_unpivoted([], relation, kept, values, 'dp_x', bins)}) AS dp_bins "
+            "GROUP BY 1, 2")
+
+
+def _unpivoted(columns: list[str], relation: str, kept: str, rows: list[str], names: str,
+               out: str) -> str:
+    """`columns` and `out` (over dp_agg and `names`) of each kept row of `relation` and
+    each aggregate whose value (the first of `names`, dp_x) is not NULL: `rows` are an
+    "(aggregate, value, ...)" row of VALUES per aggregate, over one per-user row. One read
+    of the per-user rows (a UNION ALL of a read per aggregate would read their CTE twice,
+    which Citus gathers on the coordinator to do so)."""
+    return (f"SELECT {', '.join([*columns, 'dp_agg', out])} FROM {relation} "
+            f"CROSS JOIN LATERAL (VALUES {', '.join(rows)}) AS dp_u(dp_agg, {names}) "
+            f"WHERE {kept} AND dp_x IS NOT NULL")
 
 
 def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
@@ -342,23 +357,30 @@ def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     with_list, relation, _ = kept_rows(query, plan, partials, order_seed)
     edges = ", ".join(str(e) for e in ROW_EDGES)
     first = "dp_rn = 1" if query.keys else "TRUE"
-    parts = [f"SELECT 0 AS dp_kind, 0 AS dp_agg, width_bucket(dp_total, ARRAY[{edges}]::int8[]) "
-             f"AS dp_bin, (count(*))::float8 AS dp_n FROM {relation} WHERE {first} GROUP BY 3"]
-    if query.keys:
-        key_cols = ", ".join(f"dp_k{i}" for i in range(len(query.keys)))
-        parts.append(f"SELECT 1, 0, 0, (count(*))::float8 FROM (SELECT {key_cols} FROM {relation} "
-                     f"WHERE {first} GROUP BY {key_cols} "
-                     f"HAVING count(*) >= {f8(groups_threshold(plan))}) AS dp_g")
+    key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
+    # the per-user rows are read once (Citus would gather a CTE read twice on the
+    # coordinator), into their sums per group and user total: what each part adds up
+    counts = [f"count(*) FILTER (WHERE {first}) AS dp_f"]
     for i in clipped:
-        bins = _value_bins(query, i)
+        counts += [f"sum({b}) AS dp_b{i}_{j}" for j, b in enumerate(_value_bins(query, i))]
+    totals = (f"dp_t AS (SELECT {', '.join([*key_cols, 'dp_total', *counts])} FROM {relation} "
+              f"GROUP BY {', '.join([*key_cols, 'dp_total'])})")
+    parts = [f"SELECT 0 AS dp_kind, 0 AS dp_agg, width_bucket(dp_total, ARRAY[{edges}]::int8[]) "
+             "AS dp_bin, (sum(dp_f))::float8 AS dp_n FROM dp_t GROUP BY 3"]
+    if query.keys:
+        parts.append(f"SELECT 1, 0, 0, (count(*))::float8 FROM (SELECT {', '.join(key_cols)} "
+                     f"FROM dp_t GROUP BY {', '.join(key_cols)} "
+                     f"HAVING sum(dp_f) >= {f8(groups_threshold(plan))}) AS dp_g")
+    for i in clipped:
+        bins = range(len(_value_bins(query, i)))
         # (counts added up per user total first: one division per distinct total, not per row)
-        counts = ", ".join(f"sum({b}) AS dp_b{j}" for j, b in enumerate(bins))
-        sums = ", ".join(f"sum(dp_b{j} / (dp_total)::float8)" for j in range(len(bins)))
+        sums = ", ".join(f"sum(dp_b{j} / (dp_total)::float8)" for j in bins)
+        per_total = ", ".join(f"sum(dp_b{i}_{j}) AS dp_b{j}" for j in bins)
         parts.append(f"SELECT 2, {i}, (dp_o - 1)::int4, dp_w FROM (SELECT ARRAY[{sums}] AS dp_a "
-                     f"FROM (SELECT dp_total, {counts} FROM {relation} GROUP BY dp_total) "
-                     "AS dp_t) AS dp_s CROSS JOIN LATERAL unnest(dp_s.dp_a) "
+                     f"FROM (SELECT dp_total, {per_total} FROM dp_t GROUP BY dp_total) "
+                     "AS dp_pt) AS dp_s CROSS JOIN LATERAL unnest(dp_s.dp_a) "
                      "WITH ORDINALITY AS dp_u(dp_w, dp_o)")
-    return f"WITH {with_list} {' UNION ALL '.join(parts)}"
+    return f"WITH {with_list}, {totals} {' UNION ALL '.join(parts)}"
 
 
 def _build(template: str, query: AnalyzedQuery, token: str | None = None) -> str:
