@@ -122,6 +122,12 @@ def setup_statements(
         if login_secret:
             verifier = make_verifier(analyst_password(login_secret, name))
             stmts.append(f"ALTER ROLE {role} PASSWORD {quote_literal(str(verifier))}")
+    if config.backend.pushdown_work_mem:
+        # the pushdown role's own setting (besides its sessions' start-up parameter): Citus
+        # propagates it to the workers, where the per-user stages run and the start-up
+        # parameter of the coordinator's session does not reach
+        stmts.append(f"ALTER ROLE {p} SET work_mem = "
+                     f"{quote_literal(config.backend.pushdown_work_mem)}")
     stmts.append(_disable_stale_analysts(roles, analysts))
     to_readers = ", ".join(readers)
     public_tables = config.public.qualified()
@@ -324,6 +330,43 @@ def check_statements(config: Config, roles: BackendRoles = DEFAULT_ROLES) -> lis
         f"SELECT 'role ' || r.rolname || ' may use the ledger schema ' || {ledger} "
         f"FROM pg_roles r WHERE r.rolname IN ({others}) AND EXISTS (SELECT FROM pg_namespace "
         f"WHERE nspname = {ledger}) AND has_schema_privilege(r.oid, {ledger}, 'USAGE')")
+    return checks
+
+
+def citus_check_statements(config: Config, roles: BackendRoles = DEFAULT_ROLES) -> list[str]:
+    """On a Citus coordinator, the wall's checks on the workers (`check_statements`' form;
+    run only where Citus is, whose functions they call): every shard
+    of a protected table (which a role logging in to a worker reads as a table of its own)
+    under row-level security, owned by no restricted or analyst role, with no policy showing
+    them rows; no restricted or analyst role privileged on a worker. Each check runs through
+    Citus's run_command_on_* functions, only where pg_dist_partition is there: a shard that
+    cannot be checked (a worker down) is named too. (The roles themselves, their grants and
+    the tables' security are made on the workers by Citus, which propagates them.)"""
+    names = ", ".join(quote_literal(r) for r in [roles.restricted, *roles.analysts(config)])
+    shard = (
+        "SELECT CASE WHEN NOT c.relrowsecurity THEN 'has no row-level security' "
+        f"WHEN c.relowner IN (SELECT oid FROM pg_roles WHERE rolname IN ({names})) "
+        "THEN 'is owned by a restricted or analyst role' "
+        "WHEN EXISTS (SELECT FROM pg_policy pol WHERE pol.polrelid = c.oid AND "
+        "(0 = ANY(pol.polroles) OR EXISTS (SELECT FROM pg_roles r WHERE r.rolname IN "
+        f"({names}) AND r.oid = ANY(pol.polroles)))) THEN 'has a policy that shows rows to a "
+        "restricted or analyst role' ELSE 'ok' END FROM pg_class c WHERE c.oid = '%s'::regclass")
+    checks = []
+    for name, table in sorted(config.tables.items()):
+        rel = quote_literal(f"{quote_ident(table.schema_)}.{quote_ident(name)}")
+        checks.append(
+            f"SELECT 'shard ' || p.shardid || ' of ' || d.logicalrelid::text || ' on ' || "
+            "p.nodename || ':' || p.nodeport || ' ' || CASE WHEN p.success THEN p.result ELSE "
+            "'could not be checked: ' || p.result END FROM pg_catalog.pg_dist_partition d, "
+            f"LATERAL run_command_on_placements(d.logicalrelid, {quote_literal(shard)}) p "
+            f"WHERE d.logicalrelid = to_regclass({rel}) AND (NOT p.success OR p.result <> 'ok')")
+    privileged = (f"SELECT coalesce(string_agg(rolname, ', ' ORDER BY rolname), '') FROM pg_roles "
+             f"WHERE rolname IN ({names}) AND (rolsuper OR rolbypassrls OR rolcreaterole)")
+    checks.append(
+        "SELECT 'on worker ' || w.nodename || ':' || w.nodeport || CASE WHEN w.success THEN "
+        "', role(s) ' || w.result || ' privileged' ELSE ' the roles could not be checked: ' || "
+        f"w.result END FROM run_command_on_workers({quote_literal(privileged)}) w "
+        "WHERE NOT w.success OR w.result <> ''")
     return checks
 
 

@@ -12,6 +12,7 @@ from server.backend_setup import (
     BackendDSNs,
     BackendRoles,
     check_statements,
+    citus_check_statements,
     hardening_statements,
     setup_statements,
 )
@@ -55,7 +56,10 @@ async def find_wall_problems(
 ) -> list[str]:
     """Each way in which the restricted role could see protected rows (empty: none)."""
     problems: list[str] = []
-    for check in check_statements(config, roles):
+    checks = check_statements(config, roles)
+    if await conn.fetchval("SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL"):
+        checks += citus_check_statements(config, roles)  # the shards on the workers too
+    for check in checks:
         problems.extend(r[0] for r in await conn.fetch(check))
     return problems
 
