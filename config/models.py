@@ -300,6 +300,11 @@ class DefaultsConfig(_Strict):
         "or never (\"off\")"))
     answer_reuse_hours: float = Field(default=24.0, gt=0.0, le=24.0 * 366, description=(
         "how long a released answer may be reused (its tables' data unchanged)"))
+    clock_granularity_minutes: int = Field(default=60, ge=0, le=7 * 24 * 60, description=(
+        "a DP query's now(), current_date and the other clock values are read at the start "
+        "of their quantum of this many minutes of the session's local time (a day's starts "
+        "at midnight), so that a dashboard's relative dates ask the same question again "
+        "within it; 0 reads the exact time"))
 
     @model_validator(mode="after")
     def _within_caps(self) -> Self:

@@ -18,7 +18,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from pglast import ast
+from pglast import ast, parse_sql
 from pglast.enums import A_Expr_Kind, SQLValueFunctionOp
 from pglast.stream import RawStream
 from pglast.visitors import Skip, Visitor
@@ -141,12 +141,62 @@ def _in_catalog(holder: Any, field: str) -> None:
         setattr(holder, field, (ast.String(sval="pg_catalog"), *names))
 
 
-def clock_sql(exprs: Sequence[Any]) -> str:
+_LOCAL_ORIGIN = "CAST('2000-01-01' AS pg_catalog.timestamp)"
+
+
+def _quantum_forms(seconds: int) -> dict[Any, str]:
+    """Each clock value as read at the start of its quantum of `seconds` of the session's
+    local time (quanta of a day start at local midnight): by the function's name or the
+    SQL value's kind, the expression that replaces it, of its type."""
+    local = (f"pg_catalog.date_bin(pg_catalog.make_interval(secs => {int(seconds)}), "
+             f"CAST(pg_catalog.now() AS pg_catalog.timestamp), {_LOCAL_ORIGIN})")
+    zoned = f"CAST({local} AS pg_catalog.timestamptz)"
+    op = SQLValueFunctionOp
+    return {**{name: zoned for name in CLOCK_FUNCTIONS},
+            op.SVFOP_CURRENT_TIMESTAMP: zoned, op.SVFOP_CURRENT_TIMESTAMP_N: zoned,
+            op.SVFOP_LOCALTIMESTAMP: local, op.SVFOP_LOCALTIMESTAMP_N: local,
+            op.SVFOP_CURRENT_DATE: f"CAST({local} AS pg_catalog.date)",
+            op.SVFOP_CURRENT_TIME: f"CAST({zoned} AS pg_catalog.timetz)",
+            op.SVFOP_CURRENT_TIME_N: f"CAST({zoned} AS pg_catalog.timetz)",
+            op.SVFOP_LOCALTIME: f"CAST({local} AS pg_catalog.time)",
+            op.SVFOP_LOCALTIME_N: f"CAST({local} AS pg_catalog.time)"}
+
+
+def _expression(sql: str) -> Any:
+    stmt: Any = parse_sql(f"SELECT {sql}")[0].stmt
+    return stmt.targetList[0].val
+
+
+class _Quantised(Visitor):
+    """Replaces each clock value by its form read at the start of its quantum."""
+
+    def __init__(self, seconds: int) -> None:
+        super().__init__()
+        self.forms = {kind: _expression(sql) for kind, sql in _quantum_forms(seconds).items()}
+
+    def visit(self, ancestors: Any, node: Any) -> Any:
+        if isinstance(node, ast.SQLValueFunction) and node.op in self.forms:
+            return copy.deepcopy(self.forms[node.op])
+        if isinstance(node, ast.FuncCall) and _name(node) in CLOCK_FUNCTIONS:
+            return copy.deepcopy(self.forms[_name(node)])
+        return None
+
+
+def clock_sql(exprs: Sequence[Any], granularity: int = 0) -> str:
     """One statement that gives each expression's value as text (v{i}) and its type's oid
     (t{i}): run once, in a transaction whose TimeZone is the session's and whose output
     styles are Postgres's defaults (ISO dates, `postgres` intervals), so that the text reads
-    back as the same value under any settings."""
+    back as the same value under any settings. With `granularity` (seconds; 0: none), the
+    clock is read at the start of its quantum of the session's local time, so that a
+    question asked again within one quantum is the same question (`now` is its time)."""
     items = []
+    if granularity:
+        exprs = [copy.deepcopy(e) for e in exprs]
+        holder: Any = ast.SelectStmt(targetList=tuple(ast.ResTarget(val=e) for e in exprs))
+        _Quantised(granularity)(holder)
+        exprs = [t.val for t in holder.targetList]
+        now = _quantum_forms(granularity)["now"]
+        items.append(f"CAST(({now}) AS pg_catalog.text) AS now")
     for i, e in enumerate(exprs):
         text = str(RawStream()(_qualified(e)))
         items.append(f"CAST(({text}) AS pg_catalog.text) AS v{i}, "

@@ -46,13 +46,16 @@ async def relation_schemas(conn: Any, stmt: ast.Node,
     return {str(r["name"]): None if r["schema"] is None else str(r["schema"]) for r in rows}
 
 
-async def fixed_clock(conn: Any, stmt: ast.Node, timezone: str | None) -> list[ClockValue]:
+async def fixed_clock(conn: Any, stmt: ast.Node, timezone: str | None,
+                      granularity: int = 0) -> tuple[list[ClockValue], str | None]:
     """The relative dates of `stmt` (`dp_core.clock`), each evaluated once now, in the
-    session's `timezone`: its value and type, in the order `fix_clock` takes them. Raises
-    asyncpg's error when one fails (a malformed interval, say): by the text alone."""
+    session's `timezone`, with the clock read at the start of its quantum of `granularity`
+    seconds (0: exactly): its value and type, in the order `fix_clock` takes them; and the
+    time they were read at (None with none, or granularity 0). Raises asyncpg's error when one
+    fails (a malformed interval, say): by the text alone."""
     exprs = clock_expressions(stmt)
     if not exprs:
-        return []
+        return [], None
     # (prepared statements on `conn` leave an implicit transaction open without a Sync)
     await conn.execute("SELECT")
     async with conn.transaction(readonly=True):
@@ -62,11 +65,11 @@ async def fixed_clock(conn: Any, stmt: ast.Node, timezone: str | None) -> list[C
             "pg_catalog.set_config('extra_float_digits', '1', true)")
         if timezone is not None:
             await conn.execute("SELECT pg_catalog.set_config('TimeZone', $1, true)", timezone)
-        row = await conn.fetchrow(clock_sql(exprs))
+        row = await conn.fetchrow(clock_sql(exprs, granularity))
         oids = [int(row[f"t{i}"]) for i in range(len(exprs))]
         types = {int(r["oid"]): (str(r["nspname"]), str(r["typname"])) for r in await conn.fetch(
             "SELECT t.oid, n.nspname, t.typname FROM pg_catalog.pg_type t JOIN "
             "pg_catalog.pg_namespace n ON n.oid = t.typnamespace WHERE t.oid = ANY($1::oid[])",
             oids)}
-    return [(None if row[f"v{i}"] is None else str(row[f"v{i}"]), *types[oid])
-            for i, oid in enumerate(oids)]
+    return ([(None if row[f"v{i}"] is None else str(row[f"v{i}"]), *types[oid])
+             for i, oid in enumerate(oids)], str(row["now"]) if granularity else None)

@@ -116,7 +116,8 @@ class Preparer:
         try:
             schemas = None if request.search_path is None else \
                 await relation_schemas(conn, parsed, request.search_path)
-            clock = await fixed_clock(conn, parsed, request.timezone)
+            clock, clock_now = await fixed_clock(
+                conn, parsed, request.timezone, 60 * self.config.defaults.clock_granularity_minutes)
         except asyncpg.PostgresError as e:
             raise _planning_error(e) from None
 
@@ -165,14 +166,16 @@ class Preparer:
             if attrs:
                 query = query.with_hashed_keys(await self._hashed_keys(
                     [a.type.oid for a in attrs if a.name[0] == "k"], conn))
-            # what the statements depend on but the order seed (`PushdownCache`)
+            # what the text means in the session, the answer's settings aside from the text:
+            # with the text and its parameters, what the statements depend on but the order
+            # seed (`PushdownCache`); a part of the question's key (`reuse.question_key`)
+            meaning = (settings, tuple(sorted(arg_types.items())),
+                       tuple(k.hashed for k in query.keys), tuple(sorted(integers.items())),
+                       tuple(sorted((name, e is None) for name, e in (columns or {}).items())),
+                       None if schemas is None else tuple(sorted(schemas.items(), key=str)),
+                       tuple(clock))
             cache_key = (st.sql, bind.param_formats if bind else None,
-                         bind.params if bind else None, tuple(param_types), settings,
-                         tuple(sorted(arg_types.items())),
-                         tuple(k.hashed for k in query.keys), tuple(sorted(integers.items())),
-                         tuple(sorted((name, e is None) for name, e in (columns or {}).items())),
-                         None if schemas is None else tuple(sorted(schemas.items(), key=str)),
-                         tuple(clock))
+                         bind.params if bind else None, tuple(param_types), *meaning)
             plan = make_plan(query, settings.epsilon, settings.delta,
                              settings.max_groups_contributed, settings.noise,
                              selection=settings.selection, max_rows=settings.max_rows)
@@ -192,7 +195,9 @@ class Preparer:
             found = [t.oid for t in stmt.get_parameters()]
             param_oids = found if len(found) > len(param_oids) else param_oids
         prepared = Prepared(query, plan, pd, statements, arg_types, key_types, key_oids,
-                            param_oids, cache_key=cache_key, timezone=request.timezone)
+                            param_oids, cache_key=cache_key, meaning=meaning,
+                            timezone=request.timezone,
+                            clock_now=clock_now)
         if query.public_groups:
             odd = [query.keys[i] for i, o in enumerate(key_oids) if o not in ONE_TEXT_KEY_OIDS]
             if odd or (any(o in TEXT_KEY_OIDS for o in key_oids)

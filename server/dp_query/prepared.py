@@ -68,11 +68,17 @@ class Prepared:
     aggregating them (`UidSplitter`)."""
     cache_key: Any = None
     """What the pushdown's statements depend on but the order seed (`PushdownCache`)."""
+    meaning: Any = None
+    """What the text means in the session beside its parameters (settings, types, the
+    schemas its names find, its relative dates as read): part of the question's key."""
     public_keys: list[tuple[str, ...]] | None = None
     """Of a query of public groups, the key texts of every group it releases."""
     timezone: str | None = None
     """The asking session's TimeZone: the pushdown's too, so that it reads dates as the
     session does (`date_trunc('day', t)`, `t::date` of a timestamptz)."""
+    clock_now: str | None = None
+    """The time the query's relative dates were read at: the start of the clock's quantum
+    (`defaults.clock_granularity_minutes`; None: no relative dates, or the exact time)."""
 
     @property
     def sql(self) -> list[str]:

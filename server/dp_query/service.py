@@ -325,8 +325,7 @@ class DPService:
             return None, None, None
         policies = sorted((t.name, repr(self.preparer.policy.get(t.name)))
                           for t in prepared.query.tables)
-        meaning = (prepared.cache_key[4:10] if isinstance(prepared.cache_key, tuple) else None,
-                   policies, prepared.public_keys)
+        meaning = (prepared.meaning, policies, prepared.public_keys)
         key = question_key(st, bind, param_types, prepared.plan,
                            (request.timezone, request.search_path, request.encoding), meaning)
         reuse = self.config.defaults.answer_reuse
@@ -374,6 +373,11 @@ class DPService:
         if budget is None:
             message = message.split("; budget left")[0] + "; the budget left is unknown (the " \
                 "ledger did not answer)"
+        if prepared.clock_now is not None:
+            minutes = self.config.defaults.clock_granularity_minutes
+            clock = (f"now() read as {prepared.clock_now}, the start of its quantum of "
+                     f"{minutes} minutes (clock_granularity_minutes)")
+            detail = clock if detail is None else f"{detail}; {clock}"
         return notice_response(message, detail)
 
     async def local_function(self, request: DPRequest, st: Statement, dry_run: bool = False,

@@ -24,9 +24,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from pglast import parse_sql
 
 from config import Config
 from config.models import PublicConfig, TableConfig
+from dp_core.clock import clock_expressions, clock_sql
 from server.dp_query import service
 from server.dp_query.prepared import Prepared, answer_sql
 from server.embedded import find_bindir
@@ -435,6 +437,43 @@ def test_dates_are_read_in_the_sessions_timezone(rides_proxy: Proxy, backend: Ba
         conn.execute(f"SET TimeZone = '{timezone}'")
         (row,) = conn.execute(DP + "current_date AS today, ANON_COUNT(*) FROM ops.rides")
         assert row[0] == conn.execute("SELECT current_date").fetchone()[0]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("timezone", ["UTC", "Asia/Kolkata", "America/St_Johns"])
+def test_the_clock_is_read_at_the_start_of_its_quantum(backend: Backend, timezone: str) -> None:
+    """With a granularity, every clock value of a relative date is the start of the clock's
+    quantum of the session's local time (zones half an hour off UTC too): now() and
+    current_timestamp its instant, localtimestamp and localtime its local time, current_date
+    its local date; 0 is the exact time."""
+    exprs = clock_expressions(parse_sql(
+        "SELECT 1 FROM t WHERE a = now() AND b = current_timestamp(2) AND c = localtimestamp "
+        "AND d = current_date AND e = localtime AND f = current_time AND g = "
+        "transaction_timestamp() AND h = date_trunc('day', now()) - interval '1 day'")[0].stmt)
+    with psycopg.connect(backend.admin_dsn, autocommit=True) as conn:
+        conn.execute(f"SET TimeZone = '{timezone}'")
+        with conn.transaction():
+            start = conn.execute(
+                "SELECT date_bin('15 minutes', now()::timestamp, '2000-01-01')").fetchone()
+            assert start is not None
+            local = start[0]
+            row = conn.execute(clock_sql(exprs, 15 * 60)).fetchone()
+            exact = conn.execute(clock_sql(exprs)).fetchone()
+            now = conn.execute("SELECT now()").fetchone()
+        assert row is not None and exact is not None and now is not None
+        zoned = conn.execute("SELECT %s::timestamp::timestamptz", (local,)).fetchone()
+        assert zoned is not None
+        values = [row[1 + 2 * i] for i in range(len(exprs))]  # (now, v0, t0, v1, t1, ...)
+        text = conn.execute(
+            "SELECT %s::timestamptz::text, %s::timestamp::text, %s::timestamp::date::text, "
+            "%s::timestamp::time::text, %s::timestamptz::timetz::text, "
+            "(date_trunc('day', %s::timestamptz) - interval '1 day')::text",
+            (zoned[0], local, local, local, zoned[0], zoned[0])).fetchone()
+        assert text is not None
+        assert row[0] == text[0]  # the time they were read at
+        assert values == [text[0], text[0], text[1], text[2], text[3], text[4], text[0], text[5]]
+        assert local.minute % 15 == 0 and local.second == 0 and local.microsecond == 0
+        # (0: the exact time)
+        assert exact[0] == conn.execute("SELECT %s::timestamptz::text", (now[0],)).fetchone()[0]  # type: ignore[index]
 
 
 def test_a_relative_date_that_fails_fails_before_the_charge(rides_proxy: Proxy) -> None:

@@ -26,9 +26,10 @@ DASHBOARD = [
 
 
 def _proxy(loop_thread: LoopThread, config: Config, backend: Backend, reuse: str,
-           hours: float = 24.0) -> Any:
+           hours: float = 24.0, clock_minutes: int = 60) -> Any:
     defaults = config.defaults.model_copy(update={"answer_reuse": reuse,
-                                                  "answer_reuse_hours": hours})
+                                                  "answer_reuse_hours": hours,
+                                                  "clock_granularity_minutes": clock_minutes})
     return running_proxy(loop_thread, config.model_copy(update={"defaults": defaults}), backend)
 
 
@@ -171,6 +172,42 @@ def test_a_reused_answer_expires(loop_thread: LoopThread, demo_config: Config,
             time.sleep(2)
             _ask(conn, sql)
             assert spent(conn).epsilon == 0.5
+
+
+def _ask_detail(conn: psycopg.Connection, sql: str) -> str:
+    """The detail of a DP answer's notice."""
+    details: list[str] = []
+    conn.add_notice_handler(lambda d: details.append(d.message_detail or ""))
+    conn.execute(sql).fetchall()
+    conn._notice_handlers.clear()  # type: ignore[attr-defined]
+    return details[-1]
+
+
+def test_relative_dates_ask_the_same_question_within_the_clocks_quantum(
+        loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
+    """A chart of the last 400 days refreshed within the clock's quantum (a day here, so that
+    the test does not straddle one) is the same question: reused, its notice saying when now()
+    was read; with granularity 0 each refresh reads another now(), a new question."""
+    sql = ("SELECT browser, COUNT(*) FROM visits WHERE now() - interval '400 days' < "
+           "current_date GROUP BY browser")
+    with _proxy(loop_thread, demo_config, backend, "analyst", clock_minutes=24 * 60) as px:
+        reset_budget(px)
+        _touch(backend, "visits")
+        with psycopg.connect(px.dsn(), autocommit=True) as conn:
+            conn.execute("SET TimeZone = 'Asia/Kolkata'")
+            detail = _ask_detail(conn, sql)
+            midnight = conn.execute("SELECT current_date::timestamptz::text").fetchone()
+            assert midnight is not None
+            assert f"now() read as {midnight[0]}, the start of its quantum of 1440 minutes" \
+                in detail, detail
+            _, notice = _ask(conn, sql)
+            assert notice.startswith("DP answer reused") and spent(conn).epsilon == 1.0
+    with _proxy(loop_thread, demo_config, backend, "analyst", clock_minutes=0) as px:
+        reset_budget(px)
+        with psycopg.connect(px.dsn(), autocommit=True) as conn:
+            detail = _ask_detail(conn, sql)
+            _ask(conn, sql)
+            assert spent(conn).epsilon == 2.0 and "now() read as" not in detail
 
 
 def test_reuse_off_answers_afresh(loop_thread: LoopThread, demo_config: Config,
