@@ -88,9 +88,29 @@ def _constant(node: Any) -> bool:
     return False
 
 
+CLOCK_WORDS = ("now", "today", "tomorrow", "yesterday")
+"""Date and time input that reads the clock: `'now'::timestamptz`, `date 'today'`,
+`'tomorrow 09:00'::timestamp` (Postgres reads them, in any case, when the literal is cast)."""
+_TIME_TYPES = frozenset({"date", "time", "timetz", "timestamp", "timestamptz"})
+
+
+def _clock_literal(node: Any) -> str | None:
+    """Of a cast of a string to a date or time type that reads the clock, the string
+    (stripped, lowercased); else None."""
+    if not (isinstance(node, ast.TypeCast) and isinstance(node.arg, ast.A_Const)
+            and isinstance(node.arg.val, ast.String)):
+        return None
+    t: Any = node.typeName
+    if not t.names or str(t.names[-1].sval).lower() not in _TIME_TYPES:
+        return None
+    text = str(node.arg.val.sval).strip().lower()
+    return text if any(w in text for w in CLOCK_WORDS) else None
+
+
 def _reads_clock(node: Any) -> bool:
     return any((isinstance(n, ast.SQLValueFunction) and n.op in CLOCK_VALUES)
                or (isinstance(n, ast.FuncCall) and _name(n) in CLOCK_FUNCTIONS)
+               or _clock_literal(n) is not None
                for n in walk_nodes(node))
 
 
@@ -175,6 +195,12 @@ class _Quantised(Visitor):
         self.forms = {kind: _expression(sql) for kind, sql in _quantum_forms(seconds).items()}
 
     def visit(self, ancestors: Any, node: Any) -> Any:
+        if _clock_literal(node) == "now":  # ('today' and its kin: read exactly, by the day)
+            cast = copy.deepcopy(node)
+            cast.arg = ast.TypeCast(arg=copy.deepcopy(self.forms[SQLValueFunctionOp.SVFOP_LOCALTIMESTAMP]),
+                                    typeName=ast.TypeName(names=(ast.String(sval="pg_catalog"),
+                                                                 ast.String(sval="text"))))
+            return cast
         if isinstance(node, ast.SQLValueFunction) and node.op in self.forms:
             return copy.deepcopy(self.forms[node.op])
         if isinstance(node, ast.FuncCall) and _name(node) in CLOCK_FUNCTIONS:
