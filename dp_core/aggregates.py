@@ -25,7 +25,7 @@ from dp_core.errors import (
 )
 from dp_core.ownership import FromAnalysis
 from dp_core.query import AggKind, Aggregate, Bounds, KeyDomain, TablePolicy
-from dp_core.sqlnodes import const_number, func_name, node_sql, refuse
+from dp_core.sqlnodes import const_number, func_name, node_sql, refuse, walk_nodes
 from dp_core.totality import Totalizer
 
 
@@ -43,6 +43,53 @@ def aggregate_call(val: Any, plain_form: bool) -> ast.FuncCall | None:
     if is_dp_aggregate(name) and val.over is None:  # both forms: BigQuery spells them plainly
         return val
     return None
+
+
+INTERVAL_FUNCTIONS = {"dp_interval_low": "low", "dp_interval_high": "high"}
+"""The ends of a DP aggregate's 95% noise interval, as SQL values (Snowflake's names)."""
+_INTERVAL_USE = ("a DP aggregate of this query, or its output name: "
+                 "SELECT COUNT(*) AS n, DP_INTERVAL_LOW(n), DP_INTERVAL_HIGH(n) ...")
+
+
+def _is_interval(node: Any) -> bool:
+    return isinstance(node, ast.FuncCall) and len(node.funcname) == 1 \
+        and func_name(node) in INTERVAL_FUNCTIONS
+
+
+def interval_call(val: Any, aliases: Mapping[str, Any],
+                  plain_form: bool) -> tuple[str, ast.FuncCall] | None:
+    """Of a select-list item `DP_INTERVAL_LOW(x)` or `DP_INTERVAL_HIGH(x)`: "low" or "high",
+    and the DP aggregate x is or names (`aliases`: the select list's DP aggregates by output
+    name); None for any other item."""
+    if not _is_interval(val):
+        return None
+    fname = func_name(val).upper()
+    args: Any = val.args or ()
+    if len(args) != 1 or val.agg_star or val.agg_distinct or val.over or val.agg_filter \
+            or val.agg_order or val.func_variadic or val.agg_within_group:
+        raise FeatureNotSupported(f"{fname} takes one argument: {_INTERVAL_USE}",
+                                  hint="one call per interval end and aggregate")
+    arg = args[0]
+    agg = aggregate_call(arg, plain_form)
+    if agg is None and isinstance(arg, ast.ColumnRef) and len(arg.fields) == 1 \
+            and isinstance(arg.fields[0], ast.String) and str(arg.fields[0].sval) in aliases:
+        agg = aggregate_call(aliases[str(arg.fields[0].sval)], plain_form)
+    if agg is None:
+        raise FeatureNotSupported(
+            f"{fname}({node_sql(arg)}): its argument must be {_INTERVAL_USE}",
+            hint="name a DP aggregate's output column (AS n), or write the aggregate itself")
+    return INTERVAL_FUNCTIONS[func_name(val)], agg
+
+
+def no_nested_intervals(stmt: ast.SelectStmt) -> None:
+    """Refuse DP_INTERVAL_LOW / HIGH anywhere but as a select-list item of its own."""
+    found = sum(1 for n in walk_nodes(stmt) if _is_interval(n))
+    top = sum(1 for t in stmt.targetList or () if isinstance(t, ast.ResTarget) and _is_interval(t.val))
+    if found > top:
+        raise FeatureNotSupported(
+            "DP_INTERVAL_LOW and DP_INTERVAL_HIGH are select-list items of their own (not inside "
+            "an expression, WHERE, HAVING or ORDER BY)",
+            hint="select them, and order or filter by their output names in an outer query")
 
 
 def dp_aggregates_in(val: Any) -> list[Any]:

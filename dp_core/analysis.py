@@ -30,8 +30,10 @@ from dp_core.aggregates import (
     aggregate_call,
     configured_domain,
     dp_aggregates_in,
+    interval_call,
     is_uid,
     make_aggregate,
+    no_nested_intervals,
 )
 from dp_core.cost import RowWorkBudget
 from dp_core.errors import (
@@ -255,6 +257,14 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
                 aggregates.append(make_aggregate(fc, hidden, fa, policy, totalize))
                 outputs.append(OutputColumn(hidden, aggregate=len(aggregates) - 1, source=fc))
 
+    aliases = {str(t.name): t.val for t in stmt.targetList or ()
+               if isinstance(t, ast.ResTarget) and t.name and t.val is not None
+               and aggregate_call(t.val, plain_form) is not None}
+    """Output names of DP aggregates, which DP_INTERVAL_LOW / HIGH may name."""
+    intervals: list[tuple[int, str, str, Any, Any]] = []
+    """Interval columns: (select-list position, name, "low" or "high", the aggregate, the
+    item)."""
+    no_nested_intervals(stmt)
     for target in stmt.targetList or ():
         if not isinstance(target, ast.ResTarget) or target.val is None:
             raise refuse("this select-list item")
@@ -263,6 +273,11 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
             raise refuse("SELECT * (list the group keys and DP aggregates)")
         name = str(target.name) if target.name else _default_name(val)
         targets.append((name, val))
+        bound = interval_call(val, aliases, plain_form)
+        if bound is not None:  # released once the aggregates are known (below)
+            intervals.append((len(select), name, *bound, val))
+            select.append(SelectItem(name))
+            continue
         agg = aggregate_call(val, plain_form)
         if agg is not None:
             aggregates.append(make_aggregate(agg, name, fa, policy, totalize))
@@ -294,6 +309,12 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
                         domain=configured_domain(val, fa, policy)))
         outputs.append(OutputColumn(name, key=len(keys) - 1, source=val))
         select.append(SelectItem(name, column=len(outputs) - 1))
+    for position, name, side, fc, item in intervals:
+        release_hidden([fc])  # (its aggregate, where no output answers it yet)
+        i = next(o.aggregate for o in outputs
+                 if o.aggregate is not None and o.bound is None and same_node(fc, o.source))
+        outputs.append(OutputColumn(name, aggregate=i, bound=side, source=item))
+        select[position] = SelectItem(name, column=len(outputs) - 1)
     grouped_by, aliased = _grouped_by(group_exprs, outputs, inputs)
     names = Names(targets, grouped_by, columns, aliased)
     having = names.having(stmt.havingClause)

@@ -15,6 +15,7 @@ from dp_core.partials import MEANS
 from dp_core.plan import Component, DPQueryPlan
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, rank_half_width_95
 from dp_core.query import AggKind, AnalyzedQuery
+from dp_core.release import half_width_95
 from dp_core.sqlnodes import node_sql
 from dp_core.tuning import TunedRows, groups_threshold
 
@@ -40,7 +41,8 @@ def visible_name(query: AnalyzedQuery, aggregate: int) -> str:
     name = query.aggregates[aggregate].output_name
     if not name.startswith("dp_hidden"):
         return name
-    source = next((o.source for o in query.outputs if o.aggregate == aggregate), None)
+    source = next((o.source for o in query.outputs
+                   if o.aggregate == aggregate and o.bound is None), None)
     return str(RawStream()(source)) if source is not None else "an expression's aggregate"
 
 
@@ -189,7 +191,7 @@ def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
     aggregate's 95% noise half-width, the bounds APPROX_BOUNDS chose (released with DP)."""
     widths = []
     for col in query.outputs:
-        if col.aggregate is None:
+        if col.aggregate is None or col.bound is not None:
             continue
         name = visible_name(query, col.aggregate)
         if query.aggregates[col.aggregate].kind is AggKind.QUANTILE:
@@ -203,13 +205,9 @@ def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
             widths.append(f"{name} ±{fmt(low)}" if fmt(low) == fmt(high)
                           else f"{name} ±{fmt(low)} to ±{fmt(high)} (by group count)")
             continue
-        qs = [q for q in plan.quantities if q.aggregate == col.aggregate]
-        if not qs and plan.threshold is not None:
-            qs = [plan.threshold]
-        elif not qs:
-            qs = [q for q in plan.quantities if q.name == "dp_users"]
-        if qs:
-            widths.append(f"{name} ±{fmt(qs[-1].spec.half_width_95)}")
+        width = half_width_95(query, plan, col.aggregate)
+        if width is not None:
+            widths.append(f"{name} ±{fmt(width)}")
     message = (f"DP answer: spent epsilon {fmt(float(plan.cost.epsilon))}, delta "
                f"{fmt(float(plan.cost.delta))}; budget left epsilon "
                f"{fmt(epsilon_left)}, delta {fmt(delta_left)}")

@@ -136,6 +136,9 @@ class OutputColumn:
     aggregate: int | None = None
     source: Any = field(default=None, compare=False)
     """The select-list expression it answers (to map HAVING / ORDER BY / expressions onto)."""
+    bound: str | None = None
+    """"low" or "high": the column is that end of `aggregate`'s 95% noise interval
+    (DP_INTERVAL_LOW / DP_INTERVAL_HIGH), not its value."""
 
 
 @dataclass(frozen=True)

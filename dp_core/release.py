@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -326,12 +327,16 @@ def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str,
     spread = {i: noise_half_widths(i, agg, plan, noisy, kept)
               for i, agg in enumerate(query.aggregates)
               if agg.kind in _DERIVED and not reads_user_count(agg) and kept}
+    intervals = _intervals(query, plan, noisy, values, kept)
     out = []
-    for r in kept:
+    for pos, r in enumerate(kept):
         row: list[str | int | float | None] = []
         for col in query.outputs:
             if col.key is not None:
                 row.append(rows[r][f"dp_t{col.key}"])
+            elif col.bound is not None:
+                assert col.aggregate is not None
+                row.append(intervals[(col.aggregate, col.bound)][pos])
             else:
                 assert col.aggregate is not None
                 row.append(values[col.aggregate][r])
@@ -382,32 +387,94 @@ def noise_half_widths(i: int, agg: Aggregate, plan: DPQueryPlan,
                       noisy: Mapping[str, NDArray[np.float64]], kept: Sequence[int],
                       rng: np.random.Generator | None = None) -> tuple[float, float]:
     """The 95% noise half-width of an AVG, VAR or STDDEV at the released groups with the
-    smallest and the largest noisy count, as (smallest width, largest width).
+    smallest and the largest noisy count, as (smallest width, largest width)
+    (`derived_half_widths`: there is no one width per column)."""
+    n = noisy[f"dp_a{i}_{Component.N}"][list(kept)]
+    ends = sorted({list(kept)[int(np.argmin(n))], list(kept)[int(np.argmax(n))]})
+    widths = derived_half_widths(i, agg, plan, noisy, ends, rng, _SIMULATED)
+    return float(widths.min()), float(widths.max())
+
+
+def derived_half_widths(i: int, agg: Aggregate, plan: DPQueryPlan,
+                        noisy: Mapping[str, NDArray[np.float64]], rows: Sequence[int],
+                        rng: np.random.Generator | None = None,
+                        draws: int = 1000) -> NDArray[np.float64]:
+    """The 95% noise half-width of an AVG, VAR or STDDEV at each of the released `rows`.
 
     Such a value is a ratio of noisy quantities, so how far its noise moves it depends on
-    the group's count: there is no one width per column. Each width is simulated: the
-    group's noisy components, moved into the values true ones can have (a count ≥ 1, a
-    centred sum within ±half the range per value, a sum of squares between the sum's square
-    over the count and half the range squared per value), are taken for the true ones, the
-    plan's noise is drawn for them again, and the 95th percentile of how far the value moves
-    is the width. This uses only noisy quantities of released groups and the public noise
-    distributions, so it is post-processing and costs nothing (the draws need not be
-    secure)."""
+    the group's count. Each width is simulated: the group's noisy components, moved into
+    the values true ones can have (a count ≥ 1, a centred sum within ±half the range per
+    value, a sum of squares between the sum's square over the count and half the range
+    squared per value), are taken for the true ones, the plan's noise is drawn `draws` times
+    for them again, and the 95th percentile of how far the value moves is the width. This
+    uses only noisy quantities of released groups and the public noise distributions, so it
+    is post-processing and costs nothing (the draws need not be secure)."""
     rng = rng or np.random.default_rng()
     half = (agg.known_bounds.upper - agg.known_bounds.lower) / 2
-    comps = [c[list(kept)] for c in _components(i, agg, noisy)]
+    comps = [c[list(rows)] for c in _components(i, agg, noisy)]
     comps[0] = np.maximum(comps[0], 1.0)
     comps[1] = np.clip(comps[1], -half * comps[0], half * comps[0])
     if len(comps) > 2:
         comps[2] = np.clip(comps[2], comps[1] ** 2 / comps[0], half * half * comps[0])
-    ends = sorted({int(np.argmin(comps[0])), int(np.argmax(comps[0]))})
     specs = {q.component: q.spec for q in plan.quantities if q.aggregate == i}
     names = [Component.N, Component.CENTERED_SUM, Component.CENTERED_SQUARES][:len(comps)]
-    widths = []
-    for g in ends:
-        at = [np.full(1, c[g]) for c in comps]
-        drawn = [specs[name].add(np.full(_SIMULATED, c[g]), rng)
+    out = np.empty(len(rows), dtype=np.float64)
+    step = max(1, 200_000 // draws)  # (rows at a time: a few MB of draws)
+    for start in range(0, len(rows), step):
+        part = slice(start, start + step)
+        at = [c[part, None] for c in comps]
+        drawn = [specs[name].add(np.repeat(c[part, None], draws, axis=1), rng)
                  for name, c in zip(names, comps, strict=True)]
         moved = np.abs(_derived(agg, *drawn) - _derived(agg, *at))
-        widths.append(float(np.quantile(moved, 0.95)))
-    return min(widths), max(widths)
+        out[part] = np.quantile(moved, 0.95, axis=1)
+    return out
+
+
+def half_width_95(query: AnalyzedQuery, plan: DPQueryPlan, i: int) -> float | None:
+    """The 95% noise half-width of aggregate i where it is one per column (a count or sum:
+    the noise of its one noisy quantity, or of the user count it reads); None for an AVG,
+    VAR or STDDEV (per group: `derived_half_widths`) and a quantile (its noise is on ranks)."""
+    agg = query.aggregates[i]
+    if agg.kind is AggKind.QUANTILE or (agg.kind in _DERIVED and not reads_user_count(agg)):
+        return None
+    qs = [q for q in plan.quantities if q.aggregate == i]
+    if not qs and plan.threshold is not None:
+        qs = [plan.threshold]
+    elif not qs:
+        qs = [q for q in plan.quantities if q.name == "dp_users"]
+    return qs[-1].spec.half_width_95 if qs else None
+
+
+def _intervals(query: AnalyzedQuery, plan: DPQueryPlan, noisy: Mapping[str, NDArray[np.float64]],
+               values: list[list[Any]], kept: Sequence[int]) -> dict[tuple[int, str], list[Any]]:
+    """For each interval column (`OutputColumn.bound`), by (aggregate, "low" or "high"): its
+    value at each released row, the released value ∓ its 95% noise half-width, kept within
+    what the value can be (a count ≥ 0; an AVG within its bounds, a VAR or STDDEV within 0
+    and the bounds' half range, squared for VAR); None for a NULL value and a quantile."""
+    out: dict[tuple[int, str], list[Any]] = {}
+    for i in sorted({c.aggregate for c in query.outputs
+                     if c.bound is not None and c.aggregate is not None}):
+        agg = query.aggregates[i]
+        fixed = half_width_95(query, plan, i)
+        if agg.kind is AggKind.QUANTILE:
+            widths: list[float | None] = [None] * len(kept)
+        elif fixed is None:
+            widths = [float(w) for w in derived_half_widths(i, agg, plan, noisy, kept)]
+        else:
+            widths = [fixed] * len(kept)
+        lo, hi = -math.inf, math.inf
+        if agg.kind in _COUNT_COMPONENTS or reads_user_count(agg):
+            lo = 0.0
+        elif agg.kind in _DERIVED:
+            b = agg.known_bounds
+            half = (b.upper - b.lower) / 2
+            lo, hi = {AggKind.AVG: (b.lower, b.upper), AggKind.VAR: (0.0, half * half),
+                      AggKind.STDDEV: (0.0, half)}[agg.kind]
+        for side, sign in (("low", -1.0), ("high", 1.0)):
+            column = []
+            for pos, r in enumerate(kept):
+                v, w = values[i][r], widths[pos]
+                column.append(None if v is None or w is None else
+                              float(min(hi, max(lo, float(v) + sign * w))))
+            out[(i, side)] = column
+    return out

@@ -9,7 +9,7 @@ from typing import Any
 from dp_core.bounding import Prefilter
 from dp_core.plan import DPQueryPlan
 from dp_core.query import AnalyzedQuery
-from dp_core.release import output_type
+from dp_core.release import FLOAT8, output_type
 from dp_core.result import TypeRef, result_sql
 from dp_core.rewrite import Pushdown, RangedPushdown
 
@@ -93,6 +93,8 @@ class Prepared:
         for c in self.query.outputs:
             if c.key is not None:
                 out.append(self.key_types[c.key])
+            elif c.bound is not None:  # an end of a noise interval
+                out.append((PG, FLOAT8))
             else:
                 assert c.aggregate is not None
                 out.append((PG, output_type(self.query.aggregates[c.aggregate])))

@@ -113,6 +113,11 @@ FORMS: dict[str, tuple[str, str]] = {
     "DISTINCT over a DP subquery (a filter's values)": (
         f"SELECT DISTINCT browser FROM ({DATASET}) AS virtual_table ORDER BY browser",
         "SELECT DISTINCT browser FROM released AS virtual_table ORDER BY browser"),
+    "error bars as SQL values, read by a query around": (
+        "SELECT browser, n, lo, hi FROM (SELECT browser, COUNT(*) AS n, DP_INTERVAL_LOW(n) AS lo, "
+        "DP_INTERVAL_HIGH(COUNT(*)) AS hi FROM visits GROUP BY browser) AS t "
+        "ORDER BY hi - lo, browser",
+        "SELECT browser, n, lo, hi FROM released AS t ORDER BY hi - lo, browser"),
     "the paper's form inside, a plain aggregate around": (
         "SELECT sum(users) AS users, count(*) AS countries FROM (SELECT WITH ANONYMIZATION "
         "country, ANON_COUNT(*) AS users FROM visits GROUP BY country) AS t",
@@ -135,6 +140,49 @@ def test_post_processing_is_postgres_over_the_released_rows(
     (answer,) = released
     assert (names, rows) == over_released(backend, answer, reference)
     assert rows, "a case that tests little"
+
+
+def test_error_bars_as_sql_values(px: Proxy) -> None:
+    """DP_INTERVAL_LOW / DP_INTERVAL_HIGH beside the aggregates: double precision columns,
+    each value within its interval, a count's and a sum's width the notice's, an AVG's
+    within the notice's range (by group count), a quantile's NULL (its noise is on ranks); at
+    no cost beyond the aggregates'; anywhere else refused before any charge."""
+    sql = ("SELECT browser, COUNT(*) AS n, DP_INTERVAL_LOW(n) AS nl, DP_INTERVAL_HIGH(n) AS nh, "
+           "SUM(duration) AS s, DP_INTERVAL_LOW(SUM(duration)) AS sl, DP_INTERVAL_HIGH(s) AS sh, "
+           "AVG(duration) AS a, DP_INTERVAL_LOW(a) AS al, DP_INTERVAL_HIGH(a) AS ah, "
+           "percentile_cont(0.5) WITHIN GROUP (ORDER BY duration) AS m, DP_INTERVAL_LOW(m) AS ml "
+           "FROM visits GROUP BY browser ORDER BY browser")
+    details: list[str] = []
+    with psycopg.connect(px.dsn(), autocommit=True) as conn:
+        conn.add_notice_handler(lambda d: details.append(d.message_detail or ""))
+        cur = conn.execute(sql)
+        assert cur.description is not None
+        types = {d.name: d.type_code for d in cur.description}
+        rows = [dict(zip(types, r, strict=True)) for r in cur.fetchall()]
+        assert spent(conn).epsilon == pytest.approx(1.0)  # the defaults' ε: one query's
+        for bad in ("SELECT COUNT(*) AS n, DP_INTERVAL_HIGH(n) - n FROM visits",
+                    "SELECT browser, COUNT(*) AS n FROM visits GROUP BY browser "
+                    "HAVING DP_INTERVAL_LOW(n) > 10"):
+            with pytest.raises(psycopg.errors.FeatureNotSupported, match="of their own"):
+                conn.execute(bad)
+        assert spent(conn).epsilon == pytest.approx(1.0)
+    float8 = psycopg.adapters.types["float8"].oid
+    assert all(types[c] == float8 for c in ("nl", "nh", "sl", "sh", "al", "ah", "ml"))
+    assert len(rows) > 3
+    widths = dict(part.split(" ±", 1) for part in
+                  details[-1].split("; ")[0].removeprefix("95% noise half-width: ").split(", "))
+    n_width, s_width = float(widths["n"]), float(widths["s"])
+    low, _, high = widths["a"].partition(" to ±")
+    a_low, a_high = float(low), float(high.split(" ")[0] or low)
+    for r in rows:
+        assert r["nl"] <= r["n"] <= r["nh"] and r["sl"] <= r["s"] <= r["sh"]
+        assert r["al"] <= r["a"] <= r["ah"] and r["ml"] is None
+        assert r["nh"] - r["n"] == pytest.approx(n_width, rel=1e-3)
+        assert r["sh"] - r["s"] == pytest.approx(s_width, rel=1e-3)
+        assert r["s"] - r["sl"] == pytest.approx(s_width, rel=1e-3)
+        # (the notice's ends are simulated too: 4,000 draws at two groups, 1,000 here)
+        if r["al"] > 0 and r["ah"] < 3600:
+            assert 0.8 * a_low <= (r["ah"] - r["al"]) / 2 <= 1.2 * a_high
 
 
 def test_explain_says_what_is_post_processing(px: Proxy) -> None:
