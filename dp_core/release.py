@@ -42,7 +42,8 @@ def output_type(agg: Aggregate) -> str:
 
 @dataclass(frozen=True)
 class Released:
-    """The released rows: key texts (None for NULL) and aggregate values, in select-list order."""
+    """The released rows: key texts (None for NULL), aggregate values and interval ends, in
+    the order of the query's outputs (`AnalyzedQuery.outputs`)."""
 
     rows: tuple[tuple[str | int | float | None, ...], ...]
     groups_in: int
