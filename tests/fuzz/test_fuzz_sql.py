@@ -21,7 +21,7 @@ import pytest
 
 from config import Config
 from dp_core import bounding
-from tests.support.backend import Backend
+from tests.support.backend import ON_CITUS, Backend
 from tests.support.proxy import LoopThread, Proxy, budgets_reset, running_proxy, spent
 
 SEED = int(os.environ.get("DPPROXY_TEST_FUZZ_SEED", random.randrange(1 << 30)))
@@ -211,7 +211,9 @@ def test_random_dp_queries_are_answered_or_refused_cleanly(split_proxy: Proxy) -
                 admin.execute("SELECT dp_reset_budget('alice')")
     # the generator must reach both sides, or it tests little
     assert answered >= ROUNDS // 10 and refused >= ROUNDS // 10, (answered, refused)
-    assert _paths_taken(split_proxy), "no pushdown was split (or, in that mode, prefiltered)"
+    # (on Citus the split is off by design)
+    assert ON_CITUS or _paths_taken(split_proxy), \
+        "no pushdown was split (or, in that mode, prefiltered)"
 
 
 def _paths_taken(proxy: Proxy) -> bool:

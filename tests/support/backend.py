@@ -3,11 +3,18 @@
 The backend is an embedded cluster, or the server `DPPROXY_TEST_DSN` names (a superuser DSN;
 the suite creates and drops its own database there). `prepared_backend` fills a database
 with the demo schema and data and sets up the proxy's roles, as `dp-proxy init-backend` does.
+
+With `DPPROXY_TEST_ON_CITUS` set, the backend is the Citus coordinator's database that
+`DPPROXY_TEST_CITUS_DSN` names (a superuser's; Citus and its workers set up there): the
+demo tables are made again in its public schema, distributed by uid and colocated, the
+lookup table a reference table (`prepared_citus_backend`). tests/operations/test_citus.py
+runs the DP test files so; tests of what Citus does not do are skipped there (`ON_CITUS`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 from dataclasses import dataclass
 
@@ -20,7 +27,11 @@ from server.demo_data import demo_data_sql, demo_schema_sql
 from server.dsn import DSN, parse_dsn
 from server.embedded import EmbeddedPostgres
 
-TEST_DATABASE = "dpproxy_test"
+ON_CITUS = bool(os.environ.get("DPPROXY_TEST_ON_CITUS"))
+"""The suite's backend is a Citus coordinator (`prepared_citus_backend`)."""
+TEST_DATABASE = parse_dsn(os.environ.get("DPPROXY_TEST_CITUS_DSN", "postgresql://x@localhost/x")).database \
+    if ON_CITUS else "dpproxy_test"
+"""The suite's database (on Citus: the coordinator's, which `DPPROXY_TEST_CITUS_DSN` names)."""
 PASSWORDS = {"alice": "alice", "bob": "bob", "admin": "admin"}
 
 
@@ -95,6 +106,47 @@ def prepared_backend(server_dsn: str, config: Config,
               (DEFAULT_ROLES.restricted, DEFAULT_ROLES.pushdown, DEFAULT_ROLES.ledger)),
             login_secret=password),
         embedded=embedded,
+    )
+
+
+async def prepare_citus_database(admin_dsn: str, config: Config, role_password: str) -> None:
+    """The demo tables made again in the public schema of `admin_dsn`'s database (a Citus
+    coordinator's, as a superuser), distributed as dp-proxy needs them (visits and purchases
+    by uid, colocated; countries a reference table), with the slow lookup view, a fresh
+    ledger, and the backend setup of `config` (hardened)."""
+    conn = await asyncpg.connect(admin_dsn)
+    try:
+        await conn.execute("DROP SCHEMA IF EXISTS test_slow CASCADE")
+        await conn.execute(f"DROP SCHEMA IF EXISTS {config.backend.ledger_schema} CASCADE")
+        for stmt in demo_schema_sql():
+            await conn.execute(stmt)
+        await conn.execute("SELECT create_distributed_table('visits', 'uid')")
+        await conn.execute("SELECT create_distributed_table('purchases', 'uid', "
+                           "colocate_with => 'visits')")
+        await conn.execute("SELECT create_reference_table('countries')")
+        for stmt in demo_data_sql() + _SLOW_LOOKUP_SQL:
+            await conn.execute(stmt)
+        await conn.execute("ANALYZE visits, purchases, countries")
+        await apply_backend_setup(conn, suite_config(config), parse_dsn(admin_dsn).database,
+                                  login_secret=role_password, harden=True)
+        for role in (DEFAULT_ROLES.pushdown, DEFAULT_ROLES.restricted, DEFAULT_ROLES.ledger):
+            await conn.execute(f"ALTER ROLE {role} PASSWORD '{role_password}'")
+    finally:
+        await conn.close()
+
+
+def prepared_citus_backend(admin_dsn: str, config: Config) -> Backend:
+    """The suite's backend on a Citus coordinator (`prepare_citus_database`)."""
+    password = secrets.token_hex(12)
+    asyncio.run(prepare_citus_database(admin_dsn, config, password))
+    base = parse_dsn(admin_dsn)
+    return Backend(
+        admin_dsn=admin_dsn,
+        dsns=BackendDSNs(
+            *(DSN(base.host, base.port, role, base.database, password) for role in
+              (DEFAULT_ROLES.restricted, DEFAULT_ROLES.pushdown, DEFAULT_ROLES.ledger)),
+            login_secret=password),
+        embedded=None,
     )
 
 

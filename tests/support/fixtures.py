@@ -15,7 +15,7 @@ from config import DEMO_CONFIG, Config, load_config
 from dp_core.classify import Classifier, ProtectionPolicy
 from server.embedded import EmbeddedPostgres
 
-from .backend import Backend, prepared_backend
+from .backend import ON_CITUS, Backend, prepared_backend, prepared_citus_backend
 from .proxy import LoopThread, Proxy, budgets_reset, reset_budget, running_proxy
 
 NO_REUSE = {"DPPROXY_DEFAULTS__ANSWER_REUSE": "off"}
@@ -32,6 +32,12 @@ def demo_config() -> Config:
 def backend(demo_config: Config) -> Iterator[Backend]:
     """The test Postgres, with the suite's database: the server `DPPROXY_TEST_DSN` names (a
     superuser DSN), else an embedded cluster started for the run."""
+    if ON_CITUS:
+        citus = os.environ.get("DPPROXY_TEST_CITUS_DSN")
+        if not citus:
+            raise RuntimeError("DPPROXY_TEST_ON_CITUS needs DPPROXY_TEST_CITUS_DSN")
+        yield prepared_citus_backend(citus, demo_config)
+        return
     external = os.environ.get("DPPROXY_TEST_DSN")
     pg: EmbeddedPostgres | None = None
     if external:
