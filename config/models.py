@@ -300,11 +300,19 @@ class DefaultsConfig(_Strict):
         "or never (\"off\")"))
     answer_reuse_hours: float = Field(default=24.0, gt=0.0, le=24.0 * 366, description=(
         "how long a released answer may be reused (its tables' data unchanged)"))
-    clock_granularity_minutes: int = Field(default=60, ge=0, le=7 * 24 * 60, description=(
+    clock_granularity_minutes: int = Field(default=60, ge=0, le=24 * 60, description=(
         "a DP query's now(), current_date and the other clock values are read at the start "
-        "of their quantum of this many minutes of the session's local time (a day's starts "
-        "at midnight), so that a dashboard's relative dates ask the same question again "
-        "within it; 0 reads the exact time"))
+        "of their quantum of this many minutes of the session's local time (a divisor of a "
+        "day's 1440: quanta start at midnight), so that a dashboard's relative dates ask the "
+        "same question again within it; 0 reads the exact time"))
+
+    @model_validator(mode="after")
+    def _whole_quanta(self) -> Self:
+        g = self.clock_granularity_minutes
+        if g and (24 * 60) % g:
+            raise ValueError(f"clock_granularity_minutes {g} does not divide a day's 1440 "
+                             "minutes (quanta start at midnight: 1, 5, 15, 30, 60, 1440, ...)")
+        return self
 
     @model_validator(mode="after")
     def _within_caps(self) -> Self:
@@ -353,6 +361,11 @@ class ColumnBounds(_Strict):
             raise ValueError("lower and upper come together")
         if self.lower is not None and self.upper is not None and not self.lower < self.upper:
             raise ValueError(f"lower {_num(self.lower)} is not below upper {_num(self.upper)}")
+        for bound in (self.lower, self.upper):
+            # (as a query's written bounds: dp_core.aggregates.check_bound)
+            if bound is not None and bound != 0 and not 1e-100 <= abs(bound) <= 1e100:
+                raise ValueError(f"bound {_num(bound)}: 0 or of a magnitude within 1e-100 "
+                                 "and 1e100")
         if self.public_keys is not None and self.public_keys_from is not None:
             raise ValueError("public_keys and public_keys_from exclude each other")
         if self.lower is None and self.public_keys is None and self.public_keys_from is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -14,6 +13,7 @@ from dp_core.catalogue import (
     ANON_FUNCTIONS,
     LATER_FUNCTIONS,
     MAX_BOUND,
+    MIN_BOUND,
     PLAIN_FUNCTIONS,
     QUANTILE_FUNCTIONS,
     QUANTILE_OF,
@@ -297,15 +297,16 @@ def _bound_literal(node: Any, fc: ast.FuncCall) -> float:
 
 
 def check_bound(value: float, where: Any) -> None:
-    """Refuse (22023) a contribution bound that is not finite, is subnormal (its noise and
-    clamping lose all precision) or exceeds ±MAX_BOUND (sums over users could leave float8);
-    `where` is the call it bounds (printed in the hint only then: pglast's printer leaves the
-    nodes it printed too deep for deepcopy)."""
-    if not math.isfinite(value) or (value != 0 and abs(value) < sys.float_info.min) \
+    """Refuse (22023) a contribution bound that is not finite, is nearer 0 than MIN_BOUND
+    but not 0 (float8 arithmetic over it could underflow, an error that would depend on the
+    data) or exceeds ±MAX_BOUND (sums over users could leave float8); `where` is the call it
+    bounds (printed in the hint only then: pglast's printer leaves the nodes it printed too
+    deep for deepcopy)."""
+    if not math.isfinite(value) or (value != 0 and abs(value) < MIN_BOUND) \
             or abs(value) > MAX_BOUND:
         raise InvalidParameterValue(
-            f"contribution bounds must be 0 or normal numbers within ±{MAX_BOUND:g}, not "
-            f"{value!r}", hint=node_sql(where))
+            f"contribution bounds must be 0 or of a magnitude within {MIN_BOUND:g} and "
+            f"{MAX_BOUND:g}, not {value!r}", hint=node_sql(where))
 
 
 def is_uid(node: Any, fa: FromAnalysis) -> bool:

@@ -257,10 +257,12 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
                 aggregates.append(make_aggregate(fc, hidden, fa, policy, totalize))
                 outputs.append(OutputColumn(hidden, aggregate=len(aggregates) - 1, source=fc))
 
-    aliases = {str(t.name): t.val for t in stmt.targetList or ()
-               if isinstance(t, ast.ResTarget) and t.name and t.val is not None
-               and aggregate_call(t.val, plain_form) is not None}
-    """Output names of DP aggregates, which DP_INTERVAL_LOW / HIGH may name."""
+    named = [(str(t.name), t.val) for t in stmt.targetList or ()
+             if isinstance(t, ast.ResTarget) and t.name and t.val is not None]
+    aliases = {name: val for name, val in named if aggregate_call(val, plain_form) is not None
+               and sum(1 for other, _ in named if other == name) == 1}
+    """Output names of DP aggregates, which DP_INTERVAL_LOW / HIGH may name (a name two
+    select-list items have names neither)."""
     intervals: list[tuple[int, str, str, Any, Any]] = []
     """Interval columns: (select-list position, name, "low" or "high", the aggregate, the
     item)."""

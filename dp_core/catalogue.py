@@ -192,6 +192,9 @@ that long per row would be a lever on the time a query takes)."""
 MAX_BOUND = 1e100
 """Largest magnitude of a contribution bound: the sum of a bounded value over every user
 (and its noise) stays far inside float8's range."""
+MIN_BOUND = 1e-100
+"""Smallest magnitude of a contribution bound but 0 (`dp_core.partials.TINY`: rows nearer 0
+are 0, and no float8 arithmetic over the bounds underflows)."""
 TOTAL_OPERATORS = frozenset({"=", "<>", "!=", "<", ">", "<=", ">="})
 ARITHMETIC = frozenset({"+", "-", "*", "/", "%"})
 SYSTEM_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast"})

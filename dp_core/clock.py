@@ -170,7 +170,10 @@ def _quantum_forms(seconds: int) -> dict[Any, str]:
     SQL value's kind, the expression that replaces it, of its type."""
     local = (f"pg_catalog.date_bin(pg_catalog.make_interval(secs => {int(seconds)}), "
              f"CAST(pg_catalog.now() AS pg_catalog.timestamp), {_LOCAL_ORIGIN})")
-    zoned = f"CAST({local} AS pg_catalog.timestamptz)"
+    # the instant: now less the local time since the quantum's start (never later than now,
+    # also where the local start is ambiguous or missing, at a daylight saving change)
+    zoned = (f"(pg_catalog.now() OPERATOR(pg_catalog.-) (CAST(pg_catalog.now() AS "
+             f"pg_catalog.timestamp) OPERATOR(pg_catalog.-) {local}))")
     op = SQLValueFunctionOp
     return {**{name: zoned for name in CLOCK_FUNCTIONS},
             op.SVFOP_CURRENT_TIMESTAMP: zoned, op.SVFOP_CURRENT_TIMESTAMP_N: zoned,

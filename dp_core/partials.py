@@ -43,12 +43,24 @@ FLOAT_ROW_CLAMP = 1e290
 """Float rows are clamped to ±1e290 first, so a sum of up to 10^18 of them cannot overflow."""
 QUANTILE_ROW_CLAMP = 1e300
 """Numeric rows are clamped to ±1e300 before they become float8 for a quantile."""
+TINY = 1e-100
+"""Row values nearer 0 than this are 0 (`_flushed`), and so are contribution bounds
+(`dp_core.aggregates.check_bound`): the float8 arithmetic on them (a mean's division, a
+square, a weight, a leaf's division by the range) never underflows to 0, which Postgres
+reports as an error (22003) that would depend on one row's value, after the charge; and a
+numeric row becomes float8 without leaving its range."""
+
+
+def _flushed(expr: str, cast: str) -> str:
+    """`expr` (of type `cast`), or 0 where it is nearer 0 than TINY (NULL and NaN kept)."""
+    return f"CASE WHEN abs({expr}) < ({TINY!r})::{cast} THEN (0)::{cast} ELSE {expr} END"
 
 
 def _clamp_row(expr: str, limit: float, cast: str) -> str:
-    """`expr` clamped to ±limit with NULL kept (LEAST/GREATEST alone ignore NULLs) and NaN
-    mapped to +limit (NaN sorts above every number)."""
-    return (f"CASE WHEN {expr} IS NULL THEN NULL ELSE LEAST(GREATEST({expr}, ({-limit!r})::{cast}), "
+    """`expr` clamped to ±limit with NULL kept (LEAST/GREATEST alone ignore NULLs), NaN
+    mapped to +limit (NaN sorts above every number) and values nearer 0 than TINY to 0."""
+    x = _flushed(expr, cast)
+    return (f"CASE WHEN {expr} IS NULL THEN NULL ELSE LEAST(GREATEST({x}, ({-limit!r})::{cast}), "
             f"({limit!r})::{cast}) END")
 
 
@@ -78,9 +90,10 @@ def row_value(i: int, agg: Aggregate, arg_type: str | None) -> str:
     b = agg.known_bounds
     if arg_type in _EXACT_INTEGERS or arg_type in _FLOATS:
         x = f"({PH}a{i})::float8"
-        return (f"CASE WHEN {x} IS NULL THEN NULL ELSE LEAST(GREATEST({x}, {f8(b.lower)}), "
-                f"{f8(b.upper)}) END")
-    return f"({clamp(f'({PH}a{i})', b.lower, b.upper)})::float8"
+        flushed = x if arg_type in _EXACT_INTEGERS else _flushed(x, "float8")
+        return (f"CASE WHEN {x} IS NULL THEN NULL ELSE LEAST(GREATEST({flushed}, "
+                f"{f8(b.lower)}), {f8(b.upper)}) END")
+    return f"({clamp(_flushed(f'({PH}a{i})::numeric', 'numeric'), b.lower, b.upper)})::float8"
 
 
 def partial(i: int, agg: Aggregate, arg_type: str | None) -> str:

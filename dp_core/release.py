@@ -460,7 +460,10 @@ def _intervals(query: AnalyzedQuery, plan: DPQueryPlan, noisy: Mapping[str, NDAr
         if agg.kind is AggKind.QUANTILE:
             widths: list[float | None] = [None] * len(kept)
         elif fixed is None:
-            widths = [float(w) for w in derived_half_widths(i, agg, plan, noisy, kept)]
+            # (fewer draws for many groups: 2M at most, at least 200 a group)
+            draws = min(1000, max(200, 2_000_000 // max(1, len(kept))))
+            widths = [float(w) for w in derived_half_widths(i, agg, plan, noisy, kept,
+                                                             draws=draws)]
         else:
             widths = [fixed] * len(kept)
         lo, hi = -math.inf, math.inf

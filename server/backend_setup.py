@@ -122,12 +122,11 @@ def setup_statements(
         if login_secret:
             verifier = make_verifier(analyst_password(login_secret, name))
             stmts.append(f"ALTER ROLE {role} PASSWORD {quote_literal(str(verifier))}")
-    if config.backend.pushdown_work_mem:
-        # the pushdown role's own setting (besides its sessions' start-up parameter): Citus
-        # propagates it to the workers, where the per-user stages run and the start-up
-        # parameter of the coordinator's session does not reach
-        stmts.append(f"ALTER ROLE {p} SET work_mem = "
-                     f"{quote_literal(config.backend.pushdown_work_mem)}")
+    # the pushdown role's own work_mem (besides its sessions' start-up parameter): Citus
+    # propagates it to the workers, where the per-user stages run and the start-up parameter
+    # of the coordinator's session does not reach; none configured, the server's
+    stmts.append(f"ALTER ROLE {p} SET work_mem = {quote_literal(config.backend.pushdown_work_mem)}"
+                 if config.backend.pushdown_work_mem else f"ALTER ROLE {p} RESET work_mem")
     stmts.append(_disable_stale_analysts(roles, analysts))
     to_readers = ", ".join(readers)
     public_tables = config.public.qualified()
@@ -350,7 +349,8 @@ def citus_check_statements(config: Config, roles: BackendRoles = DEFAULT_ROLES) 
         "WHEN EXISTS (SELECT FROM pg_policy pol WHERE pol.polrelid = c.oid AND "
         "(0 = ANY(pol.polroles) OR EXISTS (SELECT FROM pg_roles r WHERE r.rolname IN "
         f"({names}) AND r.oid = ANY(pol.polroles)))) THEN 'has a policy that shows rows to a "
-        "restricted or analyst role' ELSE 'ok' END FROM pg_class c WHERE c.oid = '%s'::regclass")
+        "restricted or analyst role' ELSE 'ok' END FROM pg_class c WHERE c.oid = "
+        "$dp$%s$dp$::regclass")
     checks = []
     for name, table in sorted(config.tables.items()):
         rel = quote_literal(f"{quote_ident(table.schema_)}.{quote_ident(name)}")
@@ -360,11 +360,16 @@ def citus_check_statements(config: Config, roles: BackendRoles = DEFAULT_ROLES) 
             "'could not be checked: ' || p.result END FROM pg_catalog.pg_dist_partition d, "
             f"LATERAL run_command_on_placements(d.logicalrelid, {quote_literal(shard)}) p "
             f"WHERE d.logicalrelid = to_regclass({rel}) AND (NOT p.success OR p.result <> 'ok')")
-    privileged = (f"SELECT coalesce(string_agg(rolname, ', ' ORDER BY rolname), '') FROM pg_roles "
-             f"WHERE rolname IN ({names}) AND (rolsuper OR rolbypassrls OR rolcreaterole)")
+    privileged = (
+        "SELECT coalesce(string_agg(p, ', ' ORDER BY p), '') FROM ("
+        "SELECT 'role ' || rolname || ' is privileged' FROM pg_roles "
+        f"WHERE rolname IN ({names}) AND (rolsuper OR rolbypassrls OR rolcreaterole) "
+        "UNION ALL SELECT 'role ' || u.rolname || ' is a member of ' || g.rolname FROM "
+        "pg_auth_members m JOIN pg_roles g ON g.oid = m.roleid JOIN pg_roles u ON u.oid = "
+        f"m.member WHERE u.rolname IN ({names})) AS x(p)")
     checks.append(
         "SELECT 'on worker ' || w.nodename || ':' || w.nodeport || CASE WHEN w.success THEN "
-        "', role(s) ' || w.result || ' privileged' ELSE ' the roles could not be checked: ' || "
+        "': ' || w.result ELSE ', the roles could not be checked: ' || "
         f"w.result END FROM run_command_on_workers({quote_literal(privileged)}) w "
         "WHERE NOT w.success OR w.result <> ''")
     return checks

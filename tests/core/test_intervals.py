@@ -99,6 +99,8 @@ def test_clamped_to_what_the_value_can_be() -> None:
      "must be a DP aggregate"),
     ("SELECT COUNT(*) AS n, DP_INTERVAL_LOW(n, 2) FROM visits", "takes one argument"),
     ("SELECT COUNT(*) AS n, DP_INTERVAL_LOW(m) FROM visits", "must be a DP aggregate"),
+    ("SELECT COUNT(*) AS n, SUM(duration) AS n, DP_INTERVAL_LOW(n) FROM visits",
+     "must be a DP aggregate"),  # (two items of the name: ambiguous)
 ])
 def test_other_uses_are_refused(sql: str, message: str) -> None:
     with pytest.raises(FeatureNotSupported, match=message):

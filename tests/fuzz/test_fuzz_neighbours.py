@@ -212,7 +212,10 @@ def _outcomes(proxy: Proxy, queries: list[str]) -> list[str]:
                 conn.execute(sql).fetchall()
                 out.append("answered")
             except psycopg.Error as e:
-                out.append(str(e.sqlstate))
+                # (APPROX_BOUNDS finding too few users says so, its cost charged: a DP outcome,
+                # random as an answer is, which may differ between two runs of one database)
+                charged = e.sqlstate == "22023" and "cost is charged" in str(e)
+                out.append("answered" if charged else str(e.sqlstate))
             assert conn.execute("SELECT 1").fetchone() == (1,), sql  # the session lives on
             if spent(conn).epsilon > 8:
                 admin.execute("SELECT dp_reset_budget('alice')")

@@ -163,6 +163,17 @@ CASES = [
     Case("bounds whose sum over users leaves float8", DP + "ANON_SUM(duration, 0, 1e300) "
          "FROM visits", "22023"),
     Case("subnormal bounds", DP + "ANON_SUM(duration, 5e-324, 1e-323) FROM visits", "22023"),
+    # float8 arithmetic that underflows to 0 is an error (22003) in Postgres: values some of
+    # whose users' means, leaves or casts would underflow (a tiny value on one row of three)
+    Case("a per-user mean that underflows for some users", DP + "ANON_AVG(CASE WHEN "
+         "duration % 3 = 0 THEN 5e-324::float8 ELSE 0::float8 END, 0, 1), ANON_VAR(CASE WHEN "
+         "duration % 3 = 0 THEN -5e-324::float8 ELSE 0::float8 END, -1, 1) FROM visits", None),
+    Case("a quantile's leaf that underflows for some users", DP + "ANON_MEDIAN(CASE WHEN "
+         "duration % 3 = 0 THEN 1e-250::float8 ELSE 0::float8 END, 0, 1e100), ANON_MEDIAN(CASE "
+         "WHEN duration % 3 = 0 THEN 1e-400::numeric ELSE 0 END, 0, 1) FROM visits", None),
+    Case("row-level means and weights of tiny values", "SELECT AVG(CASE WHEN duration % 3 = 0 "
+         "THEN 5e-324::float8 ELSE duration END), SUM(CASE WHEN duration % 3 = 0 THEN "
+         "1e-320::float8 ELSE duration END) FROM visits", None),
     # --- issue 26: clauses, tables and owners no rule handles; errors no value can cause
     Case("ORDER BY in a FROM subquery failing for one user's row", DP + "ANON_COUNT(*) FROM "
          "(SELECT uid FROM visits ORDER BY 1/(CASE WHEN uid=1 AND duration=663 THEN 0 ELSE 1 END)) t",
@@ -375,6 +386,7 @@ MALFORMED_BOUNDS = [
     "ANON_AVG(duration, -1e-320, 1e-320)",
     "ANON_COUNT(*, 5e-324)",
     "ANON_SUM(duration, 0, 1e-300)",  # normal, but its noise's grid would be subnormal
+    "ANON_VAR(duration, 0, 1e-150)",  # normal, but a centred value's square would underflow
 ]
 
 

@@ -1048,14 +1048,19 @@ def test_row_level_and_per_user_aggregates_in_one_query(proxy: Proxy, fresh_budg
         truth = {b: (n, u) for b, n, u in admin.execute(
             "SELECT browser, count(*), count(DISTINCT uid) FROM visits GROUP BY browser")}
     with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        details: list[str] = []
+        conn.add_notice_handler(lambda d: details.append(d.message_detail or ""))
         rows = conn.execute(
             "SELECT WITH ANONYMIZATION OPTIONS(epsilon=4, max_groups_contributed=20) browser, "
             "COUNT(*) AS n, ANON_COUNT(*) AS users, COUNT(DISTINCT uid) AS du, "
             "ANON_AVG(duration, 0, 100) AS a FROM visits GROUP BY browser").fetchall()
+    # COUNT(*)'s noise: T is large on the demo's heavy users (1,024 or 2,048 rows), its noise
+    # too: ±3,400 to ±6,800 at 95% around 27,000; twice that is exceeded once in 400 answers
+    width = float(details[-1].split("n ±")[1].split(",")[0])
     big = [(b, n, u, du) for b, n, u, du, _ in rows if truth[b][1] >= 1000]
     assert len(big) >= 3 and any(truth[b][0] >= 20_000 for b, *_ in big)
     for b, n, u, du in big:
         true_n, true_u = truth[b]
         assert abs(u - true_u) < 0.1 * true_u and abs(du - true_u) < 0.1 * true_u, (b, u, du)
-        if true_n >= 20_000:  # (T is large on the demo's data: its noise is too, on few rows)
-            assert 0.75 * true_n < n < 1.1 * true_n, (b, n, true_n)
+        if true_n >= 20_000:  # (a quarter of bias at most, where T weighs heavy users down)
+            assert 0.75 * true_n - 2 * width < n < 1.1 * true_n + 2 * width, (b, n, true_n, width)
