@@ -87,18 +87,53 @@ def walk(codes: NDArray[np.int64], counts: NDArray[np.int64], quantile: float, l
     """
     if not 0.0 <= quantile <= 1.0:
         raise InternalError()
+    return _walk(codes, counts, np.full(runs, float(quantile)), lower, upper, noise, rng)
+
+
+def walk_interval(codes: NDArray[np.int64], counts: NDArray[np.int64], quantile: float,
+                  lower: float, upper: float, noise: NoiseSpec,
+                  rng: np.random.Generator) -> tuple[float, float, float]:
+    """The DP answer for the `quantile` of one group's tree (as `walk`'s), and the values the
+    same noisy tree gives at `rank_half_width_95(noise)` users below and above its rank: an
+    about 95% interval of the true quantile (the low end's true rank is at most the wanted
+    one unless the rank error passes its 95% bound; the high end's likewise). The three walks
+    share every node's noise, drawn once as for one noisy tree, which the plan's noise is
+    calibrated for whole (each user in one node per level): the ends are post-processing."""
+    if not 0.0 <= quantile <= 1.0:
+        raise InternalError()
+    spread = rank_half_width_95(noise)
+    out = _walk(codes, counts, np.full(3, float(quantile)), lower, upper, noise, rng,
+                spread=spread)
+    return float(out[0]), float(out[1]), float(out[2])
+
+
+def _walk(codes: NDArray[np.int64], counts: NDArray[np.int64], rank: NDArray[np.float64],
+          lower: float, upper: float, noise: NoiseSpec, rng: np.random.Generator,
+          spread: float | None = None) -> NDArray[np.float64]:
+    """Walks from the root for each wanted `rank` (a share, 0…1). Without `spread`, each walk
+    draws its own noise (independent answers); with it, the three walks (the answer, its low
+    and its high end) share each node's noisy counts, and the ends' ranks move `spread` users
+    down and up from the answer's once the root's noisy total is known."""
     codes = np.asarray(codes, dtype=np.int64)
     counts = np.asarray(counts, dtype=np.int64)
+    runs = len(rank)
     node = np.zeros(runs, dtype=np.int64)  # index of the current node within its level
-    rank = np.full(runs, float(quantile))  # the wanted rank as a share of the current node
+    rank = rank.astype(np.float64)  # the wanted rank as a share of the current node
     children = np.arange(BRANCHING, dtype=np.int64)
     rows = np.arange(runs)
     for level in range(1, DEPTH + 1):
-        index = node[:, None] * BRANCHING + children[None, :]
+        # the nodes whose children are read: each run's, or (shared) each distinct one once
+        parents, at = (np.unique(node, return_inverse=True) if spread is not None
+                       else (node, rows))
+        index = parents[:, None] * BRANCHING + children[None, :]
         true = _lookup(codes, counts, LEVEL_OFFSETS[level - 1] + index)
-        noisy = np.maximum(noise.add(true.ravel(), rng).reshape(runs, BRANCHING), 0.0)
-        noisy = np.where(noisy < ALPHA * noisy.sum(axis=1, keepdims=True), 0.0, noisy)
+        drawn = np.maximum(noise.add(true.ravel(), rng).reshape(len(parents), BRANCHING), 0.0)
+        drawn = np.where(drawn < ALPHA * drawn.sum(axis=1, keepdims=True), 0.0, drawn)
+        noisy = drawn[np.asarray(at).reshape(-1)]
         total = noisy.sum(axis=1)
+        if spread is not None and level == 1:
+            shift = spread / total[0] if total[0] > 0 else 1.0
+            rank = np.clip(rank + np.array([0.0, -shift, shift]), 0.0, 1.0)
         cum = np.cumsum(noisy, axis=1)
         target = rank * total
         # the first child whose cumulative count passes the target; the last non-empty one at p = 1

@@ -25,7 +25,7 @@ from dp_core.errors import InternalError
 from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import keep_probability, secure_rng
 from dp_core.plan import Component, DPQueryPlan, NoisyQuantity, reads_user_count
-from dp_core.quantiles import LEAVES, LEVEL_OFFSETS, walk
+from dp_core.quantiles import LEAVES, LEVEL_OFFSETS, walk, walk_interval
 from dp_core.query import AggKind, Aggregate, AnalyzedQuery
 
 INT8 = "int8"
@@ -134,20 +134,28 @@ def add_rows(parts: Iterable[Iterable[Mapping[str, Any]]], by: Sequence[str],
     return list(merged.values())
 
 
+QuantileAnswer = float | tuple[float, float, float]
+"""A group's DP quantile, or (with an interval column of it) the quantile and its interval's
+ends (`quantiles.walk_interval`)."""
+
+
 def quantile_value(query: AnalyzedQuery, plan: DPQueryPlan, aggregate: int,
                    codes: Sequence[int] | NDArray[np.int64], counts: Sequence[int] | NDArray[np.int64],
-                   rng: np.random.Generator) -> float:
-    """The DP quantile of one group from its tree's non-empty nodes (a row of the tree statement)."""
+                   rng: np.random.Generator) -> QuantileAnswer:
+    """The DP quantile of one group from its tree's non-empty nodes (a row of the tree
+    statement), with its interval where the query selects one (DP_INTERVAL_LOW / HIGH)."""
     agg = query.aggregates[aggregate]
     tree = plan.quantity(f"dp_a{aggregate}_{Component.TREE}")
     assert agg.quantile is not None
     b = agg.known_bounds
-    return float(walk(np.asarray(codes, dtype=np.int64), np.asarray(counts, dtype=np.int64),
-                      agg.quantile, b.lower, b.upper, tree.spec, rng)[0])
+    codes, counts = np.asarray(codes, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    if any(o.aggregate == aggregate and o.bound is not None for o in query.outputs):
+        return walk_interval(codes, counts, agg.quantile, b.lower, b.upper, tree.spec, rng)
+    return float(walk(codes, counts, agg.quantile, b.lower, b.upper, tree.spec, rng)[0])
 
 
 def tree_answer(query: AnalyzedQuery, plan: DPQueryPlan, row: Mapping[str, Any],
-                rng: np.random.Generator) -> tuple[tuple[GroupKey, int], float]:
+                rng: np.random.Generator) -> tuple[tuple[GroupKey, int], QuantileAnswer]:
     """((group, aggregate), DP quantile) from one row of the tree statement (one whole tree):
     rows can be streamed, keeping only the answers."""
     aggregate = int(row["dp_agg"])
@@ -156,7 +164,8 @@ def tree_answer(query: AnalyzedQuery, plan: DPQueryPlan, row: Mapping[str, Any],
 
 
 def tree_values(query: AnalyzedQuery, plan: DPQueryPlan, tree_rows: Iterable[Mapping[str, Any]],
-                rng: np.random.Generator | None = None) -> dict[tuple[GroupKey, int], float]:
+                rng: np.random.Generator | None = None
+                ) -> dict[tuple[GroupKey, int], QuantileAnswer]:
     """DP quantiles of every (group, quantile aggregate) the tree statement returned rows for."""
     rng = rng or secure_rng()
     return dict(tree_answer(query, plan, r, rng) for r in tree_rows)
@@ -301,7 +310,7 @@ class SelectionStream:
 
 def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, Any]],
             rng: np.random.Generator | None = None,
-            quantiles: Mapping[tuple[GroupKey, int], float] | None = None,
+            quantiles: Mapping[tuple[GroupKey, int], QuantileAnswer] | None = None,
             selection: Selection | None = None) -> Released:
     """Add noise to the pushdown's rows and keep what may be released.
 
@@ -314,21 +323,28 @@ def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str,
     rows, noisy, kept = chosen.rows, chosen.noisy, chosen.kept
     values: list[list[Any]] = []
     found, wanted = quantiles or {}, chosen.matched
+    ends: dict[int, dict[int, tuple[float, float]]] = {}
+    """Of each quantile with an interval column, by released row: its interval's ends."""
     for i, agg in enumerate(query.aggregates):
         if agg.kind is AggKind.QUANTILE:
             column: list[Any] = [None] * len(rows)
             for r in kept:
                 key = group_key(rows[r], query)
                 value = found.get((key, i)) if key in wanted else None
-                column[r] = value if value is not None else quantile_value(
-                    query, plan, i, [], [], rng)
+                if value is None:
+                    value = quantile_value(query, plan, i, [], [], rng)
+                if isinstance(value, tuple):
+                    column[r] = value[0]
+                    ends.setdefault(i, {})[r] = (value[1], value[2])
+                else:
+                    column[r] = value
             values.append(column)
             continue
         values.append(list(_aggregate_values(i, agg, plan, noisy, len(rows))))
     spread = {i: noise_half_widths(i, agg, plan, noisy, kept)
               for i, agg in enumerate(query.aggregates)
               if agg.kind in _DERIVED and not reads_user_count(agg) and kept}
-    intervals = _intervals(query, plan, noisy, values, kept)
+    intervals = _intervals(query, plan, noisy, values, kept, ends)
     out = []
     for pos, r in enumerate(kept):
         row: list[str | int | float | None] = []
@@ -434,7 +450,8 @@ def derived_half_widths(i: int, agg: Aggregate, plan: DPQueryPlan,
 def half_width_95(query: AnalyzedQuery, plan: DPQueryPlan, i: int) -> float | None:
     """The 95% noise half-width of aggregate i where it is one per column (a count or sum:
     the noise of its one noisy quantity, or of the user count it reads); None for an AVG,
-    VAR or STDDEV (per group: `derived_half_widths`) and a quantile (its noise is on ranks)."""
+    VAR or STDDEV (per group: `derived_half_widths`) and a quantile (its noise is on ranks:
+    `quantiles.walk_interval`)."""
     agg = query.aggregates[i]
     if agg.kind is AggKind.QUANTILE or (agg.kind in _DERIVED and not reads_user_count(agg)):
         return None
@@ -447,19 +464,25 @@ def half_width_95(query: AnalyzedQuery, plan: DPQueryPlan, i: int) -> float | No
 
 
 def _intervals(query: AnalyzedQuery, plan: DPQueryPlan, noisy: Mapping[str, NDArray[np.float64]],
-               values: list[list[Any]], kept: Sequence[int]) -> dict[tuple[int, str], list[Any]]:
+               values: list[list[Any]], kept: Sequence[int],
+               ends: Mapping[int, Mapping[int, tuple[float, float]]]
+               ) -> dict[tuple[int, str], list[Any]]:
     """For each interval column (`OutputColumn.bound`), by (aggregate, "low" or "high"): its
     value at each released row, the released value ∓ its 95% noise half-width, kept within
     what the value can be (a count ≥ 0; an AVG within its bounds, a VAR or STDDEV within 0
-    and the bounds' half range, squared for VAR); None for a NULL value and a quantile."""
+    and the bounds' half range, squared for VAR); None for a NULL value. A quantile's are its
+    `ends` (the values its noisy tree gives at the ranks its rank error away)."""
     out: dict[tuple[int, str], list[Any]] = {}
     for i in sorted({c.aggregate for c in query.outputs
                      if c.bound is not None and c.aggregate is not None}):
         agg = query.aggregates[i]
         fixed = half_width_95(query, plan, i)
         if agg.kind is AggKind.QUANTILE:
-            widths: list[float | None] = [None] * len(kept)
-        elif fixed is None:
+            out[(i, "low")] = [ends[i][r][0] if r in ends.get(i, {}) else None for r in kept]
+            out[(i, "high")] = [ends[i][r][1] if r in ends.get(i, {}) else None for r in kept]
+            continue
+        widths: list[float | None]
+        if fixed is None:
             # (fewer draws for many groups: 2M at most, at least 200 a group)
             draws = min(1000, max(200, 2_000_000 // max(1, len(kept))))
             widths = [float(w) for w in derived_half_widths(i, agg, plan, noisy, kept,

@@ -21,6 +21,7 @@ from dp_core.quantiles import FoundBounds, choose_bounds
 from dp_core.query import AnalyzedQuery, Bounds
 from dp_core.release import (
     GroupKey,
+    QuantileAnswer,
     Selection,
     SelectionStream,
     absent_groups,
@@ -61,7 +62,7 @@ class PushdownRun:
     query: AnalyzedQuery
     plan: DPQueryPlan
     rows: Sequence[Any]
-    quantiles: dict[tuple[GroupKey, int], float]
+    quantiles: dict[tuple[GroupKey, int], QuantileAnswer]
     bounds: dict[int, FoundBounds]
     selection: Selection
     tuned: TunedRows | None = None
@@ -261,7 +262,7 @@ class PushdownRunner:
                 resolve(selection.rows, before, plan, terms, tuned.clips)
                 selection = noise_deferred(selection, plan, rng)
             rows = selection.rows
-            quantiles: dict[tuple[GroupKey, int], float] = {}
+            quantiles: dict[tuple[GroupKey, int], QuantileAnswer] = {}
             if "trees" in statements:
                 wanted, keys = selection.matched, len(query.keys)
                 # streamed: each row is one group's whole tree (up to 69,904 nodes) and only
