@@ -160,6 +160,8 @@ def test_error_bars_as_sql_values(px: Proxy) -> None:
         types = {d.name: d.type_code for d in cur.description}
         rows = [dict(zip(types, r, strict=True)) for r in cur.fetchall()]
         assert spent(conn).epsilon == pytest.approx(1.0)  # the defaults' ε: one query's
+        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql))
+        assert "Cost charged when run: epsilon 1," in plan
         for bad in ("SELECT COUNT(*) AS n, DP_INTERVAL_HIGH(n) - n FROM visits",
                     "SELECT browser, COUNT(*) AS n FROM visits GROUP BY browser "
                     "HAVING DP_INTERVAL_LOW(n) > 10"):
