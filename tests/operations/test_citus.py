@@ -20,8 +20,7 @@ from config import Config, TableConfig
 from dp_core.rewrite import pushdown
 from server.backend_setup import DSN, BackendDSNs, BackendRoles, parse_dsn
 from server.bootstrap import apply_backend_setup, citus_problems, find_wall_problems
-from server.demo_data import demo_data_sql, demo_schema_sql
-from tests.support.backend import Backend
+from tests.support.backend import Backend, distributed_demo_tables
 from tests.support.engine import EXTRA_CASES, GOLDEN_CASES, build, golden_sql
 from tests.support.proxy import LoopThread, running_proxy, spent
 from tests.support.shapes import plan_problems
@@ -51,14 +50,7 @@ async def _prepare(admin_dsn: str, config: Config, password: str) -> None:
         await conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
         await conn.execute(f"CREATE SCHEMA {SCHEMA}")
         await conn.execute(f"SET search_path TO {SCHEMA}")
-        for stmt in demo_schema_sql():
-            await conn.execute(stmt)
-        await conn.execute("SELECT create_distributed_table('visits', 'uid')")
-        await conn.execute("SELECT create_distributed_table('purchases', 'uid', "
-                           "colocate_with => 'visits')")
-        await conn.execute("SELECT create_reference_table('countries')")
-        for stmt in demo_data_sql():
-            await conn.execute(stmt)
+        await distributed_demo_tables(conn)
         await conn.execute("RESET search_path")
         for _ in range(2):  # (idempotent, also on Citus)
             await apply_backend_setup(conn, config, parse_dsn(admin_dsn).database, ROLES,

@@ -109,6 +109,20 @@ def prepared_backend(server_dsn: str, config: Config,
     )
 
 
+async def distributed_demo_tables(conn: asyncpg.Connection) -> None:
+    """The demo tables made again (in the first schema of `conn`'s search_path) and filled,
+    distributed as dp-proxy needs them on Citus: visits and purchases by uid, colocated;
+    countries a reference table."""
+    for stmt in demo_schema_sql():
+        await conn.execute(stmt)
+    await conn.execute("SELECT create_distributed_table('visits', 'uid')")
+    await conn.execute("SELECT create_distributed_table('purchases', 'uid', "
+                       "colocate_with => 'visits')")
+    await conn.execute("SELECT create_reference_table('countries')")
+    for stmt in demo_data_sql():
+        await conn.execute(stmt)
+
+
 async def prepare_citus_database(admin_dsn: str, config: Config, role_password: str) -> None:
     """The demo tables made again in the public schema of `admin_dsn`'s database (a Citus
     coordinator's, as a superuser), distributed as dp-proxy needs them (visits and purchases
@@ -118,13 +132,8 @@ async def prepare_citus_database(admin_dsn: str, config: Config, role_password: 
     try:
         await conn.execute("DROP SCHEMA IF EXISTS test_slow CASCADE")
         await conn.execute(f"DROP SCHEMA IF EXISTS {config.backend.ledger_schema} CASCADE")
-        for stmt in demo_schema_sql():
-            await conn.execute(stmt)
-        await conn.execute("SELECT create_distributed_table('visits', 'uid')")
-        await conn.execute("SELECT create_distributed_table('purchases', 'uid', "
-                           "colocate_with => 'visits')")
-        await conn.execute("SELECT create_reference_table('countries')")
-        for stmt in demo_data_sql() + _SLOW_LOOKUP_SQL:
+        await distributed_demo_tables(conn)
+        for stmt in _SLOW_LOOKUP_SQL:
             await conn.execute(stmt)
         await conn.execute("ANALYZE visits, purchases, countries")
         await apply_backend_setup(conn, suite_config(config), parse_dsn(admin_dsn).database,
