@@ -147,6 +147,8 @@ def _row_level_lines(query: AnalyzedQuery, plan: DPQueryPlan) -> list[str]:
         lines.append(f"  a user's count for partition selection goes to the "
                      f"{plan.max_groups_contributed} group(s) where it has the most rows")
     for q in plan.tuning:
+        if q.aggregate is not None:  # (a value histogram: below)
+            continue
         what = ("users per log-scale bin of their row count" if q.component == Component.ROWS
                 else f"groups that at least {fmt(groups_threshold(plan))} users have as their "
                      "first group (of their most rows)")
@@ -157,6 +159,11 @@ def _row_level_lines(query: AnalyzedQuery, plan: DPQueryPlan) -> list[str]:
                      "the count's mean noise for T; for AVG, VAR and STDDEV, at most the "
                      "upper edge of the median user's bin; for SUM, at most T, with its "
                      "rows' mean value beyond T + groups x its noise for T")
+        if plan.tau is not None and not any(q.component == Component.GROUPS
+                                            for q in plan.tuning):
+            lines.append("  groups: after partition selection, the released groups' noisy "
+                         "user counts over the median released group's (T for the median "
+                         "group's error relative to its size)")
     clipped = {q.aggregate for q in plan.tuning if q.aggregate is not None}
     for q in plan.tuning:
         if q.aggregate is not None:

@@ -366,7 +366,10 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
         # and, per clipped argument (`clip_tuned`), its rows per value bin, each user's
         # weighted by 1 / its rows (together at most 1)
         parts: list[tuple[str, int | None]] = [(Component.ROWS, None)]
-        if selecting:  # (public groups: their number is known)
+        # (public groups: their number is known; τ-thresholding in one pass runs first, and
+        # the released groups' noisy user counts weigh T's noise: `tuning.typical_groups`)
+        one_pass = all(c != Component.DISTINCT for _, c, _, _ in specs)  # (`rewrite.binned`)
+        if selecting and not (one_pass and used is SelectionKind.LAPLACE):
             parts.append((Component.GROUPS, None))
         parts += [(Component.VALUES, i) for i in clip_tuned(query, auto)]
         each = tuning_eps / len(parts)

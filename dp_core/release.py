@@ -243,6 +243,16 @@ def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, 
     return Selection(rows, noisy, kept, matched)
 
 
+def released_users(plan: DPQueryPlan, selection: Selection) -> NDArray[np.float64] | None:
+    """The released groups' noisy user counts, where τ-thresholding kept them (they are
+    released by it: post-processing may read them); None otherwise (no selection, public
+    groups, or truncated-geometric selection, whose counts are never noised)."""
+    t = plan.threshold
+    if t is None or plan.tau is None or t.name not in selection.noisy:
+        return None
+    return selection.noisy[t.name][np.asarray(selection.kept, dtype=np.intp)]
+
+
 def noise_deferred(selection: Selection, plan: DPQueryPlan,
                    rng: np.random.Generator) -> Selection:
     """`selection` (made with `deferred`) with noise on the quantities it left out, now that

@@ -80,7 +80,8 @@ class TunedRows:
     rows_total: float = 0.0
     """The rows, estimated from the noisy histogram."""
     groups: float = 1.0
-    """The groups to be released, estimated (1 without GROUP BY)."""
+    """The groups the noise is weighed over: those to be released, estimated (1 without GROUP
+    BY), or after partition selection `typical_groups` of those released."""
     clips: Mapping[int, Bounds] = field(default_factory=dict)
     """The bounds each clipped row-level aggregate gets (`plan.clip_tuned`, and those that
     share their argument and bounds), within its configured ones."""
@@ -159,13 +160,15 @@ def unit_noise(kind: NoiseKind, epsilon: float, delta: float) -> float:
 
 def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise: NoiseSpec,
                     groups_noise: NoiseSpec | None, unit: float,
-                    rng: np.random.Generator, groups_known: bool = False) -> TunedRows:
+                    rng: np.random.Generator, groups_known: bool = False,
+                    weighed: float | None = None) -> TunedRows:
     """T from the true statistics (of the main statement's rows, or the tuning statement's):
     users per bin (`histogram`, bins 1..len(ROW_EDGES)) and, with GROUP BY, the groups at
     least τ users count in (or, with `groups_known`, the public groups released: used as they
     are). Every bin gets noise (empty ones too), then T is the edge of least estimated error,
     `unit` being the mean absolute noise per unit of T of the answer's counts
-    (`unit_noise`)."""
+    (`unit_noise`). `weighed`: the groups to weigh the noise over, given (`typical_groups`:
+    `groups` is then not used)."""
     bins = len(ROW_EDGES)
     true = np.zeros(bins + 1)
     for b, n in histogram.items():
@@ -195,7 +198,9 @@ def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise
     if top >= 0:
         noisy = np.maximum(noisy, fitted_tail(noisy, top))
     g = 1.0
-    if groups_known:
+    if weighed is not None:
+        g = max(1.0, weighed)
+    elif groups_known:
         g = max(1.0, float(groups or 0))
     elif groups_noise is not None:
         g = max(1.0, float(groups_noise.add(np.array([float(groups or 0)]), rng)[0]))
@@ -278,21 +283,44 @@ def tune_rows(plan: DPQueryPlan, rows: Iterable[Mapping[str, Any]],
     return tune(plan, histogram, groups, values, rng, query)
 
 
+def typical_groups(released_users: Sequence[float]) -> float:
+    """The groups the noise of T is weighed over, from the released groups' noisy user counts
+    (post-processing): their users over the median group's, the rows over the median
+    group's rows (each group's rows taken in proportion to its users). T is then chosen for
+    the median released group's relative error, bias plus noise, where the groups' number
+    would choose it for their total absolute error: a count of the largest groups' rows (the
+    bias is in them) at the cost of noise the smaller groups cannot bear."""
+    users = np.maximum(np.asarray(released_users, dtype=np.float64), 1.0)
+    if not len(users):
+        return 1.0
+    return max(1.0, float(users.sum() / np.median(users)))
+
+
 def tune(plan: DPQueryPlan, histogram: Mapping[int, int], groups: int,
          values: Mapping[int, Mapping[int, float]], rng: np.random.Generator,
-         query: AnalyzedQuery | None = None, groups_known: bool = False) -> TunedRows:
+         query: AnalyzedQuery | None = None, groups_known: bool = False,
+         released_users: Sequence[float] | None = None) -> TunedRows:
     """T and the clips from the true statistics: users per bin of their row count
     (`histogram`), the groups at least τ users have first (`groups`; `groups_known`: the
     groups released, public and exact, which get no noise) and, per clipped aggregate, its
-    rows per value bin, each user's weighted by 1 / its rows (`values`)."""
+    rows per value bin, each user's weighted by 1 / its rows (`values`). `released_users`:
+    where partition selection has run (τ-thresholding), the kept groups' noisy user counts,
+    which weigh the noise instead of `groups` (`typical_groups`)."""
     specs = {q.component: q.spec for q in plan.tuning}
     counted = next((q for q in plan.quantities if q.aggregate is not None
                     and q.component in (Component.COUNT, Component.N, Component.SUM)), None)
     if counted is None or Component.ROWS not in specs:
         raise InternalError("max_rows_contributed chosen for a plan without row-level counts")
     unit = unit_noise(plan.noise_kind, float(counted.epsilon), float(counted.delta))
-    tuned = choose_max_rows(histogram, groups, specs[Component.ROWS],
-                            specs.get(Component.GROUPS), unit, rng, groups_known)
+    if plan.tau is not None and not groups_known and released_users is None \
+            and Component.GROUPS not in specs:
+        raise InternalError("T of a one-pass plan chosen before partition selection")
+    if released_users is not None and not groups_known:
+        tuned = choose_max_rows(histogram, None, specs[Component.ROWS], None, unit, rng,
+                                groups_known=True, weighed=typical_groups(released_users))
+    else:
+        tuned = choose_max_rows(histogram, groups, specs[Component.ROWS],
+                                specs.get(Component.GROUPS), unit, rng, groups_known)
     clips: dict[int, Bounds] = {}
     clipped: dict[int, float] = {}
     means: dict[int, float] = {}

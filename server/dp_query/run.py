@@ -29,6 +29,7 @@ from dp_core.release import (
     add_trees,
     group_key,
     noise_deferred,
+    released_users,
     row_order,
     tree_answer,
     tree_nodes,
@@ -256,7 +257,8 @@ class PushdownRunner:
                     else len(prepared.public_keys)
                 tuned = tune(plan, stats.rows(), groups,
                              {i: dict(enumerate(v)) for i, v in stats.values.items()}, rng, query,
-                             groups_known=prepared.public_keys is not None)
+                             groups_known=prepared.public_keys is not None,
+                             released_users=released_users(plan, selection))
                 before = query
                 query, plan = replan_tuned(query, plan, tuned)
                 resolve(selection.rows, before, plan, terms, tuned.clips)

@@ -9,6 +9,8 @@ import pytest
 
 from dp_core.accounting import AnswerCost
 from dp_core.errors import InternalError, InvalidParameterValue
+from dp_core.explain import explain_lines
+from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import NoiseKind, NoiseSpec
 from dp_core.plan import TUNING_SHARE, VALUE_STEPS, Component, make_plan, replan_with_bounds
 from dp_core.query import Bounds
@@ -19,7 +21,9 @@ from dp_core.tuning import (
     choose_clip,
     choose_max_rows,
     choose_sum_rows,
+    tune,
     tune_rows,
+    typical_groups,
     unit_noise,
     value_thresholds,
 )
@@ -60,12 +64,24 @@ def test_t_chosen_per_query_spends_its_share_and_replans_at_the_same_cost() -> N
     query, _, _ = build(GROUPED)
     plan = make_plan(query, 1.0, 1e-6, 5, NoiseKind.LAPLACE)
     assert plan.rows_pending and plan.pending and plan.max_rows is None
-    # the histogram of rows, the count of groups, and one value histogram for duration
-    # (SUM, AVG and VAR_POP share it: one argument, one configured range)
+    # the histogram of rows and one value histogram for duration (SUM, AVG and VAR_POP share
+    # it: one argument, one configured range); no count of groups: τ-thresholding runs first
+    # and T's noise is weighed over the released groups (`tuning.typical_groups`)
     assert [(q.component, q.aggregate) for q in plan.tuning] == [
-        (Component.ROWS, None), (Component.GROUPS, None), (Component.VALUES, 1)]
-    assert all(q.epsilon == TUNING_SHARE / 3 and q.sensitivity == 1.0 for q in plan.tuning)
-    assert plan.tuning[0].spec.scale == pytest.approx(30.0)
+        (Component.ROWS, None), (Component.VALUES, 1)]
+    assert all(q.epsilon == TUNING_SHARE / 2 and q.sensitivity == 1.0 for q in plan.tuning)
+    assert plan.tuning[0].spec.scale == pytest.approx(20.0)
+    # with truncated-geometric selection (no noisy user counts), or beside COUNT(DISTINCT x)
+    # (the statistics run first, in a statement of their own), the groups are counted
+    geometric = make_plan(query, 1.0, 1e-6, 5, NoiseKind.LAPLACE,
+                          selection=SelectionKind.TRUNCATED_GEOMETRIC)
+    distinct, _, _ = build("SELECT browser, COUNT(*), COUNT(DISTINCT country) FROM visits "
+                           "GROUP BY browser")
+    for other in (geometric, make_plan(distinct, 1.0, 1e-6, 5, NoiseKind.LAPLACE)):
+        assert [q.component for q in other.tuning][:2] == [Component.ROWS, Component.GROUPS]
+    # a one-pass τ plan's T is never chosen before the selection it is weighed over
+    with pytest.raises(InternalError):
+        tune(plan, {1: 10}, 3, {}, np.random.default_rng(1), query)
     _, again = replan_with_bounds(query, plan, {}, 48, 6)
     assert again.cost == plan.cost and again.max_rows == 48 and not again.pending
     assert again.quantity("dp_a0_count").sensitivity == 48.0
@@ -105,6 +121,25 @@ def test_choice_of_t_by_hand() -> None:
     public = choose_max_rows(hist, 100, _exact(), None, 0.2, rng, groups_known=True)
     assert (public.max_rows, public.groups) == (6, 100)
     assert choose_max_rows(hist, 100, _exact(), None, 0.2, rng).groups == 1.0
+
+
+def test_typical_groups_by_hand() -> None:
+    """The noise of T is weighed over the released groups' users over the median group's:
+    10 + 20 + 30 + 1,000 users, median 25: 42.4 groups (T chosen for the median group's
+    relative error); equal groups count as their number; counts below 1 (noise) as 1; none
+    or one group as 1. Given (`weighed`), it replaces the groups' noisy count."""
+    assert typical_groups([10, 20, 30, 1000]) == pytest.approx(1060 / 25)
+    assert typical_groups([50.0] * 7) == pytest.approx(7)
+    assert typical_groups([-3.0, 0.5, 1.0]) == pytest.approx(3)
+    assert typical_groups([]) == 1.0
+    assert typical_groups([400.0]) == 1.0
+    bin_of = {4: ROW_EDGES.index(4) + 1, 32: ROW_EDGES.index(32) + 1}
+    hist = {bin_of[4]: 1000, bin_of[32]: 10}
+    rng = np.random.default_rng(1)
+    # as test_choice_of_t_by_hand: 100 groups at 0.2 a unit of T choose 6, one group 48
+    weighed = choose_max_rows(hist, 1, _exact(), _exact(), 0.2, rng, weighed=100.0)
+    assert (weighed.max_rows, weighed.groups) == (6, 100.0)
+    assert choose_max_rows(hist, 100, _exact(), _exact(), 0.2, rng, weighed=1.0).max_rows == 48
 
 
 _SHAPES = {
@@ -248,3 +283,19 @@ def test_rdp_accountant_reads_row_level_gaussian_noise_exactly() -> None:
     got = dict(zip(("row", "user"), AnswerCost.of(plan).gaussian_multipliers[-2:], strict=True))
     assert got["row"] == pytest.approx(row.spec.scale / (10 * 3600))
     assert got["user"] == pytest.approx(per_user.spec.scale / (2 * 10))
+
+
+def test_explain_says_what_t_is_chosen_from() -> None:
+    """EXPLAIN names each statistic T and the clips are chosen from, once each: with
+    τ-thresholding in one pass, the users' row counts and the value bins, and how the
+    released groups weigh T's noise; with truncated-geometric selection, the groups' count
+    instead (and a value histogram is never described as one)."""
+    query, _, _ = build(GROUPED)
+    for selection, groups_line in ((SelectionKind.LAPLACE, False),
+                                   (SelectionKind.TRUNCATED_GEOMETRIC, True)):
+        plan = make_plan(query, 1.0, 1e-6, 5, NoiseKind.LAPLACE, selection=selection)
+        text = "\n".join(explain_lines(query, plan, []))
+        assert text.count("users per log-scale bin of their row count") == 1
+        assert text.count("Clip of sum from DP statistics") == 1
+        assert text.count("users have as their first group") == int(groups_line), text
+        assert ("released groups' noisy user counts over the median" in text) != groups_line

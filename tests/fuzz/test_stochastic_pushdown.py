@@ -32,10 +32,19 @@ from dp_core.binned import TuningStats, binned_plan, binned_row, resolve, value_
 from dp_core.classify import Classifier, ProtectionPolicy
 from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import NoiseKind, secure_rng
-from dp_core.plan import DPQueryPlan, make_plan, replan_with_bounds
+from dp_core.plan import DPQueryPlan, make_plan, reads_user_count, replan_with_bounds
 from dp_core.quantiles import NoBoundsFound, choose_bounds, walk
 from dp_core.query import AnalyzedQuery, Bounds, KeyDomain, TablePolicy
-from dp_core.release import absent_groups, add_rows, release, tree_arrays
+from dp_core.release import (
+    Selection,
+    absent_groups,
+    add_rows,
+    noise_deferred,
+    release,
+    released_users,
+    select,
+    tree_arrays,
+)
 from dp_core.rewrite import binned, main_sql, pushdown, ranged_pushdown
 from dp_core.tuning import groups_threshold, tune, tune_rows
 from dp_core.uid_ranges import UidRange
@@ -271,18 +280,48 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
             for r in rows:
                 stats.add(r, value_bins)
             values = {i: dict(enumerate(v)) for i, v in stats.values.items()}
-            drawn = Counter[tuple[int, int, int, tuple[tuple[int, float, float], ...]]]()
+            drawn = Counter[tuple[int, int, int, tuple[tuple[int, float, float], ...],
+                                  bool | None]]()
+            selected = bool(q1.keys) and pl1.tau is not None and not q1.public_groups
             for _ in range(n):
-                tuned = tune(pl1, stats.rows(), stats.groups, values, rng, q1)
+                # τ-thresholding first, over every group, as the run's stream does: T is then
+                # weighed over the released groups' noisy user counts; the group's own
+                # selection is kept with the choice it led to
+                kept: bool | None = None
+                released = None
+                if selected:
+                    chosen_groups = select(q1, pl1, rows, rng, deferred=True)
+                    released = released_users(pl1, chosen_groups)
+                    kept = any(chosen_groups.rows[k]["dp_t0"] == "a" for k in chosen_groups.kept)
+                tuned = tune(pl1, stats.rows(), stats.groups, values, rng, q1,
+                             released_users=released)
                 drawn[tuned.max_rows, tuned.mean_rows, tuned.sum_rows, tuple(
-                    (i, b.lower, b.upper) for i, b in sorted(tuned.clips.items()))] += 1
-            for (t, mean_t, sum_t, clips), m in drawn.items():
+                    (i, b.lower, b.upper) for i, b in sorted(tuned.clips.items())), kept] += 1
+            for (t, mean_t, sum_t, clips, kept), m in drawn.items():
                 chosen = {i: Bounds(lo, hi) for i, lo, hi in clips}
                 q2, pl2 = replan_with_bounds(q1, pl1, chosen, t, mean_t, sum_t)
                 resolved = [dict(r) for r in rows]
                 resolve(resolved, q1, pl2, terms, chosen)
-                parts.append(outcomes(q2, pl2, resolved, m))
+                if kept is None:
+                    parts.append(outcomes(q2, pl2, resolved, m))
+                elif not kept:
+                    parts.append(np.full(m, NOT_RELEASED))
+                else:
+                    parts.append(kept_outcomes(q2, pl2, resolved, m))
         return np.concatenate(parts)
+
+    def kept_outcomes(q: AnalyzedQuery, pl: DPQueryPlan, rows: list[dict[str, Any]],
+                      samples: int) -> NDArray[np.float64]:
+        """The group 'a', selected already, `samples` times: its row-level quantities' noise
+        for the plan its selection led to (`noise_deferred`)."""
+        if any(reads_user_count(a) for a in q.aggregates):
+            raise AssertionError("a released user count is drawn with the selection")
+        (first,) = [r for r in rows if r["dp_t0"] == "a"]
+        copies = [{**first, "dp_k0": f"a{i}", "dp_t0": f"a{i}"} for i in range(samples)]
+        rng = secure_rng()
+        chosen = noise_deferred(Selection(copies, {}, list(range(samples))), pl, rng)
+        return np.array([float(r[-1]) for r in release(q, pl, copies, rng,
+                                                      selection=chosen).rows])
 
     def run(values: list[float], samples: int) -> NDArray[np.float64]:  # type: ignore[override]
         _write(conn, values)
