@@ -97,7 +97,8 @@ def explain_lines(query: AnalyzedQuery, plan: DPQueryPlan, sql: Sequence[str],
                      f"{fmt(bounds_threshold(q.spec.scale))}")
     lines.extend(_row_level_lines(query, plan))
     for q in plan.quantities:
-        owner = (visible_name(query, q.aggregate)
+        owner = (", ".join(visible_name(query, j) for j in [q.aggregate, *(
+            j for j, _, name in plan.same if name == q.name)])
                  if q.aggregate is not None else "user count")
         if q.noise is None and q.aggregate is not None \
                 and query.aggregates[q.aggregate].row_level and plan.max_rows is None:

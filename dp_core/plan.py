@@ -114,6 +114,20 @@ class DPQueryPlan:
     where T is (at most T: a sum's noise per row is its clip, its bias per row the mean
     value, `dp_core.tuning`)."""
 
+    same: tuple[tuple[int, str, str], ...] = ()
+    """(aggregate, component, the quantity it reads): where an earlier aggregate of the same
+    argument and bounds already has that quantity (`shared_key`: AVG, VAR and STDDEV of one
+    column share their count and centred sums), released once and read by both."""
+
+    def name_of(self, aggregate: int, component: str) -> str:
+        """The noisy quantity aggregate `aggregate`'s `component` reads (its own, or the one
+        it shares)."""
+        return next((name for i, c, name in self.same if i == aggregate and c == component),
+                    f"dp_a{aggregate}_{component}")
+
+    def quantity_of(self, aggregate: int, component: str) -> NoisyQuantity:
+        return self.quantity(self.name_of(aggregate, component))
+
     def rows_for(self, agg: Aggregate) -> int | None:
         """T of a row-level aggregate."""
         return rows_for(agg, self.max_rows, self.mean_rows, self.sum_rows)
@@ -211,6 +225,16 @@ def _components(agg: Aggregate, noise: NoiseKind,
     raise InternalError()
 
 
+def shared_key(agg: Aggregate, component: str) -> tuple[object, ...] | None:
+    """What makes two aggregates' `component` one noisy quantity: the same statistic of the
+    same values (argument, bounds, row-level or per-user; T follows from the component:
+    counts, centred sums and squares of means all take the means' T). Quantiles' trees are
+    their own. Not for bounds APPROX_BOUNDS finds (each aggregate's own)."""
+    if component == Component.TREE or agg.bounds is None:
+        return None
+    return (component, agg.arg, agg.bounds, agg.row_level)
+
+
 VALUE_STEPS = 7
 """A configured range [L, U] is clipped, for one query, at one of L + (U − L)·2^−j, j < this."""
 
@@ -304,12 +328,22 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     specs: list[tuple[str, str, int | None, float | None]] = []
     if selecting or shared:
         specs.append(("dp_users", Component.USERS, None, 1.0))
+    same: list[tuple[int, str, str]] = []
+    keys: list[tuple[tuple[object, ...], str]] = []
     for i, agg in enumerate(query.aggregates):
         if reads_user_count(agg):
             continue
         for component, sensitivity in _components(
                 agg, noise, rows_for(agg, max_rows, mean_rows, sum_rows)):
-            specs.append((f"dp_a{i}_{component}", component, i, sensitivity))
+            name = f"dp_a{i}_{component}"
+            key = shared_key(agg, component) if i not in auto else None
+            first = next((n for k, n in keys if key is not None and k == key), None)
+            if first is not None:
+                same.append((i, component, first))
+                continue
+            if key is not None:
+                keys.append((key, name))
+            specs.append((name, component, i, sensitivity))
     if any(s is not None and s <= 0 for *_, s in specs):
         raise InternalError()
     bounds_eps = eps * APPROX_BOUNDS_SHARE if auto else Fraction(0)
@@ -383,7 +417,7 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     cost = PrivacyCost(eps, delta_threshold + delta_each * n_gauss)
     plan = DPQueryPlan(eps, dlt, max_groups, noise, grouped, tau, threshold, tuple(quantities),
                        shared, cost, histograms, used if grouped else SelectionKind.LAPLACE,
-                       selection, max_rows, tuning, mean_rows, sum_rows)
+                       selection, max_rows, tuning, mean_rows, sum_rows, tuple(same))
     spent_eps = sum((q.epsilon for q in plan.all_quantities), Fraction(0))
     spent_delta = sum((q.delta for q in plan.all_quantities), Fraction(0))
     if spent_eps != cost.epsilon or spent_delta != cost.delta or cost.delta > dlt:
@@ -406,6 +440,8 @@ def replan_with_bounds(query: AnalyzedQuery, plan: DPQueryPlan, found: Mapping[i
                       max_rows if max_rows is not None else plan.max_rows, bool(plan.tuning),
                       mean_rows if max_rows is not None else plan.mean_rows,
                       sum_rows if max_rows is not None else plan.sum_rows)
-    if again.cost != plan.cost:
-        raise InternalError("the plan's cost changed with its bounds (this is a bug)")
+    if again.cost != plan.cost or again.same != plan.same:
+        # (the clips chosen are each argument and range's: its aggregates' stay alike)
+        raise InternalError("the plan's cost or shared quantities changed with its bounds "
+                            "(this is a bug)")
     return query, again

@@ -376,10 +376,10 @@ def _aggregate_values(i: int, agg: Aggregate, plan: DPQueryPlan,
     if reads_user_count(agg):
         return [max(0, round(v)) for v in noisy["dp_users"]]
     if agg.kind in _COUNT_COMPONENTS:
-        return [max(0, round(v)) for v in noisy[f"dp_a{i}_{_COUNT_COMPONENTS[agg.kind]}"]]
+        return [max(0, round(v)) for v in noisy[plan.name_of(i, _COUNT_COMPONENTS[agg.kind])]]
     if agg.kind is AggKind.SUM:
-        return [float(v) for v in noisy[f"dp_a{i}_{Component.SUM}"]]
-    return [float(v) for v in _derived(agg, *_components(i, agg, noisy))]
+        return [float(v) for v in noisy[plan.name_of(i, Component.SUM)]]
+    return [float(v) for v in _derived(agg, *_components(i, agg, plan, noisy))]
 
 
 _COUNT_COMPONENTS = {AggKind.COUNT: Component.COUNT, AggKind.COUNT_DISTINCT: Component.DISTINCT}
@@ -388,12 +388,17 @@ _DERIVED = (AggKind.AVG, AggKind.VAR, AggKind.STDDEV)
 _SIMULATED = 4000
 
 
-def _components(i: int, agg: Aggregate, noisy: Mapping[str, NDArray[np.float64]]
-                ) -> list[NDArray[np.float64]]:
+def _component_names(agg: Aggregate) -> list[str]:
+    """The components an AVG, VAR or STDDEV is derived from."""
     names = [Component.N, Component.CENTERED_SUM]
     if agg.kind is not AggKind.AVG:
         names.append(Component.CENTERED_SQUARES)
-    return [noisy[f"dp_a{i}_{name}"] for name in names]
+    return names
+
+
+def _components(i: int, agg: Aggregate, plan: DPQueryPlan,
+                noisy: Mapping[str, NDArray[np.float64]]) -> list[NDArray[np.float64]]:
+    return [noisy[plan.name_of(i, name)] for name in _component_names(agg)]
 
 
 def _derived(agg: Aggregate, n: NDArray[np.float64], csum: NDArray[np.float64],
@@ -416,7 +421,7 @@ def noise_half_widths(i: int, agg: Aggregate, plan: DPQueryPlan,
     """The 95% noise half-width of an AVG, VAR or STDDEV at the released groups with the
     smallest and the largest noisy count, as (smallest width, largest width)
     (`derived_half_widths`: there is no one width per column)."""
-    n = noisy[f"dp_a{i}_{Component.N}"][list(kept)]
+    n = noisy[plan.name_of(i, Component.N)][list(kept)]
     ends = sorted({list(kept)[int(np.argmin(n))], list(kept)[int(np.argmax(n))]})
     widths = derived_half_widths(i, agg, plan, noisy, ends, rng, _SIMULATED)
     return float(widths.min()), float(widths.max())
@@ -438,13 +443,13 @@ def derived_half_widths(i: int, agg: Aggregate, plan: DPQueryPlan,
     is post-processing and costs nothing (the draws need not be secure)."""
     rng = rng or np.random.default_rng()
     half = (agg.known_bounds.upper - agg.known_bounds.lower) / 2
-    comps = [c[list(rows)] for c in _components(i, agg, noisy)]
+    comps = [c[list(rows)] for c in _components(i, agg, plan, noisy)]
     comps[0] = np.maximum(comps[0], 1.0)
     comps[1] = np.clip(comps[1], -half * comps[0], half * comps[0])
     if len(comps) > 2:
         comps[2] = np.clip(comps[2], comps[1] ** 2 / comps[0], half * half * comps[0])
-    specs = {q.component: q.spec for q in plan.quantities if q.aggregate == i}
-    names = [Component.N, Component.CENTERED_SUM, Component.CENTERED_SQUARES][:len(comps)]
+    names = _component_names(agg)
+    specs = {name: plan.quantity_of(i, name).spec for name in names}
     out = np.empty(len(rows), dtype=np.float64)
     step = max(1, 200_000 // draws)  # (rows at a time: a few MB of draws)
     for start in range(0, len(rows), step):
@@ -465,7 +470,8 @@ def half_width_95(query: AnalyzedQuery, plan: DPQueryPlan, i: int) -> float | No
     agg = query.aggregates[i]
     if agg.kind is AggKind.QUANTILE or (agg.kind in _DERIVED and not reads_user_count(agg)):
         return None
-    qs = [q for q in plan.quantities if q.aggregate == i]
+    qs = [] if reads_user_count(agg) else [plan.quantity_of(
+        i, Component.SUM if agg.kind is AggKind.SUM else _COUNT_COMPONENTS[agg.kind])]
     if not qs and plan.threshold is not None:
         qs = [plan.threshold]
     elif not qs:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -14,6 +15,7 @@ from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import NoiseKind, NoiseSpec
 from dp_core.plan import TUNING_SHARE, VALUE_STEPS, Component, make_plan, replan_with_bounds
 from dp_core.query import Bounds
+from dp_core.release import release
 from dp_core.settings import Caps, DPSettings, query_settings
 from dp_core.tuning import (
     ROW_EDGES,
@@ -43,15 +45,18 @@ def test_plain_aggregates_are_row_level_and_anon_ones_per_user() -> None:
 def test_row_level_sensitivities_are_t_rows_in_all_groups() -> None:
     """Hand-computed: T = 10 rows, duration within [0, 3600] per row (the demo's config):
     COUNT 10, SUM 36,000, AVG's count 10 and centred sum 10 · 1800, VAR's centred squares
-    10 · 1800²; each over all of a user's groups (Laplace scale Δ/ε, not C_u·Δ/ε)."""
+    10 · 1800² (its count and centred sum are AVG's: one argument, one range, one T); each over
+    all of a user's groups (Laplace scale Δ/ε, not C_u·Δ/ε)."""
     query, _, _ = build(GROUPED)
     plan = make_plan(query, 1.0, 1e-6, 5, NoiseKind.LAPLACE, max_rows=10)
     got = {(q.aggregate, q.component): q.sensitivity for q in plan.quantities}
     assert got == {(0, Component.COUNT): 10.0,
                    (1, Component.SUM): 36_000.0, (2, Component.N): 10.0,
-                   (2, Component.CENTERED_SUM): 18_000.0, (3, Component.N): 10.0,
-                   (3, Component.CENTERED_SUM): 18_000.0,
+                   (2, Component.CENTERED_SUM): 18_000.0,
                    (3, Component.CENTERED_SQUARES): 10 * 1800.0 ** 2}
+    assert plan.name_of(3, Component.N) == "dp_a2_n"
+    assert plan.name_of(3, Component.CENTERED_SUM) == "dp_a2_csum"
+    assert plan.name_of(3, Component.CENTERED_SQUARES) == "dp_a3_csq"
     share = Fraction(1, len(plan.quantities) + 1)  # (the user count is the threshold's)
     for q in plan.quantities:
         assert q.epsilon == share and q.spec.scale == pytest.approx(q.sensitivity / share)
@@ -299,3 +304,51 @@ def test_explain_says_what_t_is_chosen_from() -> None:
         assert text.count("Clip of sum from DP statistics") == 1
         assert text.count("users have as their first group") == int(groups_line), text
         assert ("released groups' noisy user counts over the median" in text) != groups_line
+
+
+def test_aggregates_of_one_column_share_their_noisy_quantities() -> None:
+    """AVG, VAR and STDDEV of one argument and bounds (row-level, or per-user) read one noisy
+    count and centred sum, VAR and STDDEV one sum of squares: fewer quantities, each a larger
+    share of ε, the cost still ε. Not shared: another argument, other bounds, row-level with
+    per-user, bounds APPROX_BOUNDS finds (each aggregate's own); and the sharing is the same
+    once T and the clip are chosen (the replan's cost is the plan's). Released, STDDEV is the
+    square root of VAR exactly (one noisy variance)."""
+    query, _, _ = build("SELECT browser, VAR_POP(duration), STDDEV_POP(duration), "
+                        "AVG(duration) FROM visits GROUP BY browser")
+    plan = make_plan(query, 1.0, 1e-6, 5, NoiseKind.LAPLACE)
+    assert [q.name for q in plan.quantities] == ["dp_a0_n", "dp_a0_csum", "dp_a0_csq"]
+    text = "\n".join(explain_lines(query, plan, []))
+    assert "  var_pop, stddev_pop, avg: n, " in text and "  var_pop, stddev_pop: csq, " in text
+    assert all(q.epsilon == (1 - TUNING_SHARE) / 4 for q in plan.quantities)
+    assert plan.cost.epsilon == 1
+    # (the clip is chosen for the argument and range: every aggregate of them gets it)
+    _, again = replan_with_bounds(query, plan, dict.fromkeys(range(3), Bounds(0, 900)), 48, 6)
+    assert again.same == plan.same and again.cost == plan.cost
+    with pytest.raises(InternalError):
+        replan_with_bounds(query, plan, {0: Bounds(0, 900)}, 48, 6)
+    assert again.quantity_of(2, Component.N).sensitivity == 6.0
+    unshared = [
+        "SELECT browser, AVG(duration), AVG(duration + 1) FROM visits GROUP BY browser",
+        "SELECT browser, SUM(duration), SUM(duration, contribution_bounds_per_group => (0, 3600))"
+        " FROM visits GROUP BY browser",
+        "SELECT WITH ANONYMIZATION browser, ANON_AVG(duration, 0, 10), ANON_AVG(duration, 0, 20)"
+        " FROM visits GROUP BY browser",
+        "SELECT WITH ANONYMIZATION category, ANON_AVG(amount * 2), ANON_VAR(amount * 2) "
+        "FROM purchases GROUP BY category",
+    ]
+    for sql in unshared:
+        q, p, _ = build(sql)
+        assert not p.same, sql
+    q, p, _ = build("SELECT WITH ANONYMIZATION browser, ANON_AVG(duration, 0, 10), "
+                    "ANON_STDDEV(duration, 0, 10), ANON_VAR(duration, 0, 10) FROM visits "
+                    "GROUP BY browser")
+    assert {(i, c) for i, c, _ in p.same} == {
+        (1, Component.N), (1, Component.CENTERED_SUM), (2, Component.N),
+        (2, Component.CENTERED_SUM), (2, Component.CENTERED_SQUARES)}
+    assert len(p.quantities) == 3
+    rows = [{"dp_t0": "x", "dp_k0": "x", "dp_h0": None, "dp_users": 500, "dp_a0_n": 500.0,
+             "dp_a0_csum": -1000.0, "dp_a1_csq": 5000.0}]
+    out = release(q, p, rows, np.random.default_rng(3)).rows
+    assert len(out) == 1
+    _, avg, stddev, var = out[0]
+    assert 0 <= avg <= 10 and stddev == pytest.approx(math.sqrt(var), rel=1e-12)

@@ -104,6 +104,12 @@ SHAPES = {
                                          "COUNT(*) FROM visits GROUP BY browser",
     "row-level variance, T and clip chosen": f"{DP}) VAR_POP(CASE WHEN duration > 3 THEN 1 "
                                              "ELSE 0.25 END) FROM visits",
+    # VAR's count, centred sum and squares are STDDEV's too (one noisy quantity each, a
+    # larger share of ε): STDDEV released
+    "row-level variance and stddev, T = 2, shared": f"{DP}, max_rows_contributed=2) "
+                                                    "VAR_POP(CASE WHEN duration > 3 THEN 1 ELSE "
+                                                    "0.25 END), STDDEV_POP(CASE WHEN duration > 3 "
+                                                    "THEN 1 ELSE 0.25 END) FROM visits",
 }
 """Global queries, and grouped ones with a large δ (so that groups of a few users are
 sometimes released): the first group's value, or NOT_RELEASED."""

@@ -11,8 +11,16 @@ import asyncpg
 import numpy as np
 import pytest
 
-from dp_core.binned import Binned, TuningStats, binned_plan, binned_row, resolve, value_bin_columns
-from dp_core.plan import Component, replan_with_bounds
+from dp_core.binned import (
+    Binned,
+    TuningStats,
+    binned_plan,
+    binned_row,
+    clipped_aggregates,
+    resolve,
+    value_bin_columns,
+)
+from dp_core.plan import replan_with_bounds
 from dp_core.query import Bounds
 from dp_core.rewrite import binned, pushdown
 from dp_core.tuning import ROW_EDGES, groups_threshold, value_thresholds
@@ -71,7 +79,8 @@ def test_resolved_sums_are_the_statement_for_that_t_and_clip(backend: Backend, s
     columns, terms = binned_plan(query, plan)
     pd = pushdown(query, plan, order_seed=11)
     assert list(pd.statements()) == ["main"]
-    clipped = {q.aggregate for q in plan.tuning if q.component == Component.VALUES}
+    # (as `tuning.tune` gives them: every aggregate of a clipped argument and range)
+    clipped = clipped_aggregates(query, plan)
 
     async def go() -> None:
         conn = await asyncpg.connect(backend.admin_dsn)
