@@ -25,6 +25,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from dp_core.errors import InternalError
+from dp_core.partials import mean_clamped
 from dp_core.plan import Component, DPQueryPlan, clip_tuned
 from dp_core.query import AnalyzedQuery, Bounds
 from dp_core.tuning import ROW_EDGES, value_thresholds
@@ -45,15 +46,30 @@ class BinnedColumn:
     candidate: int = 0
     bounds: Bounds | None = None
     """The candidate's bounds (s and q)."""
+    counted: int = -1
+    """For s of a clip that bounds users' means (`AnalyzedQuery.clips_means`): the aggregate
+    whose n column counts its values; -1: the clip bounds each row."""
 
     @property
     def partial(self) -> str:
-        """Its per-user partial's column."""
+        """Its per-user partial's column (s of a clip: the sum within the aggregate's own
+        bounds, candidate 0, which `value` clamps)."""
         if self.kind == "rows":
             return "dp_rows"
         if self.kind == "n":
             return f"dp_n{self.aggregate}"
-        return f"dp_{self.kind}{self.aggregate}c{self.candidate}"
+        candidate = 0 if self.kind == "s" and self.counted >= 0 else self.candidate
+        return f"dp_{self.kind}{self.aggregate}c{candidate}"
+
+    @property
+    def value(self) -> str:
+        """Its value on a (user, group) row: the partial; for s of a clip, the user's sum with
+        its mean clamped to the clip (`partials.mean_clamped`: rows × the clip at most), as
+        a row-level SUM's or mean's with that clip is (`Aggregate.row_bounds`)."""
+        if self.kind != "s" or self.candidate == 0 or self.counted < 0:
+            return self.partial
+        assert self.bounds is not None
+        return mean_clamped(self.partial, f"dp_n{self.counted}", self.bounds)
 
 
 def candidates(bounds: Bounds, clipped: bool) -> list[Bounds]:
@@ -94,11 +110,12 @@ def binned_plan(query: AnalyzedQuery, plan: DPQueryPlan
     columns: list[BinnedColumn] = []
     index: dict[tuple[str, int, int], int] = {}
 
-    def col(kind: str, a: int = -1, k: int = 0, b: Bounds | None = None) -> int:
+    def col(kind: str, a: int = -1, k: int = 0, b: Bounds | None = None,
+            counted: int = -1) -> int:
         key = (kind, a, k)
         if key not in index:
             index[key] = len(columns)
-            columns.append(BinnedColumn(kind, a, k, b))
+            columns.append(BinnedColumn(kind, a, k, b, counted))
         return index[key]
 
     terms: dict[str, list[tuple[Bounds | None, Terms]]] = {}
@@ -117,13 +134,17 @@ def binned_plan(query: AnalyzedQuery, plan: DPQueryPlan
             continue
         a = _first(query, i, True)
         options: list[tuple[Bounds | None, Terms]] = []
+        counted = _first(query, i, False)
+        means = query.clips_means(i)
         for k, b in enumerate(candidates(agg.known_bounds, i in clipped)):
             m = (b.lower + b.upper) / 2
-            s_ = col("s", a, k, b)
+            s_ = col("s", a, k, b, counted if means else -1)
+            if k and means:  # (a clip's sums are clamped from the unclipped sum and count)
+                col("n", counted)
             if q.component == Component.SUM:
                 options.append((b, [(s_, 1.0)]))
                 continue
-            n = col("n", _first(query, i, False))
+            n = col("n", counted)
             if q.component == Component.CENTERED_SUM:
                 options.append((b, [(s_, 1.0), (n, -m)]))
             else:  # (q is centred on m already)

@@ -8,8 +8,10 @@ fails on NaN or infinities.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dp_core.errors import FeatureNotSupported, InternalError
-from dp_core.query import AggKind, Aggregate
+from dp_core.query import AggKind, Aggregate, Bounds
 from dp_core.splice import PH
 
 
@@ -102,13 +104,17 @@ def partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
     group of its clamped row values (`row_value`), weighted later (`weighted`)."""
     if agg.row_level and agg.kind is not AggKind.COUNT:
         check_number(agg, arg_type)
-        r = row_value(i, agg, arg_type)
+        # (with a clip, `row_bounds`: sums of the rows within their own bounds, which
+        # `weighted` clamps to the count times the clip; squares of rows within the clip)
+        r = row_value(i, replace(agg, bounds=agg.row_bounds or agg.bounds), arg_type)
+        count = f"count({PH}a{i}) AS dp_n{i}"
         if agg.kind is AggKind.SUM:
-            return f"sum({r}) AS dp_p{i}"
+            return f"sum({r}) AS dp_p{i}" + (f", {count}" if agg.row_bounds else "")
         mid = f8((agg.known_bounds.lower + agg.known_bounds.upper) / 2)
-        cols = [f"sum({r}) AS dp_s{i}", f"count({PH}a{i}) AS dp_n{i}"]
+        cols = [f"sum({r}) AS dp_s{i}", count]
         if agg.kind is not AggKind.AVG:
-            cols.append(f"sum(({r} - {mid}) * ({r} - {mid})) AS dp_q{i}")
+            c = row_value(i, agg, arg_type)
+            cols.append(f"sum(({c} - {mid}) * ({c} - {mid})) AS dp_q{i}")
         return ", ".join(cols)
     if agg.kind is AggKind.COUNT:
         return f"count({PH}a{i}) AS dp_p{i}" if agg.arg is not None else f"count(*) AS dp_p{i}"
@@ -150,12 +156,24 @@ def check_number(agg: Aggregate, arg_type: str | None) -> None:
             hint="cast it in the query, e.g. x::numeric, where every value converts")
 
 
+def mean_clamped(total: str, count: str, bounds: Bounds) -> str:
+    """A user's sum of values in a group (`total`, of `count` values) with their mean clamped
+    to `bounds`: between count × lower and count × upper (0 for no values)."""
+    n = f"({count})::float8"
+    return f"LEAST(GREATEST({total}, {n} * {f8(bounds.lower)}), {n} * {f8(bounds.upper)})"
+
+
 def weighted(i: int, agg: Aggregate, component: str, weight: str) -> str:
     """The sum over (user, group) rows of a row-level aggregate's `component` (a
-    `dp_core.plan.Component` value), each user's partials times its `weight`."""
-    mid = f8((agg.known_bounds.lower + agg.known_bounds.upper) / 2)
-    term = {"count": f"dp_p{i}", "sum": f"dp_p{i}", "n": f"dp_n{i}",
-            "csum": f"(dp_s{i} - {mid} * dp_n{i})", "csq": f"dp_q{i}"}[component]
+    `dp_core.plan.Component` value), each user's partials times its `weight`; with a clip
+    (`Aggregate.row_bounds`), each user's sum clamped to its count times the clip."""
+    b = agg.known_bounds
+    mid = f8((b.lower + b.upper) / 2)
+    total = f"dp_p{i}" if agg.kind is AggKind.SUM else f"dp_s{i}"
+    if agg.row_bounds is not None:
+        total = mean_clamped(total, f"dp_n{i}", b)
+    term = {"count": f"dp_p{i}", "sum": total, "n": f"dp_n{i}",
+            "csum": f"({total} - {mid} * dp_n{i})", "csq": f"dp_q{i}"}[component]
     return f"sum({term} * {weight})"
 
 

@@ -72,6 +72,11 @@ class Aggregate:
     aggregate of rows, each row's value within `bounds`, each user's rows weighted down to
     at most max_rows_contributed in all its groups. False: the paper's per-user meaning
     (ANON_*, written per-group bounds), one clamped value per user and group."""
+    row_bounds: Bounds | None = None
+    """A row-level SUM's or mean's own bounds where a clip was chosen for the query within
+    them (`dp_core.tuning`): each row is then within `row_bounds` and each user's mean in a
+    group within `bounds` (the clip: its rows' sum at most rows × the clip), which bound the
+    noise as rows within `bounds` would; None: each row within `bounds`."""
 
     @property
     def known_bounds(self) -> Bounds:
@@ -221,10 +226,25 @@ class AnalyzedQuery:
     unresolved while any is left: such a query is never answered."""
 
     def with_bounds(self, found: Mapping[int, Bounds]) -> AnalyzedQuery:
-        """The query with bounds (from APPROX_BOUNDS) filled in for the given aggregates."""
-        aggregates = tuple(replace(a, bounds=found[i]) if i in found else a
-                           for i, a in enumerate(self.aggregates))
+        """The query with bounds filled in for the given aggregates: found by APPROX_BOUNDS,
+        or a clip chosen within a row-level SUM's or mean's bounds (`Aggregate.row_bounds`
+        keeps them: its rows stay within them, its users' means go within the clip)."""
+        aggregates = tuple(
+            a if i not in found else replace(a, bounds=found[i]) if a.bounds is None
+            or found[i] == a.bounds or not self.clips_means(i)
+            else replace(a, bounds=found[i], row_bounds=a.row_bounds or a.bounds)
+            for i, a in enumerate(self.aggregates))
         return replace(self, aggregates=aggregates)
+
+    def clips_means(self, i: int) -> bool:
+        """Whether a clip chosen for aggregate i bounds each user's mean in a group
+        (`Aggregate.row_bounds`): a row-level SUM's or AVG's, unless a VAR or STDDEV of the
+        same argument and bounds shares the clip (their squares bound rows: then every
+        aggregate of them clamps rows to it, as they share their count and sums)."""
+        a = self.aggregates[i]
+        return a.row_level and a.kind in (AggKind.SUM, AggKind.AVG) and not any(
+            b.row_level and b.kind in (AggKind.VAR, AggKind.STDDEV) and b.arg == a.arg
+            and b.bounds == a.bounds for b in self.aggregates)
 
     def with_hashed_keys(self, hashed: Iterable[int]) -> AnalyzedQuery:
         """The query with the given keys matched by hash (`Key.hashed`)."""

@@ -160,24 +160,35 @@ def _per_user_sum(component: str, p: str, lo: float, hi: float) -> str:
 
 
 def _value_bin_partials(query: AnalyzedQuery, i: int, arg_type: str | None) -> list[str]:
-    """Per-user counts of aggregate i's rows with a value, and at or above each of its value
-    thresholds (`tuning.value_thresholds`). (The value unclamped: within (L, U), a threshold
-    splits the values as it splits them clamped; NULL is never counted, NaN is above every
-    threshold as U is.)"""
+    """Per (user, group), what its rows of aggregate i in each value bin are made from: where
+    the clip bounds users' means (`AnalyzedQuery.clips_means`), the sum of its row values
+    within its bounds and their count (their ratio is the mean); else its rows with a value,
+    and at or above each of its value thresholds (`tuning.value_thresholds`; the value
+    unclamped: within (L, U), a threshold splits the values as it splits them clamped; NULL
+    is never counted, NaN is above every threshold as U is)."""
+    agg = query.aggregates[i]
+    if query.clips_means(i):
+        check_number(agg, arg_type)
+        return [f"sum({row_value(i, agg, arg_type)}) AS dp_v{i}_s",
+                f"count({PH}a{i}) AS dp_v{i}_n"]
     exact = arg_type in ("int2", "int4", "int8", "float4", "float8")
     r, lit = (f"({PH}a{i})::float8", f8) if exact else (f"({PH}a{i})::numeric", num)
     return [f"count({PH}a{i}) AS dp_v{i}_n",
             *(f"count(*) FILTER (WHERE {r} >= {lit(t)}) AS dp_v{i}_{j}" for j, t in
-              enumerate(value_thresholds(query.aggregates[i].known_bounds), start=1))]
+              enumerate(value_thresholds(agg.known_bounds), start=1))]
 
 
 def _value_bins(query: AnalyzedQuery, i: int) -> list[str]:
-    """A user's rows in each value bin of aggregate i, from `_value_bin_partials`' counts:
-    bin 0 [t1, U], bin j [t(j+1), t(j)), the last [L, t(last))."""
-    steps = len(value_thresholds(query.aggregates[i].known_bounds))
-    ge = [f"dp_v{i}_{j}" for j in range(1, steps + 1)]
-    return [ge[0], *(f"({ge[j + 1]} - {ge[j]})" for j in range(steps - 1)),
-            f"(dp_v{i}_n - {ge[-1]})"]
+    """A (user, group)'s rows of aggregate i in each value bin, from `_value_bin_partials`'
+    (where the clip bounds means, all its rows in the bin of their mean): bin 0 [t1, U],
+    bin j [t(j+1), t(j)), the last [L, t(last))."""
+    n = f"dp_v{i}_n"
+    thresholds = value_thresholds(query.aggregates[i].known_bounds)
+    ge = ([f"(CASE WHEN dp_v{i}_s >= ({n})::float8 * {f8(t)} THEN {n} ELSE 0 END)"
+           for t in thresholds] if query.clips_means(i)
+          else [f"dp_v{i}_{j}" for j in range(1, len(thresholds) + 1)])
+    return [ge[0], *(f"({ge[j + 1]} - {ge[j]})" for j in range(len(ge) - 1)),
+            f"({n} - {ge[-1]})"]
 
 
 def _key_columns(query: AnalyzedQuery) -> list[str]:
@@ -206,6 +217,8 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
             partials.append("count(*) AS dp_rows")
         elif c.kind == "n":
             partials.append(f"count({PH}a{c.aggregate}) AS {c.partial}")
+        elif c.kind == "s" and c.candidate and c.counted >= 0:
+            continue  # (a clip of means: clamped from candidate 0's per (user, group) row)
         else:
             assert c.bounds is not None
             agg = replace(query.aggregates[c.aggregate], bounds=c.bounds)
@@ -249,8 +262,8 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
         outer.append(f"sum({q.name}) AS {q.name}")
     sums = ["dp_first"]
     for j, column in enumerate(columns):
-        inner += [f"sum(({column.partial})::float8) AS dp_c{j}a",
-                  f"sum(({column.partial})::float8 / (dp_total)::float8) AS dp_c{j}b"]
+        inner += [f"sum(({column.value})::float8) AS dp_c{j}a",
+                  f"sum(({column.value})::float8 / (dp_total)::float8) AS dp_c{j}b"]
         sums += [f"dp_c{j}a", f"dp_c{j}b"]
     for i, names in value_bins.items():
         for name, part in zip(names, _value_bins(query, i), strict=True):

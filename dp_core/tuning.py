@@ -227,7 +227,8 @@ def value_thresholds(bounds: Bounds) -> list[float]:
 def choose_clip(bins: Sequence[float], bounds: Bounds, rows: float, weight: float,
                 noise: NoiseSpec, rng: np.random.Generator) -> tuple[float, float, float]:
     """(upper clip, share of the value beyond it, mean value of a row) of a row-level
-    aggregate whose rows fall in value bins `bins` (true, each user's rows weighted by 1 /
+    aggregate whose rows fall in value bins `bins` by their user's mean in the group (the
+    clip bounds that mean: `Aggregate.row_bounds`; true, each user's rows weighted by 1 /
     its rows: bin 0 holds [t1, U], bin j [t(j+1), t(j)), the last [L, t(last)), t from
     `value_thresholds`): the candidate of least estimated error, `rows` times the mean value
     beyond it plus `weight` times its range (the noise a range brings, per unit: groups × T

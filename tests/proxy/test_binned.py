@@ -120,3 +120,63 @@ def test_resolved_sums_are_the_statement_for_that_t_and_clip(backend: Backend, s
 
 def _close(a: Any, e: Any) -> bool:
     return math.isclose(float(a), float(e or 0), rel_tol=1e-9, abs_tol=1e-6)
+
+
+def test_a_clip_bounds_each_users_mean_in_a_group(backend: Backend) -> None:
+    """Computed apart on the demo data: with T = 8 and SUM(duration)'s clip 450 (its rows
+    within [0, 3600]), the statement written for them sums, per browser, each user's sum
+    there clamped to its values × 450 (its mean to 450: not each row to 450), times min(1,
+    8 / its rows); AVG's count and centred sum likewise. The binned statement's value bins
+    (what the clip is chosen from) hold each (user, browser)'s values in the bin of their
+    mean there, weighted by 1 / the user's rows."""
+    sql = "SELECT browser, SUM(duration), AVG(duration) FROM visits GROUP BY browser"
+    query, plan, _ = build(sql, max_groups=2)
+    clipped = clipped_aggregates(query, plan)
+    assert clipped == {0, 1}
+    q2, p2 = replan_with_bounds(query, plan, dict.fromkeys(clipped, Bounds(0, 450)), 8, 8, 8)
+    assert q2.aggregates[0].row_bounds == Bounds(0, 3600)
+    written = pushdown(q2, p2, order_seed=11).main
+    binned_main = pushdown(query, plan, order_seed=11).main
+    assert written is not None and binned_main is not None
+    per_user = ("WITH u AS (SELECT uid, browser, sum(duration) AS s, count(duration) AS n, "
+                "count(*) AS r FROM visits WHERE uid IS NOT NULL GROUP BY 1, 2), "
+                "t AS (SELECT uid, sum(r) AS total FROM u GROUP BY 1) ")
+    thresholds = value_thresholds(Bounds(0, 3600))
+
+    async def go() -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            await conn.execute("SET hash_mem_multiplier = 8")
+            expected = {r["browser"]: r for r in await conn.fetch(
+                per_user + "SELECT browser, sum(least(coalesce(s, 0), n * 450.0) "
+                "* least(1.0, 8.0 / total)) AS sum, sum(n * least(1.0, 8.0 / total)) AS n, "
+                "sum((least(coalesce(s, 0), n * 450.0) - 225.0 * n) * least(1.0, 8.0 / total)) "
+                "AS csum FROM u JOIN t USING (uid) GROUP BY browser")}
+            got = {r["dp_t0"]: r for r in await conn.fetch(written)}
+            assert set(got) == set(expected)
+            for key, e in expected.items():
+                assert _close(got[key]["dp_a0_sum"], e["sum"])
+                assert _close(got[key]["dp_a1_n"], e["n"])
+                assert _close(got[key]["dp_a1_csum"], e["csum"])
+            # the row-clamped sum is less: the clip bounds means, not rows
+            rows_clamped = await conn.fetchval(
+                per_user + "SELECT sum(v.c * least(1.0, 8.0 / t.total)) FROM (SELECT uid, "
+                "sum(least(duration, 450)) AS c FROM visits WHERE uid IS NOT NULL GROUP BY 1) "
+                "AS v JOIN t USING (uid)")
+            assert float(rows_clamped) < sum(float(e["sum"]) for e in expected.values())
+            bins = np.zeros(len(thresholds) + 1)
+            for r in await conn.fetch(per_user + "SELECT s, n, total FROM u JOIN t USING (uid) "
+                                                 "WHERE n > 0"):
+                mean = float(r["s"]) / float(r["n"])
+                b = next((j for j, th in enumerate(thresholds) if mean >= th), len(thresholds))
+                bins[b] += float(r["n"]) / float(r["total"])
+            columns, _ = binned_plan(query, plan)
+            stats = TuningStats(groups_threshold(plan))
+            for r in await conn.fetch(binned_main):
+                stats.add(binned_row(r, len(columns)), value_bin_columns(query, plan))
+            (values,) = stats.values.values()
+            assert np.allclose(values, bins, rtol=1e-9, atol=1e-6), (values, bins)
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
