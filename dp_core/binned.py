@@ -26,7 +26,7 @@ from numpy.typing import NDArray
 
 from dp_core.errors import InternalError
 from dp_core.partials import mean_clamped
-from dp_core.plan import Component, DPQueryPlan, clip_tuned
+from dp_core.plan import Component, DPQueryPlan, clip_tuned, shares_clip
 from dp_core.query import AnalyzedQuery, Bounds
 from dp_core.tuning import ROW_EDGES, value_thresholds
 
@@ -85,8 +85,7 @@ def clipped_aggregates(query: AnalyzedQuery, plan: DPQueryPlan) -> set[int]:
     the ones that share their argument and bounds (`tuning.tune_rows` gives them its clip)."""
     tuned = [query.aggregates[q.aggregate] for q in plan.tuning
              if q.component == Component.VALUES and q.aggregate is not None]
-    return {i for i, a in enumerate(query.aggregates)
-            if a.row_level and any(a.arg == t.arg and a.bounds == t.bounds for t in tuned)}
+    return {i for i, a in enumerate(query.aggregates) if any(shares_clip(t, a) for t in tuned)}
 
 
 def _first(query: AnalyzedQuery, i: int, same_bounds: bool) -> int:

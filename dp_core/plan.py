@@ -239,17 +239,27 @@ VALUE_STEPS = 7
 """A configured range [L, U] is clipped, for one query, at one of L + (U − L)·2^−j, j < this."""
 
 
+def shares_clip(a: Aggregate, b: Aggregate) -> bool:
+    """Whether row-level aggregate b gets the clip chosen for a: a sum or mean (a COUNT(x)'s
+    bounds [0, 1] are what a row counts, not a range to clip, whatever x's own) of the same
+    argument and bounds."""
+    return b.row_level and b.kind in CLIPPED_KINDS and b.arg == a.arg and b.bounds == a.bounds
+
+
+CLIPPED_KINDS = frozenset({AggKind.SUM, AggKind.AVG, AggKind.VAR, AggKind.STDDEV})
+"""The row-level aggregates a clip is chosen for."""
+
+
 def clip_tuned(query: AnalyzedQuery, auto: frozenset[int] = frozenset()) -> tuple[int, ...]:
     """The row-level sums and means whose clip within their configured bounds [L, U] (L ≥ 0)
     is chosen with T (`dp_core.tuning`): the first of each argument and bounds, others
     sharing its choice; not those whose bounds APPROX_BOUNDS finds (`auto`)."""
     out: list[int] = []
     for i, a in enumerate(query.aggregates):
-        if not a.row_level or a.kind is AggKind.COUNT or a.bounds is None or i in auto \
+        if not a.row_level or a.kind not in CLIPPED_KINDS or a.bounds is None or i in auto \
                 or a.bounds.lower < 0 or a.arg is None:
             continue
-        if not any(query.aggregates[j].arg == a.arg and query.aggregates[j].bounds == a.bounds
-                   for j in out):
+        if not any(shares_clip(query.aggregates[j], a) for j in out):
             out.append(i)
     return tuple(out)
 
@@ -440,6 +450,9 @@ def replan_with_bounds(query: AnalyzedQuery, plan: DPQueryPlan, found: Mapping[i
                       max_rows if max_rows is not None else plan.max_rows, bool(plan.tuning),
                       mean_rows if max_rows is not None else plan.mean_rows,
                       sum_rows if max_rows is not None else plan.sum_rows)
+    if any(a.row_level and a.kind is AggKind.COUNT and a.bounds != Bounds(0, 1)
+           for a in query.aggregates):
+        raise InternalError("a row-level count given bounds (this is a bug)")
     if again.cost != plan.cost or again.same != plan.same:
         # (the clips chosen are each argument and range's: its aggregates' stay alike)
         raise InternalError("the plan's cost or shared quantities changed with its bounds "

@@ -187,6 +187,8 @@ def _value_bins(query: AnalyzedQuery, i: int) -> list[str]:
     ge = ([f"(CASE WHEN dp_v{i}_s >= ({n})::float8 * {f8(t)} THEN {n} ELSE 0 END)"
            for t in thresholds] if query.clips_means(i)
           else [f"dp_v{i}_{j}" for j in range(1, len(thresholds) + 1)])
+    if not ge:  # (a range too narrow to clip: one bin)
+        return [n]
     return [ge[0], *(f"({ge[j + 1]} - {ge[j]})" for j in range(len(ge) - 1)),
             f"({n} - {ge[-1]})"]
 

@@ -31,7 +31,7 @@ from dp_core.errors import InternalError
 from dp_core.mechanism_choices import NoiseKind, SelectionKind
 from dp_core.mechanisms import NoiseSpec, users_kept_with
 from dp_core.partials import MEANS
-from dp_core.plan import VALUE_STEPS, Component, DPQueryPlan, replan_with_bounds
+from dp_core.plan import VALUE_STEPS, Component, DPQueryPlan, replan_with_bounds, shares_clip
 from dp_core.quantiles import bounds_threshold
 from dp_core.query import AggKind, AnalyzedQuery, Bounds
 
@@ -219,9 +219,15 @@ def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise
 
 def value_thresholds(bounds: Bounds) -> list[float]:
     """Where a configured range [L, U] may be clipped for one query, high to low:
-    L + (U − L)·2^−j for j = 1 … VALUE_STEPS − 1 (U itself is the first choice)."""
-    return [bounds.lower + (bounds.upper - bounds.lower) * 2.0 ** -j
-            for j in range(1, VALUE_STEPS)]
+    L + (U − L)·2^−j for j = 1 … VALUE_STEPS − 1 (U itself is the first choice), each
+    above L and below the one before (a range so narrow that a step rounds to its
+    neighbour has fewer: a clip at L would leave a mean's range, and its noise, at 0)."""
+    out: list[float] = []
+    for j in range(1, VALUE_STEPS):
+        t = bounds.lower + (bounds.upper - bounds.lower) * 2.0 ** -j
+        if bounds.lower < t < (out[-1] if out else bounds.upper):
+            out.append(t)
+    return out
 
 
 def choose_clip(bins: Sequence[float], bounds: Bounds, rows: float, weight: float,
@@ -338,7 +344,7 @@ def tune(plan: DPQueryPlan, histogram: Mapping[int, int], groups: int,
         upper, share, mean = choose_clip(bins, b, tuned.rows_total, tuned.groups * unit * t *
                                          (0.5 if agg.kind in MEANS else 1.0), q.spec, rng)
         for j, other in enumerate(query.aggregates):
-            if other.row_level and other.arg == agg.arg and other.bounds == b:
+            if shares_clip(agg, other):
                 clips[j], clipped[j], means[j] = Bounds(b.lower, upper), share, mean
     sums = [j for j, a in enumerate(query.aggregates)
             if a.row_level and a.kind is AggKind.SUM] if query is not None else []

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dp_core.accounting import AnswerCost
+from dp_core.binned import clipped_aggregates
 from dp_core.errors import InternalError, InvalidParameterValue
 from dp_core.explain import explain_lines
 from dp_core.mechanism_choices import SelectionKind
@@ -23,6 +24,7 @@ from dp_core.tuning import (
     choose_clip,
     choose_max_rows,
     choose_sum_rows,
+    replan_tuned,
     tune,
     tune_rows,
     typical_groups,
@@ -381,3 +383,44 @@ def test_a_clip_bounds_users_means_unless_a_variance_shares_it() -> None:
     found, _, _ = build("SELECT WITH ANONYMIZATION category, ANON_SUM(amount * 2) FROM purchases "
                         "GROUP BY category")
     assert found.with_bounds({0: Bounds(0, 64)}).aggregates[0].row_bounds is None
+
+
+def test_a_count_of_a_column_never_takes_its_sums_clip() -> None:
+    """A row-level COUNT(x) has bounds [0, 1] (a row counts 1): where x's own bounds are [0, 1]
+    too, SUM(x)'s clip must not become the count's, whose rows still count 1 each (its noise
+    would be calibrated for T × the clip: down to 1/64 of the sensitivity). Found
+    by review; on 72d2593 the count's sensitivity after the replan is the clip × T."""
+    x = "CASE WHEN duration > 3 THEN 1 ELSE 0 END"
+    query, _, _ = build(f"SELECT browser, COUNT({x}) AS c, SUM({x}) AS s, AVG({x}) AS a "
+                        "FROM visits GROUP BY browser", max_groups=2)
+    plan = make_plan(query, 1.0, 1e-6, 2, NoiseKind.LAPLACE)
+    hist = {ROW_EDGES.index(8) + 1: 5000}
+    # every user's mean in the lowest value bin: the lowest clip
+    values = {1: {VALUE_STEPS - 1: 5000.0}}
+    tuned = tune(plan, hist, 0, values, np.random.default_rng(2), query, released_users=[2500.0])
+    assert set(tuned.clips) == {1, 2} and tuned.clips[1].upper < 1
+    q2, p2 = replan_tuned(query, plan, tuned)
+    assert q2.aggregates[0].bounds == Bounds(0, 1.0)
+    assert p2.quantity_of(0, Component.COUNT).sensitivity == tuned.max_rows
+    assert clipped_aggregates(query, plan) == {1, 2}
+    # the replan refuses a count given other bounds
+    with pytest.raises(InternalError):
+        replan_with_bounds(query, plan, {0: Bounds(0, 0.5)}, 8, 8, 8)
+
+
+def test_a_range_too_narrow_to_halve_has_fewer_clips() -> None:
+    """[1, 1 + 1e-15]: its halvings round to 1 or repeat, so no candidate is at L (a mean's
+    range, and its noise, would be 0: the replan failed after the charge, found by review)
+    and none twice; a range of one float has none, its value bins one. The clip chosen is
+    always one the plan can take."""
+    narrow = Bounds(1.0, 1.0 + 1e-15)
+    t = value_thresholds(narrow)
+    assert all(narrow.lower < x < narrow.upper for x in t) and len(set(t)) == len(t) < 6
+    assert value_thresholds(Bounds(0, 3600)) == [1800, 900, 450, 225, 112.5, 56.25]
+    assert value_thresholds(Bounds(1.0, 1.0 + 2.0 ** -52)) == []
+    rng = np.random.default_rng(4)
+    for bounds in (narrow, Bounds(1.0, 1.0 + 2.0 ** -52)):
+        bins = [100.0] * (len(value_thresholds(bounds)) + 1)
+        for _ in range(20):
+            upper, _, _ = choose_clip(bins, bounds, 1000.0, 1e6, _exact(), rng)
+            assert bounds.lower < upper <= bounds.upper
