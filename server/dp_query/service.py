@@ -291,8 +291,10 @@ class DPService:
                         type(e).__name__)
             await self._release_on_quantum(arrived)
             raise QueryFailed() from None
-        released = release(run.query, run.plan, run.rows, quantiles=run.quantiles,
-                           selection=run.selection)
+        # (in a thread: the noise and the intervals' simulation of many groups take a while,
+        # which the other sessions of this worker would otherwise wait out)
+        released = await asyncio.to_thread(release, run.query, run.plan, run.rows,
+                                           quantiles=run.quantiles, selection=run.selection)
         sql = answer_sql(prepared, released.rows)
         try:
             budget = await self.ledger.budget(request.analyst)
