@@ -25,7 +25,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from dp_core.errors import InternalError
-from dp_core.partials import mean_clamped
+from dp_core.partials import f8, mean_clamped, squares_clamped
 from dp_core.plan import Component, DPQueryPlan, clip_tuned, shares_clip
 from dp_core.query import AnalyzedQuery, Bounds
 from dp_core.tuning import ROW_EDGES, value_thresholds
@@ -37,9 +37,10 @@ BINS = len(ROW_EDGES) + 1
 @dataclass(frozen=True)
 class BinnedColumn:
     """A sum over a group's (user, group) rows, per bin: "rows" (COUNT(*)), "n" (the values
-    of an argument present: COUNT(x)), "s" (its values clamped to a candidate's bounds) or
-    "q" (their squared distances to the candidate's midpoint). `aggregate` is the first
-    aggregate with this argument (and, for s and q, bounds): whose partial it reads."""
+    of an argument present: COUNT(x)), "s" (their sum, with the user's mean clamped to a
+    candidate's bounds) or "q" (their squared distances to the candidate's midpoint, clamped
+    to the values × half its range squared). `aggregate` is the first aggregate with this
+    argument (and, for s and q, bounds): whose partials it reads."""
 
     kind: str
     aggregate: int = -1
@@ -47,29 +48,45 @@ class BinnedColumn:
     bounds: Bounds | None = None
     """The candidate's bounds (s and q)."""
     counted: int = -1
-    """For s of a clip that bounds users' means (`AnalyzedQuery.clips_means`): the aggregate
-    whose n column counts its values; -1: the clip bounds each row."""
+    """For s and q: the aggregate whose n column counts the argument's values."""
 
     @property
     def partial(self) -> str:
-        """Its per-user partial's column (s of a clip: the sum within the aggregate's own
-        bounds, candidate 0, which `value` clamps)."""
+        """Its per-user partial's column (of rows, n, and s: the sum of the values within the
+        aggregate's own bounds, which `value` clamps for a clip; q has two, `q_partials`)."""
         if self.kind == "rows":
             return "dp_rows"
         if self.kind == "n":
             return f"dp_n{self.aggregate}"
-        candidate = 0 if self.kind == "s" and self.counted >= 0 else self.candidate
-        return f"dp_{self.kind}{self.aggregate}c{candidate}"
+        if self.kind == "s":
+            return f"dp_s{self.aggregate}c0"
+        raise InternalError("q is made of two partials")
 
     @property
     def value(self) -> str:
-        """Its value on a (user, group) row: the partial; for s of a clip, the user's sum with
-        its mean clamped to the clip (`partials.mean_clamped`: rows × the clip at most), as
-        a row-level SUM's or mean's with that clip is (`Aggregate.row_bounds`)."""
-        if self.kind != "s" or self.candidate == 0 or self.counted < 0:
+        """Its value on a (user, group) row: the partial; for s of a clip, the user's sum
+        with its mean clamped to the clip (`partials.mean_clamped`: rows × the clip at most);
+        for q, the squared distances to the candidate's midpoint from the rows' variance and
+        mean (`q_partials`), for a clip clamped to rows × half its range squared
+        (`partials.squares_clamped`): as a row-level aggregate's with that clip is
+        (`Aggregate.row_bounds`)."""
+        if self.kind not in ("s", "q"):
             return self.partial
         assert self.bounds is not None
-        return mean_clamped(self.partial, f"dp_n{self.counted}", self.bounds)
+        n = f"dp_n{self.counted}"
+        if self.kind == "s":
+            return self.partial if self.candidate == 0 \
+                else mean_clamped(self.partial, n, self.bounds)
+        m = f8((self.bounds.lower + self.bounds.upper) / 2)
+        a = self.aggregate
+        squares = (f"(({n})::float8 * dp_w{a} + ({n})::float8 * (dp_m{a} - {m}) "
+                   f"* (dp_m{a} - {m}))")
+        return squares if self.candidate == 0 else squares_clamped(squares, n, self.bounds)
+
+    def q_partials(self, row: str) -> list[str]:
+        """For q: the per-user variance and mean of the values (`row`: within the
+        aggregate's own bounds) its value is made from."""
+        return [f"var_pop({row}) AS dp_w{self.aggregate}", f"avg({row}) AS dp_m{self.aggregate}"]
 
 
 def candidates(bounds: Bounds, clipped: bool) -> list[Bounds]:
@@ -134,11 +151,12 @@ def binned_plan(query: AnalyzedQuery, plan: DPQueryPlan
         a = _first(query, i, True)
         options: list[tuple[Bounds | None, Terms]] = []
         counted = _first(query, i, False)
-        means = query.clips_means(i)
+        if not query.clips_means(i):
+            raise InternalError(f"a row-level {agg.kind.value} whose clip would bound rows")
         for k, b in enumerate(candidates(agg.known_bounds, i in clipped)):
             m = (b.lower + b.upper) / 2
-            s_ = col("s", a, k, b, counted if means else -1)
-            if k and means:  # (a clip's sums are clamped from the unclipped sum and count)
+            s_ = col("s", a, k, b, counted)
+            if k:  # (a clip's sums are clamped from the unclipped sum and count)
                 col("n", counted)
             if q.component == Component.SUM:
                 options.append((b, [(s_, 1.0)]))
@@ -147,7 +165,8 @@ def binned_plan(query: AnalyzedQuery, plan: DPQueryPlan
             if q.component == Component.CENTERED_SUM:
                 options.append((b, [(s_, 1.0), (n, -m)]))
             else:  # (q is centred on m already)
-                options.append((b, [(col("q", a, k, b), 1.0)]))
+                options.append((b, [(col("q", a, k, b, counted), 1.0)]))
+                col("n", counted)
         terms[q.name] = options
     return columns, terms
 

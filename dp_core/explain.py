@@ -168,17 +168,15 @@ def _row_level_lines(query: AnalyzedQuery, plan: DPQueryPlan) -> list[str]:
     clipped = {q.aggregate for q in plan.tuning if q.aggregate is not None}
     for q in plan.tuning:
         if q.aggregate is not None:
-            binned_by = ("bin of their user's mean in the group"
-                         if query.clips_means(q.aggregate) else "value bin")
             lines.append(f"Clip of {visible_name(query, q.aggregate)} from DP statistics: its "
-                         f"rows per {binned_by} (each user's weighted by 1 / its rows), "
-                         f"laplace scale {fmt(q.spec.scale)}, epsilon {fmt(float(q.epsilon))}")
+                         f"rows per bin of their user's mean in the group (each user's "
+                         f"weighted by 1 / its rows), laplace scale {fmt(q.spec.scale)}, "
+                         f"epsilon {fmt(float(q.epsilon))}")
     for i, a in enumerate(query.aggregates):
         if a.row_level and a.bounds is not None and a.arg is not None \
                 and a.kind is not AggKind.COUNT:
-            what = "each user's mean in a group" if query.clips_means(i) else "each row"
-            how = (f"; {what} clamped to a clip within it, of least estimated error (value "
-                   "beyond it + groups x the noise its range brings)"
+            how = ("; each user's mean in a group clamped to a clip within it, of least "
+                   "estimated error (value beyond it + groups x the noise its range brings)"
                    if any(query.aggregates[j].arg == a.arg and query.aggregates[j].bounds
                           == a.bounds for j in clipped) else "")
             lines.append(f"  {visible_name(query, i)}: each row's value clamped to "
@@ -243,11 +241,9 @@ def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
                        "histogram that misses users too few to show in it")
         for i, b in sorted(tuned.clips.items()):
             if any(o.aggregate == i for o in query.outputs):
-                what = ("each user's mean in a group" if query.aggregates[i].row_bounds
-                        else "rows")
-                details.append(f"{visible_name(query, i)}: {what} clipped to [{fmt(b.lower)}, "
-                               f"{fmt(b.upper)}], about {_pct(tuned.clipped[i])} of its value "
-                               "beyond")
+                details.append(f"{visible_name(query, i)}: each user's mean in a group "
+                               f"clipped to [{fmt(b.lower)}, {fmt(b.upper)}], about "
+                               f"{_pct(tuned.clipped[i])} of its value beyond")
     elif plan.max_rows is not None:
         details.append(f"max_rows_contributed {plan.max_rows} rows per user")
     return message, "; ".join(details) if details else None

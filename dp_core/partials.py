@@ -112,9 +112,14 @@ def partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
             return f"sum({r}) AS dp_p{i}" + (f", {count}" if agg.row_bounds else "")
         mid = f8((agg.known_bounds.lower + agg.known_bounds.upper) / 2)
         cols = [f"sum({r}) AS dp_s{i}", count]
-        if agg.kind is not AggKind.AVG:
-            c = row_value(i, agg, arg_type)
-            cols.append(f"sum(({c} - {mid}) * ({c} - {mid})) AS dp_q{i}")
+        if agg.kind is not AggKind.AVG and agg.row_bounds is not None:
+            # the rows' squared distances to the clip's midpoint, from their variance and
+            # mean (one numerically stable state; `weighted` clamps them to count × half²)
+            n = f"count({PH}a{i})"
+            cols.append(f"var_pop({r}) * {n} + {n} * (avg({r}) - {mid}) * (avg({r}) - {mid}) "
+                        f"AS dp_q{i}")
+        elif agg.kind is not AggKind.AVG:
+            cols.append(f"sum(({r} - {mid}) * ({r} - {mid})) AS dp_q{i}")
         return ", ".join(cols)
     if agg.kind is AggKind.COUNT:
         return f"count({PH}a{i}) AS dp_p{i}" if agg.arg is not None else f"count(*) AS dp_p{i}"
@@ -170,11 +175,20 @@ def weighted(i: int, agg: Aggregate, component: str, weight: str) -> str:
     b = agg.known_bounds
     mid = f8((b.lower + b.upper) / 2)
     total = f"dp_p{i}" if agg.kind is AggKind.SUM else f"dp_s{i}"
+    squares = f"dp_q{i}"
     if agg.row_bounds is not None:
         total = mean_clamped(total, f"dp_n{i}", b)
+        squares = squares_clamped(squares, f"dp_n{i}", b)
     term = {"count": f"dp_p{i}", "sum": total, "n": f"dp_n{i}",
-            "csum": f"({total} - {mid} * dp_n{i})", "csq": f"dp_q{i}"}[component]
+            "csum": f"({total} - {mid} * dp_n{i})", "csq": squares}[component]
     return f"sum({term} * {weight})"
+
+
+def squares_clamped(squares: str, count: str, bounds: Bounds) -> str:
+    """A user's sum of squared distances to the midpoint of `bounds` in a group (`squares`, of
+    `count` values) clamped to count × half the range squared (0 for no values)."""
+    half = (bounds.upper - bounds.lower) / 2
+    return f"LEAST({squares}, ({count})::float8 * {f8(half * half)})"
 
 
 MEANS = frozenset({AggKind.AVG, AggKind.VAR, AggKind.STDDEV})

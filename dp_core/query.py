@@ -237,14 +237,12 @@ class AnalyzedQuery:
         return replace(self, aggregates=aggregates)
 
     def clips_means(self, i: int) -> bool:
-        """Whether a clip chosen for aggregate i bounds each user's mean in a group
-        (`Aggregate.row_bounds`): a row-level SUM's or AVG's, unless a VAR or STDDEV of the
-        same argument and bounds shares the clip (their squares bound rows: then every
-        aggregate of them clamps rows to it, as they share their count and sums)."""
+        """Whether a clip chosen for aggregate i bounds each user's mean in a group (and, for
+        VAR and STDDEV, its mean squared distance to the clip's midpoint), its rows staying
+        within its own bounds (`Aggregate.row_bounds`): a row-level SUM's, AVG's, VAR's or
+        STDDEV's."""
         a = self.aggregates[i]
-        return a.row_level and a.kind in (AggKind.SUM, AggKind.AVG) and not any(
-            b.row_level and b.kind in (AggKind.VAR, AggKind.STDDEV) and b.arg == a.arg
-            and b.bounds == a.bounds for b in self.aggregates)
+        return a.row_level and a.kind in (AggKind.SUM, AggKind.AVG, AggKind.VAR, AggKind.STDDEV)
 
     def with_hashed_keys(self, hashed: Iterable[int]) -> AnalyzedQuery:
         """The query with the given keys matched by hash (`Key.hashed`)."""

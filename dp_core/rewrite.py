@@ -160,33 +160,22 @@ def _per_user_sum(component: str, p: str, lo: float, hi: float) -> str:
 
 
 def _value_bin_partials(query: AnalyzedQuery, i: int, arg_type: str | None) -> list[str]:
-    """Per (user, group), what its rows of aggregate i in each value bin are made from: where
-    the clip bounds users' means (`AnalyzedQuery.clips_means`), the sum of its row values
-    within its bounds and their count (their ratio is the mean); else its rows with a value,
-    and at or above each of its value thresholds (`tuning.value_thresholds`; the value
-    unclamped: within (L, U), a threshold splits the values as it splits them clamped; NULL
-    is never counted, NaN is above every threshold as U is)."""
+    """Per (user, group): the sum of aggregate i's row values within its bounds and their
+    count, whose ratio is the user's mean in the group that a clip bounds
+    (`Aggregate.row_bounds`)."""
     agg = query.aggregates[i]
-    if query.clips_means(i):
-        check_number(agg, arg_type)
-        return [f"sum({row_value(i, agg, arg_type)}) AS dp_v{i}_s",
-                f"count({PH}a{i}) AS dp_v{i}_n"]
-    exact = arg_type in ("int2", "int4", "int8", "float4", "float8")
-    r, lit = (f"({PH}a{i})::float8", f8) if exact else (f"({PH}a{i})::numeric", num)
-    return [f"count({PH}a{i}) AS dp_v{i}_n",
-            *(f"count(*) FILTER (WHERE {r} >= {lit(t)}) AS dp_v{i}_{j}" for j, t in
-              enumerate(value_thresholds(agg.known_bounds), start=1))]
+    check_number(agg, arg_type)
+    return [f"sum({row_value(i, agg, arg_type)}) AS dp_v{i}_s",
+            f"count({PH}a{i}) AS dp_v{i}_n"]
 
 
 def _value_bins(query: AnalyzedQuery, i: int) -> list[str]:
-    """A (user, group)'s rows of aggregate i in each value bin, from `_value_bin_partials`'
-    (where the clip bounds means, all its rows in the bin of their mean): bin 0 [t1, U],
-    bin j [t(j+1), t(j)), the last [L, t(last))."""
+    """A (user, group)'s rows of aggregate i in each value bin of its mean there, from
+    `_value_bin_partials`' (all its rows in the bin of their mean): bin 0 [t1, U], bin j
+    [t(j+1), t(j)), the last [L, t(last)) (`tuning.value_thresholds`)."""
     n = f"dp_v{i}_n"
-    thresholds = value_thresholds(query.aggregates[i].known_bounds)
-    ge = ([f"(CASE WHEN dp_v{i}_s >= ({n})::float8 * {f8(t)} THEN {n} ELSE 0 END)"
-           for t in thresholds] if query.clips_means(i)
-          else [f"dp_v{i}_{j}" for j in range(1, len(thresholds) + 1)])
+    ge = [f"(CASE WHEN dp_v{i}_s >= ({n})::float8 * {f8(t)} THEN {n} ELSE 0 END)"
+          for t in value_thresholds(query.aggregates[i].known_bounds)]
     if not ge:  # (a range too narrow to clip: one bin)
         return [n]
     return [ge[0], *(f"({ge[j + 1]} - {ge[j]})" for j in range(len(ge) - 1)),
@@ -213,29 +202,18 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     partials = [partial(i, agg, arg_types.get(i)) for i, agg in enumerate(query.aggregates)
                 if not agg.row_level and not reads_user_count(agg)
                 and agg.kind is not AggKind.QUANTILE]
-    squared = {(c.aggregate, c.candidate) for c in columns if c.kind == "q"}
-    for c in columns:  # each argument's counts and (candidate) sums once
+    for c in columns:  # each argument's counts, sums and squares once (candidate 0's)
         if c.kind == "rows":
             partials.append("count(*) AS dp_rows")
         elif c.kind == "n":
             partials.append(f"count({PH}a{c.aggregate}) AS {c.partial}")
-        elif c.kind == "s" and c.candidate and c.counted >= 0:
-            continue  # (a clip of means: clamped from candidate 0's per (user, group) row)
-        else:
-            assert c.bounds is not None
-            agg = replace(query.aggregates[c.aggregate], bounds=c.bounds)
+        elif c.candidate == 0:
+            # a candidate clip's sums and squares are made from these per (user, group)
+            # (`BinnedColumn.value`): each row's value within the aggregate's own bounds
+            agg = query.aggregates[c.aggregate]
             check_number(agg, arg_types.get(c.aggregate))
             r = row_value(c.aggregate, agg, arg_types.get(c.aggregate))
-            if (c.aggregate, c.candidate) not in squared:
-                partials.append(f"sum({r}) AS {c.partial}")
-                continue
-            # with squares: avg and var_pop of float8 share one transition state (Postgres
-            # evaluates the clamped value once per row for both), a numerically stable one;
-            # the squares centred on the candidate's midpoint m: n·var + n·(mean − m)²
-            n, m = f"count({PH}a{c.aggregate})", f8((c.bounds.lower + c.bounds.upper) / 2)
-            partials.append(f"avg({r}) * {n} AS {c.partial}" if c.kind == "s" else
-                            f"var_pop({r}) * {n} + {n} * (avg({r}) - {m}) * (avg({r}) - {m}) "
-                            f"AS {c.partial}")
+            partials += [f"sum({r}) AS {c.partial}"] if c.kind == "s" else c.q_partials(r)
     value_bins = value_bin_columns(query, plan)
     for i in value_bins:
         partials += _value_bin_partials(query, i, arg_types.get(i))

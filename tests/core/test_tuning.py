@@ -306,8 +306,8 @@ def test_explain_says_what_t_is_chosen_from() -> None:
         assert text.count("Clip of sum from DP statistics") == 1
         assert text.count("users have as their first group") == int(groups_line), text
         assert ("released groups' noisy user counts over the median" in text) != groups_line
-        # (beside VAR_POP, the clip bounds rows)
-        assert "rows per value bin" in text and "; each row clamped to a clip" in text
+        assert "rows per bin of their user's mean in the group" in text
+        assert text.count("; each user's mean in a group clamped to a clip") == 3
     means, _, _ = build("SELECT browser, SUM(duration), AVG(duration) FROM visits "
                         "GROUP BY browser")
     text = "\n".join(explain_lines(means, make_plan(means, 1.0, 1e-6, 5, NoiseKind.LAPLACE), []))
@@ -363,10 +363,10 @@ def test_aggregates_of_one_column_share_their_noisy_quantities() -> None:
     assert 0 <= avg <= 10 and stddev == pytest.approx(math.sqrt(var), rel=1e-12)
 
 
-def test_a_clip_bounds_users_means_unless_a_variance_shares_it() -> None:
-    """A clip chosen for row-level SUM and AVG bounds each user's mean in a group (its rows
-    keep the configured bounds, `row_bounds`); beside a VAR or STDDEV of the same argument and
-    bounds it bounds each row, for all of them; bounds APPROX_BOUNDS finds are not clips."""
+def test_a_clip_bounds_users_means() -> None:
+    """A clip chosen for row-level SUM, AVG, VAR and STDDEV bounds each user's mean in a group
+    (and its mean squared distance to the clip's midpoint; its rows keep the configured
+    bounds, `row_bounds`); not a COUNT's; bounds APPROX_BOUNDS finds are not clips."""
     q, _, _ = build("SELECT browser, SUM(duration), AVG(duration), COUNT(duration) FROM visits "
                     "GROUP BY browser")
     assert [q.clips_means(i) for i in range(3)] == [True, True, False]
@@ -378,8 +378,9 @@ def test_a_clip_bounds_users_means_unless_a_variance_shares_it() -> None:
     assert (again.bounds, again.row_bounds) == (Bounds(0, 450), Bounds(0, 3600))
     v, _, _ = build("SELECT browser, SUM(duration), STDDEV(duration) FROM visits "
                     "GROUP BY browser")
-    assert not v.clips_means(0)
-    assert v.with_bounds({0: Bounds(0, 900), 1: Bounds(0, 900)}).aggregates[0].row_bounds is None
+    assert v.clips_means(0) and v.clips_means(1)
+    assert [a.row_bounds for a in v.with_bounds(
+        {0: Bounds(0, 900), 1: Bounds(0, 900)}).aggregates] == [Bounds(0, 3600)] * 2
     found, _, _ = build("SELECT WITH ANONYMIZATION category, ANON_SUM(amount * 2) FROM purchases "
                         "GROUP BY category")
     assert found.with_bounds({0: Bounds(0, 64)}).aggregates[0].row_bounds is None

@@ -126,7 +126,8 @@ def test_a_clip_bounds_each_users_mean_in_a_group(backend: Backend) -> None:
     """Computed apart on the demo data: with T = 8 and SUM(duration)'s clip 450 (its rows
     within [0, 3600]), the statement written for them sums, per browser, each user's sum
     there clamped to its values × 450 (its mean to 450: not each row to 450), times min(1,
-    8 / its rows); AVG's count and centred sum likewise. The binned statement's value bins
+    8 / its rows); AVG's count and centred sum likewise; VAR_POP's centred squares are each
+    user's squared distances to 225 clamped to its values × 225². The binned statement's value bins
     (what the clip is chosen from) hold each (user, browser)'s values in the bin of their
     mean there, weighted by 1 / the user's rows."""
     sql = "SELECT browser, SUM(duration), AVG(duration) FROM visits GROUP BY browser"
@@ -138,6 +139,11 @@ def test_a_clip_bounds_each_users_mean_in_a_group(backend: Backend) -> None:
     written = pushdown(q2, p2, order_seed=11).main
     binned_main = pushdown(query, plan, order_seed=11).main
     assert written is not None and binned_main is not None
+    var_query, var_plan, _ = build("SELECT browser, VAR_POP(duration) FROM visits "
+                                   "GROUP BY browser", max_groups=2)
+    var_written = pushdown(*replan_with_bounds(var_query, var_plan, {0: Bounds(0, 450)}, 8, 8,
+                                               8), order_seed=11).main
+    assert var_written is not None
     per_user = ("WITH u AS (SELECT uid, browser, sum(duration) AS s, count(duration) AS n, "
                 "count(*) AS r FROM visits WHERE uid IS NOT NULL GROUP BY 1, 2), "
                 "t AS (SELECT uid, sum(r) AS total FROM u GROUP BY 1) ")
@@ -158,6 +164,16 @@ def test_a_clip_bounds_each_users_mean_in_a_group(backend: Backend) -> None:
                 assert _close(got[key]["dp_a0_sum"], e["sum"])
                 assert _close(got[key]["dp_a1_n"], e["n"])
                 assert _close(got[key]["dp_a1_csum"], e["csum"])
+            # VAR_POP's centred squares: each user's squared distances to the clip's midpoint
+            # 225 in the group, clamped to its values × 225²
+            got_var = {r["dp_t0"]: r for r in await conn.fetch(var_written)}
+            for r in await conn.fetch(
+                    "WITH u AS (SELECT uid, browser, count(duration) AS n, count(*) AS r, "
+                    "sum((duration - 225.0) * (duration - 225.0)) AS q FROM visits WHERE uid IS "
+                    "NOT NULL GROUP BY 1, 2), t AS (SELECT uid, sum(r) AS total FROM u GROUP BY "
+                    "1) SELECT browser, sum(least(coalesce(q, 0), n * 50625.0) * least(1.0, 8.0 "
+                    "/ total)) AS csq FROM u JOIN t USING (uid) GROUP BY browser"):
+                assert _close(got_var[r["browser"]]["dp_a0_csq"], r["csq"])
             # the row-clamped sum is less: the clip bounds means, not rows
             rows_clamped = await conn.fetchval(
                 per_user + "SELECT sum(v.c * least(1.0, 8.0 / t.total)) FROM (SELECT uid, "
