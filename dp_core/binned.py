@@ -151,8 +151,6 @@ def binned_plan(query: AnalyzedQuery, plan: DPQueryPlan
         a = _first(query, i, True)
         options: list[tuple[Bounds | None, Terms]] = []
         counted = _first(query, i, False)
-        if not query.clips_means(i):
-            raise InternalError(f"a row-level {agg.kind.value} whose clip would bound rows")
         for k, b in enumerate(candidates(agg.known_bounds, i in clipped)):
             m = (b.lower + b.upper) / 2
             s_ = col("s", a, k, b, counted)

@@ -12,7 +12,7 @@ from pglast.stream import RawStream
 from dp_core.mechanisms import users_kept_with
 from dp_core.ownership import JOIN_ROWS_PER_USER
 from dp_core.partials import MEANS
-from dp_core.plan import Component, DPQueryPlan
+from dp_core.plan import Component, DPQueryPlan, shares_clip
 from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, rank_half_width_95
 from dp_core.query import AggKind, AnalyzedQuery
 from dp_core.release import half_width_95
@@ -177,8 +177,7 @@ def _row_level_lines(query: AnalyzedQuery, plan: DPQueryPlan) -> list[str]:
                 and a.kind is not AggKind.COUNT:
             how = ("; each user's mean in a group clamped to a clip within it, of least "
                    "estimated error (value beyond it + groups x the noise its range brings)"
-                   if any(query.aggregates[j].arg == a.arg and query.aggregates[j].bounds
-                          == a.bounds for j in clipped) else "")
+                   if any(shares_clip(query.aggregates[j], a) for j in clipped) else "")
             lines.append(f"  {visible_name(query, i)}: each row's value clamped to "
                          f"[{fmt(a.bounds.lower)}, {fmt(a.bounds.upper)}]{how}")
     return lines

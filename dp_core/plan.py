@@ -22,7 +22,7 @@ from dp_core.mechanisms import (
 )
 from dp_core.partials import MEANS
 from dp_core.quantiles import DEPTH
-from dp_core.query import AggKind, Aggregate, AnalyzedQuery, Bounds
+from dp_core.query import CLIPPED_KINDS, AggKind, Aggregate, AnalyzedQuery, Bounds
 from dp_core.settings import MAX_ROWS
 
 
@@ -245,9 +245,6 @@ def shares_clip(a: Aggregate, b: Aggregate) -> bool:
     argument and bounds."""
     return b.row_level and b.kind in CLIPPED_KINDS and b.arg == a.arg and b.bounds == a.bounds
 
-
-CLIPPED_KINDS = frozenset({AggKind.SUM, AggKind.AVG, AggKind.VAR, AggKind.STDDEV})
-"""The row-level aggregates a clip is chosen for."""
 
 
 def clip_tuned(query: AnalyzedQuery, auto: frozenset[int] = frozenset()) -> tuple[int, ...]:

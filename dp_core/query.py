@@ -55,6 +55,10 @@ class TableRef:
     """At most one row per user (a subquery grouped by the uid alone)."""
 
 
+CLIPPED_KINDS = frozenset({AggKind.SUM, AggKind.AVG, AggKind.VAR, AggKind.STDDEV})
+"""The row-level aggregates a clip is chosen for (`AnalyzedQuery.clips_means`)."""
+
+
 @dataclass(frozen=True)
 class Aggregate:
     kind: AggKind
@@ -242,7 +246,7 @@ class AnalyzedQuery:
         within its own bounds (`Aggregate.row_bounds`): a row-level SUM's, AVG's, VAR's or
         STDDEV's."""
         a = self.aggregates[i]
-        return a.row_level and a.kind in (AggKind.SUM, AggKind.AVG, AggKind.VAR, AggKind.STDDEV)
+        return a.row_level and a.kind in CLIPPED_KINDS
 
     def with_hashed_keys(self, hashed: Iterable[int]) -> AnalyzedQuery:
         """The query with the given keys matched by hash (`Key.hashed`)."""
