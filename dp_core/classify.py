@@ -25,7 +25,8 @@ from dp_core.setting_changes import SettingAtBind, SettingChanges
 from dp_core.syntax import DPClause, strip_dp_clauses
 
 LOCAL_FUNCTIONS = frozenset({"dp_budget", "dp_total_budgets", "dp_ledger", "dp_reset_budget",
-                             "dp_reset_total_budget"})
+                             "dp_reset_total_budget", "dp_tune_bounds", "dp_tuned_bounds",
+                             "dp_drop_tuned_bounds"})
 DP_SETTING_PREFIX = "dp."
 AGGREGATE_NAMES = frozenset(
     {"count", "sum", "avg", "min", "max", "stddev", "stddev_samp", "stddev_pop", "variance",

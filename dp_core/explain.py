@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from pglast import prettify
 from pglast.stream import RawStream
@@ -51,10 +52,14 @@ def _pct(x: float) -> str:
 
 
 def explain_lines(query: AnalyzedQuery, plan: DPQueryPlan, sql: Sequence[str],
-                  split: Split | None = None) -> list[str]:
+                  split: Split | None = None, tuned_from: str | None = None,
+                  unpaid: str | None = None) -> list[str]:
     """EXPLAIN's rows for a DP query: its parameters and cost, partition selection, each
     noisy quantity, the split, the pushdown SQL pretty-printed (a statement's first row
-    indented by two, the rest by four). Nothing here depends on the data."""
+    indented by two, the rest by four). Nothing here depends on the data but the bounds an
+    admin tuned (`tuned_from` says whose; a DP release the analyst has paid for). `unpaid`:
+    tuned bounds a run would use, which the analyst has not paid for: the plan shown is
+    per-query tuning's, and EXPLAIN says that instead."""
     lines = [
         f"DP query: epsilon {fmt(float(plan.epsilon))}, delta {fmt(float(plan.delta))}, "
         f"max_groups_contributed {plan.max_groups_contributed}, noise {plan.noise_kind.value}",
@@ -96,6 +101,13 @@ def explain_lines(query: AnalyzedQuery, plan: DPQueryPlan, sql: Sequence[str],
                      f"{fmt(float(q.epsilon))}; bounds = outermost bins with noisy count > "
                      f"{fmt(bounds_threshold(q.spec.scale))}")
     lines.extend(_row_level_lines(query, plan))
+    if tuned_from is not None:
+        lines.append(f"  max_rows_contributed and the clips: from {tuned_from}; none of this "
+                     "query's epsilon goes to choosing them")
+    if unpaid is not None:
+        lines.append(f"  when run: max_rows_contributed and the clips from {unpaid}, not "
+                     "chosen per query as shown here (their values are not shown: the first "
+                     "answer that uses them charges their epsilon, once)")
     for q in plan.quantities:
         owner = (", ".join(visible_name(query, j) for j in [q.aggregate, *(
             j for j, _, name in plan.same if name == q.name)])
@@ -194,9 +206,12 @@ def _pretty(sql: str) -> list[str]:
 def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
                 spread: Mapping[int, tuple[float, float]], bounds: Mapping[int, FoundBounds],
                 epsilon_left: float, delta_left: float,
-                tuned: TunedRows | None = None) -> tuple[str, str | None]:
+                tuned: TunedRows | None = None, tuned_from: str | None = None,
+                paid_once: Fraction = Fraction(0)) -> tuple[str, str | None]:
     """A DP answer's notice (message, detail): what it spent and what is left, each released
-    aggregate's 95% noise half-width, the bounds APPROX_BOUNDS chose (released with DP)."""
+    aggregate's 95% noise half-width, the bounds APPROX_BOUNDS chose (released with DP), and
+    T and the clips as chosen (`tuned`) per query or from an admin's tuning (`tuned_from`;
+    `paid_once`: the ε this answer paid for it, its first)."""
     widths = []
     for col in query.outputs:
         if col.aggregate is None or col.bound is not None:
@@ -216,8 +231,9 @@ def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
         width = half_width_95(query, plan, col.aggregate)
         if width is not None:
             widths.append(f"{name} ±{fmt(width)}")
+    once = f" (and epsilon {fmt(float(paid_once))} once for tuned bounds)" if paid_once else ""
     message = (f"DP answer: spent epsilon {fmt(float(plan.cost.epsilon))}, delta "
-               f"{fmt(float(plan.cost.delta))}; budget left epsilon "
+               f"{fmt(float(plan.cost.delta))}{once}; budget left epsilon "
                f"{fmt(epsilon_left)}, delta {fmt(delta_left)}")
     details = ["95% noise half-width: " + ", ".join(widths)] if widths else []
     for q in plan.approx_bounds:
@@ -234,8 +250,9 @@ def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
             (tuned.sum_rows, frozenset({AggKind.SUM}), "sums"))
             if t and t != tuned.max_rows
             and any(a.row_level and a.kind in kinds for a in query.aggregates)]
+        how = f"epsilon {fmt(spent)}" if tuned_from is None else f"from {tuned_from}"
         details.append(f"max_rows_contributed chose {tuned.max_rows} rows per user{''.join(apart)} "
-                       f"(epsilon {fmt(spent)}); about {_pct(tuned.rows_cut)} of the rows (of "
+                       f"({how}); about {_pct(tuned.rows_cut)} of the rows (of "
                        f"{_pct(tuned.users_cut)} of the users) were weighted away, by a DP "
                        "histogram that misses users too few to show in it")
         for i, b in sorted(tuned.clips.items()):

@@ -376,6 +376,17 @@ def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     return f"WITH {with_list}, {totals} {' UNION ALL '.join(parts)}"
 
 
+def tuning_statement(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
+                     order_seed: int) -> str:
+    """The tuning statistics of `plan` (T not fixed) as a statement of their own, whatever
+    the main statement would be: what an admin's tuning of a table runs
+    (`dp_core.table_tuning`)."""
+    template = _tuning_template(query, plan, arg_types, order_seed)
+    if template is None:
+        raise InternalError("tuning statistics of a plan that has none (this is a bug)")
+    return _build(template, query)
+
+
 def _build(template: str, query: AnalyzedQuery, token: str | None = None) -> str:
     stmt = parse_sql(template)[0].stmt
     where = query.where or ast.A_Const(val=ast.Boolean(boolval=True))

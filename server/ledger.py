@@ -12,10 +12,12 @@ deletions; a total budget's events name it as their subject ("total:database").
 
 from __future__ import annotations
 
+import datetime
 import decimal
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import asyncpg
@@ -24,14 +26,36 @@ from config import Accountant, Config
 from dp_core.accounting import AnswerCost, rdp_total
 from dp_core.budget import TOTAL, Budget, check_affordable, to_numeric
 from dp_core.errors import InsufficientPrivilege, UndefinedObject
+from dp_core.table_tuning import TableTuning
 from server.backend_setup import quote_ident
 from server.errors import LedgerTooNew
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
+TUNED = "tuned:"
+"""The ledger subject of a table's tuning events (a drop), and the prefix of its tokens."""
 BUDGET_COLUMNS = ["analyst", "epsilon_total", "epsilon_spent", "epsilon_remaining", "delta_total",
                   "delta_spent", "delta_remaining"]
 LEDGER_COLUMNS = ["id", "at", "kind", "epsilon", "delta", "outcome", "fingerprint", "query",
                   "mechanisms", "by_admin"]
+
+
+@dataclass(frozen=True)
+class OnceCost:
+    """A cost each analyst pays once, with the first answer that needs it (`Ledger.charge`)."""
+
+    token: str
+    """What its payment is recorded under (the ledger row's fingerprint)."""
+    cost: AnswerCost
+    outcome: str
+    """What the ledger row says it paid for."""
+
+
+@dataclass(frozen=True)
+class Charged:
+    """A charge made: the answer's ledger row, and the once-costs it paid with it."""
+
+    ledger_id: int
+    paid_once: tuple[OnceCost, ...] = ()
 
 
 def fingerprint(sql: str) -> str:
@@ -149,6 +173,15 @@ class Ledger:
                     f"ALTER TABLE {s}.ledger ADD CONSTRAINT ledger_kind_check CHECK "
                     "(kind IN ('charge', 'reset', 'refused', 'limits', 'reuse'))")
                 await conn.execute(f"INSERT INTO {s}.schema_version VALUES (3)")
+            if version < 4:  # bounds an admin tuned per table (`dp_core.table_tuning`)
+                await conn.execute(f"""
+                    CREATE TABLE {s}.tuned_bounds (
+                        table_name text PRIMARY KEY,
+                        tuning jsonb NOT NULL,
+                        ledger_id bigint NOT NULL,
+                        tuned_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                        by_admin text NOT NULL)""")
+                await conn.execute(f"INSERT INTO {s}.schema_version VALUES (4)")
         # the limits in a transaction of their own, analysts' rows then totals' in name order,
         # as a charge locks them (an analyst's row, then totals' in scope order): no cycle
         async with self.pool.acquire() as conn, conn.transaction():
@@ -208,19 +241,24 @@ class Ledger:
     async def charge(self, analyst: str, cost: AnswerCost, sql: str,
                      mechanisms: Mapping[str, Any], conn: Any = None,
                      accountant: Accountant = Accountant.BASIC,
-                     scopes: Sequence[str] = ()) -> int:
-        """Debit the answer or raise BudgetExhausted (53400, nothing charged). Returns the ledger id.
+                     scopes: Sequence[str] = (), once: Sequence[OnceCost] = (),
+                     token: str | None = None) -> Charged:
+        """Debit the answer or raise BudgetExhausted (53400, nothing charged).
 
         Basic composition adds the cost exactly; the RDP accountant recomputes the
         analyst's totals from the history since the last reset. The total budgets of
         `scopes` are charged the cost as basic composition adds it (all analysts' answers
-        together). Pass `conn` when the caller already holds a pool connection (never wait
-        for a second one while holding the first: that deadlocks a busy pool).
+        together). `once`: costs each analyst pays once (since its last reset), with the
+        first answer that needs them (a table's tuned bounds), each its own ledger row under
+        its token; the total budgets paid them when they were made. Pass `conn` when the
+        caller already holds a pool connection (never wait for a second one while holding
+        the first: that deadlocks a busy pool). `token`: the charge is recorded under it, not
+        the query's fingerprint (the admin's payment of a table's tuning, made once).
         """
         if conn is None:
             async with self.pool.acquire() as own:
-                return await self.charge(analyst, cost, sql, mechanisms, own, accountant, scopes)
-        eps, dlt = to_numeric(cost.epsilon), to_numeric(cost.delta)
+                return await self.charge(analyst, cost, sql, mechanisms, own, accountant, scopes,
+                                         once, token)
         s = self.s
         mechanisms = {**mechanisms, "cost": cost.to_json(), "accountant": accountant.value}
         async with conn.transaction():
@@ -234,11 +272,15 @@ class Ledger:
                 row = await conn.fetchrow(
                     f"SELECT epsilon_total, epsilon_spent, delta_total, delta_spent "
                     f"FROM {s}.analysts WHERE analyst = $1", analyst)
+            unpaid = [o for o in once if not await self._paid(conn, analyst, o.token)]
+            costs = [o.cost for o in unpaid] + [cost]
+            eps = sum((to_numeric(c.epsilon) for c in costs), decimal.Decimal(0))
+            dlt = sum((to_numeric(c.delta) for c in costs), decimal.Decimal(0))
             e_total, e_spent, d_total, d_spent = row
             budget = Budget(analyst, e_total, e_spent, d_total, d_spent)
             if accountant is Accountant.RDP:
                 history = await self._history(conn, analyst)
-                new_eps, new_dlt = rdp_total([*history, cost])
+                new_eps, new_dlt = rdp_total([*history, *costs])
                 spent_eps = decimal.Decimal(repr(new_eps))
                 spent_dlt = decimal.Decimal(repr(new_dlt))
                 check_affordable(budget, max(spent_eps - e_spent, decimal.Decimal(0)),
@@ -260,18 +302,41 @@ class Ledger:
                 if len(totals) != len(set(scopes)):
                     raise UndefinedObject("a total budget of the configuration is not in the "
                                           "ledger (this is a bug)")
+                own_eps, own_dlt = to_numeric(cost.epsilon), to_numeric(cost.delta)
                 for r in totals:
-                    check_affordable(Budget(TOTAL + r[0], r[1], r[2], r[3], r[4]), eps, dlt)
+                    check_affordable(Budget(TOTAL + r[0], r[1], r[2], r[3], r[4]), own_eps,
+                                     own_dlt)
                 await conn.execute(
                     f"UPDATE {s}.totals SET epsilon_spent = epsilon_spent + $2, "
                     f"delta_spent = delta_spent + $3, updated_at = now() "
-                    f"WHERE scope = ANY($1::text[])", sorted(scopes), eps, dlt)
+                    f"WHERE scope = ANY($1::text[])", sorted(scopes), own_eps, own_dlt)
+            for o in unpaid:
+                await conn.execute(
+                    f"INSERT INTO {s}.ledger (analyst, kind, epsilon, delta, outcome, "
+                    f"fingerprint, query, mechanisms) VALUES ($1, 'charge', $2, $3, $4, $5, "
+                    "NULL, $6)", analyst, to_numeric(o.cost.epsilon), to_numeric(o.cost.delta),
+                    o.outcome, o.token, json.dumps({"cost": o.cost.to_json(),
+                                                    "accountant": accountant.value}))
             ledger_id: int = await conn.fetchval(
                 f"INSERT INTO {s}.ledger (analyst, kind, epsilon, delta, outcome, fingerprint, "
                 f"query, mechanisms) VALUES ($1, 'charge', $2, $3, 'charged', $4, $5, $6) "
                 "RETURNING id",
-                analyst, eps, dlt, fingerprint(sql), sql, json.dumps(mechanisms))
-        return ledger_id
+                analyst, to_numeric(cost.epsilon), to_numeric(cost.delta),
+                fingerprint(sql) if token is None else token, sql,
+                json.dumps(mechanisms))
+        return Charged(ledger_id, tuple(unpaid))
+
+    async def paid(self, analyst: str, token: str) -> bool:
+        """Whether the analyst paid the cost recorded under `token` since its last reset."""
+        async with self.pool.acquire() as conn:
+            return await self._paid(conn, analyst, token)
+
+    async def _paid(self, conn: Any, analyst: str, token: str) -> bool:
+        """Whether the analyst paid the cost recorded under `token` since its last reset."""
+        return bool(await conn.fetchval(
+            f"SELECT EXISTS (SELECT 1 FROM {self.s}.ledger WHERE analyst = $1 AND kind = "
+            f"'charge' AND fingerprint = $2 AND id > coalesce((SELECT max(id) FROM "
+            f"{self.s}.ledger WHERE analyst = $1 AND kind = 'reset'), 0))", analyst, token))
 
     async def _history(self, conn: Any, analyst: str) -> list[AnswerCost]:
         """The costs of the analyst's answers since the last reset."""
@@ -328,11 +393,50 @@ class Ledger:
                 "VALUES ($1, 'reset', 'total budget reset', $2)", TOTAL + scope, by_admin)
         return Budget(TOTAL + row[0], row[1], row[2], row[3], row[4])
 
+    async def store_tuning(self, tuning: TableTuning, by_admin: str) -> TableTuning:
+        """Keep a table's tuned bounds (in place of any before), as the ledger dates them."""
+        row = await self.pool.fetchrow(
+            f"INSERT INTO {self.s}.tuned_bounds AS t (table_name, tuning, ledger_id, by_admin) "
+            "VALUES ($1, $2, $3, $4) ON CONFLICT (table_name) DO UPDATE SET tuning = "
+            "EXCLUDED.tuning, ledger_id = EXCLUDED.ledger_id, by_admin = EXCLUDED.by_admin, "
+            "tuned_at = clock_timestamp() RETURNING tuned_at", tuning.table,
+            json.dumps(tuning.to_json()), tuning.ledger_id, by_admin)
+        return replace(tuning, tuned_at=_when(row[0]))
+
+    async def tunings(self) -> dict[str, TableTuning]:
+        """The tables' tuned bounds, by schema.table."""
+        rows = await self.pool.fetch(
+            f"SELECT tuning::text, tuned_at, ledger_id FROM {self.s}.tuned_bounds")
+        out = {}
+        for tuning, at, ledger_id in rows:
+            t = TableTuning.from_json(json.loads(tuning), _when(at), int(ledger_id))
+            out[t.table] = t
+        return out
+
+    async def drop_tuning(self, table: str, by_admin: str) -> bool:
+        """Forget a table's tuned bounds (later queries tune their own again); an event of
+        the table's tuning in the ledger. False: it had none."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            gone = await conn.fetchval(f"DELETE FROM {self.s}.tuned_bounds WHERE table_name = $1 "
+                                       "RETURNING ledger_id", table)
+            if gone is None:
+                return False
+            await conn.execute(
+                f"INSERT INTO {self.s}.ledger (analyst, kind, outcome, by_admin) "
+                "VALUES ($1, 'limits', $2, $3)", TUNED + table,
+                f"tuned bounds of {table} (ledger #{gone}) dropped", by_admin)
+        return True
+
     async def entries(self, analyst: str) -> list[tuple[Any, ...]]:
         rows = await self.pool.fetch(
             f"SELECT id, at, kind, epsilon, delta, outcome, fingerprint, query, mechanisms::text, "
             f"by_admin FROM {self.s}.ledger WHERE analyst = $1 ORDER BY id", analyst)
         return [tuple(r) for r in rows]
+
+
+def _when(at: Any) -> str:
+    """A ledger time as the notices print it."""
+    return str(at.astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
 
 
 def require_admin(is_admin: bool, function: str) -> None:

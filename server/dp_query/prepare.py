@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import asyncpg
@@ -32,6 +32,7 @@ from dp_core.pushdown_cache import PushdownCache
 from dp_core.query import AnalyzedQuery, Bounds, KeyDomain, TablePolicy
 from dp_core.result import TypeRef
 from dp_core.settings import query_settings
+from dp_core.table_tuning import TableTuning, applied
 from server import wire as p
 from server.backend_setup import quote_ident
 from server.dp_query.context import fixed_clock, relation_schemas
@@ -53,7 +54,7 @@ HASHED_KEY_OIDS = frozenset({700, 701, 1021, 1022, 1186, 1187, 1231, 1700, 3802,
 arrays): a group's row and its quantile trees are matched by the hash (`Key.hashed`)."""
 
 
-def _planning_error(e: asyncpg.PostgresError) -> DPError:
+def planning_error(e: asyncpg.PostgresError) -> DPError:
     """Postgres's error on preparing a generated statement, as the analyst's: planning reads
     no rows, so its errors (unknown column, type mismatch) are safe to show."""
     message = str(e).replace("dp_per_user", "the query").replace("dp_result.", "")
@@ -96,15 +97,18 @@ class Preparer:
         return [] if probe is None else list((await conn.prepare(probe)).get_attributes())
 
     async def prepare(self, request: DPRequest, st: Statement, bind: p.Bind | None,
-                      param_types: Sequence[int] = (), conn: Any = None) -> Prepared:
+                      param_types: Sequence[int] = (), conn: Any = None,
+                      tunings: Mapping[str, TableTuning] | None = None) -> Prepared:
         """Analyse and plan `st` and prepare its pushdown; raises DPError on refusal.
 
         With `conn` (a pushdown connection the caller holds) the prepared statement
-        stays usable for running the pushdown without planning it again.
+        stays usable for running the pushdown without planning it again. `tunings`: the
+        tables' tuned bounds (`dp_core.table_tuning`), which a query of one of them alone
+        uses where neither it nor the session fixes max_rows_contributed.
         """
         if conn is None:
             async with self.pool.acquire() as own:
-                return await self.prepare(request, st, bind, param_types, own)
+                return await self.prepare(request, st, bind, param_types, own, tunings)
         params = None if bind is None else \
             await self.bind_params(bind, param_types, request.codec, request.encoding)
         unit = st.dp_clause.option("privacy_unit_column") if st.dp_clause is not None else None
@@ -119,7 +123,7 @@ class Preparer:
             clock, clock_now = await fixed_clock(
                 conn, parsed, request.timezone, 60 * self.config.defaults.clock_granularity_minutes)
         except asyncpg.PostgresError as e:
-            raise _planning_error(e) from None
+            raise planning_error(e) from None
 
         def analysis(integer_types: dict[int, str] | None = None) -> AnalyzedQuery:
             stmt = parse_select(st.stripped_sql, params)
@@ -169,20 +173,31 @@ class Preparer:
             # what the text means in the session, the answer's settings aside from the text:
             # with the text and its parameters, what the statements depend on but the order
             # seed (`PushdownCache`); a part of the question's key (`reuse.question_key`)
-            meaning = (settings, tuple(sorted(arg_types.items())),
+            meaning: tuple[Any, ...] = (settings, tuple(sorted(arg_types.items())),
                        tuple(k.hashed for k in query.keys), tuple(sorted(integers.items())),
                        tuple(sorted((name, e is None) for name, e in (columns or {}).items())),
                        None if schemas is None else tuple(sorted(schemas.items(), key=str)),
                        tuple(clock))
-            cache_key = (st.sql, bind.param_formats if bind else None,
+            cache_key: tuple[Any, ...] = (st.sql, bind.param_formats if bind else None,
                          bind.params if bind else None, tuple(param_types), *meaning)
-            plan = make_plan(query, settings.epsilon, settings.delta,
-                             settings.max_groups_contributed, settings.noise,
-                             selection=settings.selection, max_rows=settings.max_rows)
+            tuned = None if settings.max_rows is not None or not tunings \
+                else applied(query, self.policy, tunings)
+            if tuned is None:
+                plan = make_plan(query, settings.epsilon, settings.delta,
+                                 settings.max_groups_contributed, settings.noise,
+                                 selection=settings.selection, max_rows=settings.max_rows)
+            else:  # (the tuning's token: a question asked again after a new tuning is new)
+                query, t = tuned.query, tuned.tuning
+                meaning = (*meaning, t.token)
+                cache_key = (*cache_key, t.token)
+                plan = make_plan(query, settings.epsilon, settings.delta,
+                                 settings.max_groups_contributed, settings.noise,
+                                 selection=settings.selection, max_rows=t.max_rows,
+                                 mean_rows=t.mean_rows, sum_rows=t.sum_rows)
             pd = self.pushdowns.pushdown(cache_key, query, plan, arg_types)
             statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
         except asyncpg.PostgresError as e:
-            raise _planning_error(e) from None
+            raise planning_error(e) from None
         key_types: list[TypeRef] = []
         key_oids: list[int] = []
         if query.keys:  # grouped: the main statement has the keys (it counts the users)
@@ -197,7 +212,7 @@ class Preparer:
         prepared = Prepared(query, plan, pd, statements, arg_types, key_types, key_oids,
                             param_oids, cache_key=cache_key, meaning=meaning,
                             timezone=request.timezone,
-                            clock_now=clock_now)
+                            clock_now=clock_now, tuned=tuned)
         if query.public_groups:
             odd = [query.keys[i] for i, o in enumerate(key_oids) if o not in ONE_TEXT_KEY_OIDS]
             if odd or (any(o in TEXT_KEY_OIDS for o in key_oids)
@@ -214,7 +229,7 @@ class Preparer:
         try:
             result = await conn.prepare(answer_sql(prepared, []))
         except asyncpg.PostgresError as e:
-            raise _planning_error(e) from None
+            raise planning_error(e) from None
         prepared.columns = list(result.get_attributes())
         return prepared
 
@@ -285,7 +300,7 @@ class Preparer:
                 await conn.prepare(column_probe_sql(query, name))
                 found[name] = None
             except asyncpg.PostgresError as e:
-                found[name] = _planning_error(e)
+                found[name] = planning_error(e)
         return found
 
     async def _hashed_keys(self, key_oids: list[int], conn: Any) -> list[int]:

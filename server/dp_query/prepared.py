@@ -12,6 +12,7 @@ from dp_core.query import AnalyzedQuery
 from dp_core.release import FLOAT8, output_type
 from dp_core.result import TypeRef, result_sql
 from dp_core.rewrite import Pushdown, RangedPushdown
+from dp_core.table_tuning import Applied
 
 PG = "pg_catalog"
 
@@ -76,6 +77,8 @@ class Prepared:
     timezone: str | None = None
     """The asking session's TimeZone: the pushdown's too, so that it reads dates as the
     session does (`date_trunc('day', t)`, `t::date` of a timestamptz)."""
+    tuned: Applied | None = None
+    """The tuned bounds of the table it reads (`dp_core.table_tuning`), where it uses them."""
     clock_now: str | None = None
     """The time the query's relative dates were read at: the start of the clock's quantum
     (`defaults.clock_granularity_minutes`; None: no relative dates, or the exact time)."""

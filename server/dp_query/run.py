@@ -287,6 +287,14 @@ class PushdownRunner:
                 str(len(ranges)), "yes" if prepared.prefilter else "no").inc()
         return PushdownRun(query, plan, rows, quantiles, found, selection, tuned)
 
+    async def fetch_alone(self, conn: Any, sql: str) -> list[Any]:
+        """The rows of one statement run as a pushdown is (read-only, under the statement
+        timeout), after its charge: an admin's tuning of a table (`table_tuning`)."""
+        async with contextlib.AsyncExitStack() as stack:
+            await conn.execute("SELECT")  # (ends the implicit transaction a prepare leaves)
+            await self._begin(conn, stack)
+            return list(await conn.fetch(sql, timeout=self.config.backend.statement_timeout + 5))
+
     async def _begin(self, conn: Any, stack: contextlib.AsyncExitStack,
                      snapshot: str | None = None, per_bin: bool = False,
                      timezone: str | None = None) -> None:

@@ -9,6 +9,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Sequence
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
@@ -29,9 +30,10 @@ from dp_core.release import (
 )
 from dp_core.result import result_sql
 from dp_core.settings import check_caps
+from dp_core.table_tuning import TableTuning
 from server import wire as p
 from server.errors import BindMismatch, PushdownBusy
-from server.ledger import Ledger
+from server.ledger import Ledger, OnceCost
 from server.local_functions import LocalFunctions
 from server.replies import notice_response
 
@@ -49,6 +51,7 @@ from server.dp_query.reuse import (
     tables_read,
 )
 from server.dp_query.run import PushdownRun, PushdownRunner
+from server.dp_query.table_tuning import TableTuner
 from server.dp_query.uid_split import UidSplitter
 
 log = logging.getLogger("dp_proxy.dp")
@@ -73,6 +76,12 @@ class LedgerUnavailable(DPError):
     def __init__(self) -> None:
         super().__init__("the privacy budget ledger is unavailable: the query was not run",
                          hint="try again; if it persists, tell the proxy's operator")
+
+
+def _once_cost(tuning: TableTuning) -> OnceCost:
+    """What an analyst pays once for a table's tuned bounds."""
+    return OnceCost(tuning.token, AnswerCost(tuning.epsilon, Fraction(0)),
+                    f"paid once for {tuning.describe()}")
 
 
 def row_description(names: Sequence[str], oids: Sequence[int],
@@ -110,6 +119,7 @@ class DPService:
                                     self.preparer.has_nondeterministic)
         self.runner = PushdownRunner(config, pool, metrics)
         self.answers = AnswerStore(ledger.pool, config.backend.ledger_schema)
+        self.tuner = TableTuner(config, self.preparer.policy, self.runner, ledger)
         self._turns: dict[str, tuple[int, asyncio.Semaphore]] = {}
         """Each analyst's limit of DP queries at once in this process, and its turns (`_turn`)."""
         self.config = config
@@ -123,6 +133,7 @@ class DPService:
         """The proxy's config, and its parts' (a reload replaces it)."""
         self._config = config
         self.preparer.config = self.splitter.config = self.runner.config = config
+        self.tuner.config = config
         self._quantum = config.defaults.release_quantum_ms / 1000.0
 
     async def describe(self, request: DPRequest, st: Statement, bind: p.Bind | None,
@@ -237,7 +248,16 @@ class DPService:
     async def _answer(self, request: DPRequest, st: Statement, bind: p.Bind | None,
                       param_types: Sequence[int], conn: Any,
                       arrived: float) -> tuple[str, list[p.NoticeResponse]]:
-        prepared = await self.preparer.prepare(request, st, bind, param_types, conn)
+        tunings = await self._tunings(request)
+        prepared = await self.preparer.prepare(request, st, bind, param_types, conn, tunings)
+        if st.kind is StatementKind.DP_EXPLAIN and prepared.tuned is not None \
+                and not await self._paid(request, prepared.tuned.tuning):
+            # EXPLAIN spends nothing: tuned bounds the analyst has not paid for are not shown
+            # (the plan of per-query tuning instead, and what running it would use)
+            unpaid = prepared.tuned.tuning
+            prepared = await self.preparer.prepare(request, st, bind, param_types, conn)
+        else:
+            unpaid = None
         if bind is not None and len(bind.result_formats) > 1:
             # Postgres checks this at Bind; the proxy, before the charge
             columns = 0 if st.wraps_result else 1 if st.kind is StatementKind.DP_EXPLAIN \
@@ -255,7 +275,10 @@ class DPService:
                 prepared.split_ranges = self.config.backend.pushdown_split
             lines = explain_lines(prepared.query, plan, prepared.sql, None if prepared.split is None
                                   else Split(prepared.split_ranges, prepared.split.table,
-                                             prepared.split.uid_column, prepared.split.rows))
+                                             prepared.split.uid_column, prepared.split.rows),
+                                  None if prepared.tuned is None
+                                  else prepared.tuned.tuning.describe(),
+                                  None if unpaid is None else unpaid.describe())
             return result_sql(["QUERY PLAN"], [(PG, "text")], [(ln,) for ln in lines]), []
         reuse = self.config.defaults.answer_reuse
         key, versions = None, None
@@ -274,9 +297,14 @@ class DPService:
         try:
             await self._check_affordable(request, prepared.query, plan, accountant)
             read = frozenset().union(*(t.bases for t in prepared.query.tables))
-            ledger_id = await self.ledger.charge(request.analyst, AnswerCost.of(plan), st.sql,
-                                                 mechanisms, accountant=accountant,
-                                                 scopes=self.config.total_scopes(read))
+            once = [] if prepared.tuned is None else [_once_cost(prepared.tuned.tuning)]
+            if prepared.tuned is not None:
+                mechanisms["tuned_bounds"] = {"table": prepared.tuned.tuning.table,
+                                              "ledger_id": prepared.tuned.tuning.ledger_id}
+            charged = await self.ledger.charge(request.analyst, AnswerCost.of(plan), st.sql,
+                                               mechanisms, accountant=accountant,
+                                               scopes=self.config.total_scopes(read), once=once)
+            ledger_id = charged.ledger_id
             self.metrics.epsilon_spent.labels(request.analyst).inc(float(plan.cost.epsilon))
             request.charged()
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
@@ -303,7 +331,7 @@ class DPService:
             log.warning("session %s: could not read the budget left: %s", request.process_id,
                         type(e).__name__)
             budget = None
-        notice = self._notice(prepared, run, released, budget)
+        notice = self._notice(prepared, run, released, budget, charged.paid_once)
         if key is not None and versions is not None:
             try:
                 await self.answers.store(key, EVERYONE if reuse == "all" else request.analyst,
@@ -366,12 +394,15 @@ class DPService:
         check_noise_scales(query, plan)
 
     def _notice(self, prepared: Prepared, run: PushdownRun, released: Released,
-                budget: Any) -> p.NoticeResponse:
+                budget: Any, paid_once: Sequence[OnceCost] = ()) -> p.NoticeResponse:
         """The answer's notice; `budget` None: the ledger did not say what is left."""
+        tuned = run.tuned or (prepared.tuned.tuned if prepared.tuned else None)
         message, detail = notice_text(
             prepared.query, run.plan, released.spread, run.bounds,
             float("nan") if budget is None else float(budget.epsilon_remaining),
-            float("nan") if budget is None else float(budget.delta_remaining), run.tuned)
+            float("nan") if budget is None else float(budget.delta_remaining), tuned,
+            None if prepared.tuned is None else prepared.tuned.tuning.describe(),
+            sum((o.cost.epsilon for o in paid_once), Fraction(0)))
         if budget is None:
             message = message.split("; budget left")[0] + "; the budget left is unknown (the " \
                 "ledger did not answer)"
@@ -381,6 +412,24 @@ class DPService:
                      f"{minutes} minutes (clock_granularity_minutes)")
             detail = clock if detail is None else f"{detail}; {clock}"
         return notice_response(message, detail)
+
+    async def _tunings(self, request: DPRequest) -> dict[str, TableTuning]:
+        """The tables' tuned bounds (none where the ledger does not answer: queries then
+        tune their own, as they do for tables without)."""
+        try:
+            return await self.ledger.tunings()
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
+            log.warning("session %s: could not read the tuned bounds: %s", request.process_id,
+                        type(e).__name__)
+            return {}
+
+    async def _paid(self, request: DPRequest, tuning: TableTuning) -> bool:
+        """Whether the analyst has paid for `tuning` (since its last reset)."""
+        try:
+            return await self.ledger.paid(request.analyst, tuning.token)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
+            log.error("session %s: ledger unavailable: %s", request.process_id, e)
+            raise LedgerUnavailable() from None
 
     async def local_function(self, request: DPRequest, st: Statement, dry_run: bool = False,
                              bind: p.Bind | None = None, param_types: Sequence[int] = ()) -> str:
@@ -398,7 +447,7 @@ class DPService:
                                                      request.encoding)
         stmt = parse_select(st.stripped_sql, params)
         replacer = LocalFunctions(self.ledger, request.analyst, request.admin, dry_run,
-                                  sorted(self.config.total_budgets()))
+                                  sorted(self.config.total_budgets()), self.tuner)
         await replacer.resolve(stmt)
         replacer(stmt)
         return str(RawStream()(stmt))

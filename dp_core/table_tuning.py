@@ -1,0 +1,177 @@
+"""Contribution bounds an admin tunes once per protected table, and their use by later queries.
+
+An admin's `SELECT * FROM dp_tune_bounds('visits')` chooses max_rows_contributed (T of
+counts, of means and of sums) and a clip of each bounded numeric column from DP statistics
+of the whole table: the statistics and choices of per-query tuning (`dp_core.tuning`) for
+the query `SELECT count(*), sum(c), avg(c), ... FROM table` (`tuning_sql`), its noise
+calibrated for the ε the admin spends (`with_tuning_epsilon`). Later plain queries that read
+that table alone, where neither the query nor the session fixes T, take the stored choice as
+fixed bounds (`applied`): a function of a DP release, so post-processing, and none of their
+own ε goes to tuning. Who pays is the ledger's business (`server.ledger`): the admin and the
+table's total budgets when it is tuned, each analyst once, with their first answer that uses
+it. The choice weighs the noise of a query of the default ε over `groups` groups (1 unless
+the admin says otherwise); filters and groupings of later queries are not known then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from typing import Any
+
+from pglast import ast
+
+from dp_core.errors import InternalError
+from dp_core.mechanisms import NoiseKind, NoiseSpec
+from dp_core.plan import DPQueryPlan, PrivacyCost, clip_tuned, shares_clip
+from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
+from dp_core.tuning import TunedRows
+
+
+@dataclass(frozen=True)
+class TableTuning:
+    """The bounds an admin tuned for one protected table (`dp_tune_bounds`)."""
+
+    table: str
+    """schema.table, as `TableRef.bases` names it."""
+    token: str
+    """What each analyst's one charge for it is recorded under (the ledger's fingerprint)."""
+    epsilon: Fraction
+    """What it cost (pure ε: Laplace noise on user counts)."""
+    max_rows: int
+    mean_rows: int
+    sum_rows: int
+    clips: Mapping[str, Bounds] = field(default_factory=dict)
+    """Per bounded column, [L, clip]: each user's mean in a group within it."""
+    clipped: Mapping[str, float] = field(default_factory=dict)
+    """Per clipped column, the share of its value beyond the clip (an estimate)."""
+    rows_cut: float = 0.0
+    users_cut: float = 0.0
+    groups: int = 1
+    """The groups the noise of T was weighed over."""
+    tuned_at: str = ""
+    ledger_id: int = 0
+    """The ledger row of the admin's charge."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"table": self.table, "token": self.token, "epsilon": str(self.epsilon),
+                "max_rows": self.max_rows, "mean_rows": self.mean_rows,
+                "sum_rows": self.sum_rows,
+                "clips": {c: [b.lower, b.upper] for c, b in sorted(self.clips.items())},
+                "clipped": dict(sorted(self.clipped.items())), "rows_cut": self.rows_cut,
+                "users_cut": self.users_cut, "groups": self.groups}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], tuned_at: str = "",
+                  ledger_id: int = 0) -> TableTuning:
+        return cls(str(data["table"]), str(data["token"]), Fraction(data["epsilon"]),
+                   int(data["max_rows"]), int(data["mean_rows"]), int(data["sum_rows"]),
+                   {c: Bounds(float(b[0]), float(b[1])) for c, b in data["clips"].items()},
+                   {c: float(s) for c, s in data["clipped"].items()},
+                   float(data["rows_cut"]), float(data["users_cut"]), int(data["groups"]),
+                   tuned_at, ledger_id)
+
+    def describe(self) -> str:
+        """Where the bounds come from, for EXPLAIN and the notice."""
+        return (f"the bounds an admin tuned for {self.table} (ledger #{self.ledger_id}"
+                f"{', ' + self.tuned_at if self.tuned_at else ''}: epsilon "
+                f"{float(self.epsilon):.6g}, charged once to each analyst)")
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def tuning_sql(schema: str, table: str, columns: Sequence[str]) -> str:
+    """The query whose per-query tuning statistics an admin's tuning measures: every row
+    counted, and each bounded numeric column summed and averaged (T of counts, sums and
+    means; each column's clip)."""
+    items = ["count(*)"]
+    for c in columns:
+        items += [f"sum({_ident(c)})", f"avg({_ident(c)})"]
+    return f"SELECT {', '.join(items)} FROM {_ident(schema)}.{_ident(table)}"
+
+
+def with_tuning_epsilon(plan: DPQueryPlan, epsilon: Fraction) -> DPQueryPlan:
+    """`plan` (of `tuning_sql`'s query, T not fixed) with its tuning statistics' noise
+    calibrated for `epsilon`, split evenly among them (each user adds at most 1 to each:
+    sensitivity 1), and that as its cost: the one statement an admin's tuning runs. The rest
+    of the plan (the answer's quantities, which T's choice weighs) is unchanged."""
+    if not plan.tuning or epsilon <= 0:
+        raise InternalError("a table's tuning without tuning statistics (this is a bug)")
+    each = epsilon / len(plan.tuning)
+    spec = NoiseSpec.calibrate(NoiseKind.LAPLACE, float(each), 0, 1, 1.0)
+    tuning = tuple(replace(q, epsilon=each, delta=Fraction(0), noise=spec) for q in plan.tuning)
+    return replace(plan, tuning=tuning, cost=PrivacyCost(epsilon, Fraction(0)))
+
+
+def column_of(agg: Any, policy: TablePolicy) -> str | None:
+    """The configured column an aggregate reads as it is (its argument a plain column
+    reference with that column's bounds), or None."""
+    arg = agg.arg
+    if not isinstance(arg, ast.ColumnRef) or not arg.fields:
+        return None
+    last = arg.fields[-1]
+    if not isinstance(last, ast.String):
+        return None
+    name = str(last.sval)
+    return name if policy.columns.get(name) == agg.bounds else None
+
+
+def table_tuning(table: str, token: str, epsilon: Fraction, query: AnalyzedQuery,
+                 policy: TablePolicy, tuned: TunedRows, groups: int) -> TableTuning:
+    """What is stored of a table's tuning: T as `tuned` chose it, and its clips by column."""
+    clips: dict[str, Bounds] = {}
+    clipped: dict[str, float] = {}
+    for i, b in tuned.clips.items():
+        column = column_of(query.aggregates[i], policy)
+        if column is not None:
+            clips[column], clipped[column] = b, tuned.clipped[i]
+    return TableTuning(table, token, epsilon, tuned.max_rows, tuned.mean_rows,
+                       tuned.sum_rows or tuned.max_rows, clips, clipped, tuned.rows_cut,
+                       tuned.users_cut, groups)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """A query with a table's tuned bounds: its clips filled in, T of counts, means, sums."""
+
+    query: AnalyzedQuery
+    tuning: TableTuning
+    tuned: TunedRows
+    """The same, as the notice and EXPLAIN show a choice (no ε of the query's own)."""
+
+
+def applied(query: AnalyzedQuery, policies: Mapping[str, TablePolicy],
+            tunings: Mapping[str, TableTuning]) -> Applied | None:
+    """The query with the tuned bounds of the one protected table it reads, where it reads
+    one (not through a subquery), has row-level aggregates and that table is tuned; None
+    otherwise (T then chosen per query, or as the query or the session fixes it). Each
+    row-level sum or mean of a bounded column as it is gets the column's clip."""
+    if len(query.tables) != 1 or not any(a.row_level for a in query.aggregates):
+        return None
+    (ref,) = query.tables
+    policy = policies.get(ref.name)
+    if ref.derived or policy is None or len(ref.bases) != 1:
+        return None
+    tuning = tunings.get(next(iter(ref.bases)))
+    if tuning is None:
+        return None
+    found: dict[int, Bounds] = {}
+    clipped: dict[int, float] = {}
+    for i in clip_tuned(query):
+        agg = query.aggregates[i]
+        column = column_of(agg, policy)
+        if column is None or column not in tuning.clips:
+            continue
+        clip = tuning.clips[column]
+        if not (agg.known_bounds.lower == clip.lower <= clip.upper <= agg.known_bounds.upper):
+            continue  # (the column's bounds changed since: its clip no longer fits)
+        for j, other in enumerate(query.aggregates):
+            if shares_clip(agg, other):
+                found[j], clipped[j] = clip, tuning.clipped.get(column, 0.0)
+    tuned = TunedRows(tuning.max_rows, tuning.mean_rows, tuning.rows_cut, tuning.users_cut,
+                      clips=found, clipped=clipped, sum_rows=tuning.sum_rows)
+    return Applied(query.with_bounds(found), tuning, tuned)
+

@@ -1,0 +1,97 @@
+"""Bounds an admin tunes once per table (dp_core.table_tuning): the statement's plan and cost, what
+is stored, and which later queries use it and how (hand-computed)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from dp_core.analysis import analyze, parse_select
+from dp_core.mechanisms import NoiseKind
+from dp_core.plan import Component, make_plan
+from dp_core.query import Bounds
+from dp_core.table_tuning import (
+    TableTuning,
+    applied,
+    table_tuning,
+    tuning_sql,
+    with_tuning_epsilon,
+)
+from dp_core.tuning import TunedRows
+from tests.support.engine import CLASSIFIER, POLICY
+
+TUNED = TableTuning("public.visits", "tuned:public.visits:ab", Fraction(1, 10), 64, 8, 32,
+                    {"duration": Bounds(0, 900)}, {"duration": 0.02}, 0.01, 0.001, 1,
+                    "2026-11-27 00:00:00 UTC", 7)
+
+
+def _query(sql: str):  # type: ignore[no-untyped-def]
+    (st,) = CLASSIFIER.classify(sql)
+    return analyze(parse_select(st.stripped_sql), POLICY, plain_form=st.dp_clause is None)
+
+
+def test_the_tuning_query_and_its_noise_for_the_admins_epsilon() -> None:
+    sql = tuning_sql("public", "visits", ["duration"])
+    assert sql == 'SELECT count(*), sum("duration"), avg("duration") FROM "public"."visits"'
+    query = _query(sql)
+    plan = make_plan(query, 1.0, 1e-6, 1, NoiseKind.LAPLACE)
+    # users per bin of their rows, and duration's value bins (avg shares sum's clip)
+    assert [q.component for q in plan.tuning] == [Component.ROWS, Component.VALUES]
+    tuned = with_tuning_epsilon(plan, Fraction(1, 5))
+    # ε 0.2 over two histograms of sensitivity 1: Laplace scale 1 / 0.1 = 10 each
+    assert [(q.epsilon, q.spec.scale) for q in tuned.tuning] == [(Fraction(1, 10), 10.0)] * 2
+    assert tuned.cost.epsilon == Fraction(1, 5) and tuned.cost.delta == 0
+    assert tuned.quantities == plan.quantities  # (what T's choice weighs: the answer's noise)
+
+
+def test_what_is_stored_round_trips_and_keeps_the_clips_by_column() -> None:
+    assert TableTuning.from_json(TUNED.to_json(), TUNED.tuned_at, TUNED.ledger_id) == TUNED
+    query = _query(tuning_sql("public", "visits", ["duration"]))
+    tuned = TunedRows(128, 8, 0.05, 0.01, clips={1: Bounds(0, 450), 2: Bounds(0, 450)},
+                      clipped={1: 0.1, 2: 0.1}, sum_rows=64)
+    stored = table_tuning("public.visits", "tok", Fraction(1, 10), query, POLICY["visits"],
+                          tuned, 3)
+    assert (stored.max_rows, stored.mean_rows, stored.sum_rows, stored.groups) == (128, 8, 64, 3)
+    assert stored.clips == {"duration": Bounds(0, 450)} and stored.clipped == {"duration": 0.1}
+
+
+def test_a_query_of_the_table_alone_takes_t_and_its_columns_clips() -> None:
+    query = _query("SELECT browser, COUNT(*), SUM(duration), AVG(v.duration), "
+                   "VAR_POP(duration), SUM(duration * 2) FROM visits v WHERE country <> 'x' "
+                   "GROUP BY browser")
+    used = applied(query, POLICY, {"public.visits": TUNED})
+    assert used is not None and used.tuning is TUNED
+    aggs = used.query.aggregates
+    assert aggs[0].bounds == Bounds(0, 1) and aggs[0].row_bounds is None  # a count: no clip
+    for i in (1, 2, 3):  # the column as it is: its mean per user and group within the clip
+        assert aggs[i].bounds == Bounds(0, 900) and aggs[i].row_bounds == Bounds(0, 3600)
+    assert aggs[4].row_bounds is None  # an expression of it: not the column's clip
+    assert used.tuned.clips == {1: Bounds(0, 900), 2: Bounds(0, 900), 3: Bounds(0, 900)}
+    plan = make_plan(used.query, 1.0, 1e-6, 1, NoiseKind.LAPLACE, max_rows=64, mean_rows=8,
+                     sum_rows=32)
+    assert plan.tuning == () and plan.cost.epsilon == 1  # nothing of the query's goes to it
+    count = plan.quantity_of(0, Component.COUNT)
+    # a row-level count of T = 64 rows per user: sensitivity 64, scale 64 / its ε share
+    assert count.sensitivity == 64 and count.spec.scale == pytest.approx(64 / count.epsilon)
+    total = plan.quantity_of(1, Component.SUM)
+    assert total.sensitivity == 32 * 900  # T of sums × the clip
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT COUNT(*) FROM purchases",  # another table
+    "SELECT COUNT(*) FROM visits JOIN purchases USING (uid)",  # two protected tables
+    "SELECT COUNT(*) FROM (SELECT uid, duration FROM visits) s",  # through a subquery
+    "SELECT WITH ANONYMIZATION ANON_SUM(duration, 0, 10) FROM visits",  # per-user: no T
+])
+def test_other_queries_do_not_use_it(sql: str) -> None:
+    assert applied(_query(sql), POLICY, {"public.visits": TUNED}) is None
+
+
+def test_a_clip_that_no_longer_fits_the_columns_bounds_is_not_used() -> None:
+    query = _query("SELECT SUM(duration) FROM visits")
+    stale = TableTuning("public.visits", "t", Fraction(1, 10), 64, 8, 32,
+                        {"duration": Bounds(0, 5000)}, {"duration": 0.0})
+    used = applied(query, POLICY, {"public.visits": stale})
+    assert used is not None and used.query.aggregates[0].bounds == Bounds(0, 3600)
+    assert used.tuned.clips == {} and used.tuned.max_rows == 64
