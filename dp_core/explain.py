@@ -18,7 +18,7 @@ from dp_core.quantiles import BRANCHING, DEPTH, FoundBounds, bounds_threshold, r
 from dp_core.query import AggKind, AnalyzedQuery
 from dp_core.release import half_width_95
 from dp_core.sqlnodes import node_sql
-from dp_core.tuning import TunedRows, groups_threshold
+from dp_core.tuning import SHARE_FLOOR, TunedRows, groups_threshold
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,11 @@ def _row_level_lines(query: AnalyzedQuery, plan: DPQueryPlan) -> list[str]:
                      "the count's mean noise for T; for AVG, VAR and STDDEV, at most the "
                      "upper edge of the median user's bin; for SUM, at most T, with its "
                      "rows' mean value beyond T + groups x its noise for T")
+        lines.append("  then the row-level counts', sums' and averages' noisy quantities split "
+                     "their epsilon in proportion to the square root of their noise relative "
+                     "to their value as T and the clips make it, each at least "
+                     f"{fmt(float(SHARE_FLOOR))} of its equal share below (none with VAR or "
+                     "STDDEV)")
         if plan.tau is not None and not any(q.component == Component.GROUPS
                                             for q in plan.tuning):
             lines.append("  groups: after partition selection, the released groups' noisy "
@@ -190,8 +195,12 @@ def _row_level_lines(query: AnalyzedQuery, plan: DPQueryPlan) -> list[str]:
             how = ("; each user's mean in a group clamped to a clip within it, of least "
                    "estimated error (value beyond it + groups x the noise its range brings)"
                    if any(shares_clip(query.aggregates[j], a) for j in clipped) else "")
+            if a.row_bounds is not None:  # (a clip given: an admin's tuned bounds)
+                how = (f"; each user's mean in a group clamped to [{fmt(a.bounds.lower)}, "
+                       f"{fmt(a.bounds.upper)}]")
+            rows = a.row_bounds or a.bounds
             lines.append(f"  {visible_name(query, i)}: each row's value clamped to "
-                         f"[{fmt(a.bounds.lower)}, {fmt(a.bounds.upper)}]{how}")
+                         f"[{fmt(rows.lower)}, {fmt(rows.upper)}]{how}")
     return lines
 
 

@@ -181,6 +181,10 @@ class DPQueryPlan:
                                            "sums": self.sum_rows}
         elif self.threshold is not None and self.selection is SelectionKind.TRUNCATED_GEOMETRIC:
             out[self.threshold.name].update(kind=self.selection.value, scale=None)
+        if self.max_rows is None and self.tuning:
+            out["max_rows_contributed"] = {"chosen": "per query; the row-level counts', sums' "
+                                           "and averages' shares split again with it "
+                                           "(dp_core.tuning.share_weights)"}
         return out
 
 
@@ -303,7 +307,8 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
               noise: NoiseKind, auto: frozenset[int] = frozenset(),
               selection: SelectionKind = SelectionKind.LAPLACE, max_rows: int | None = None,
               tuned: bool = False, mean_rows: int | None = None,
-              sum_rows: int | None = None) -> DPQueryPlan:
+              sum_rows: int | None = None,
+              weights: Mapping[str, Fraction] | None = None) -> DPQueryPlan:
     """Split (ε, δ) over the query's noisy quantities and calibrate each one's noise.
 
     Aggregates without bounds get an APPROX_BOUNDS histogram (together APPROX_BOUNDS_SHARE
@@ -311,7 +316,10 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     the found bounds filled in and `auto` naming those aggregates, for the same split.
     Likewise row-level aggregates without `max_rows` (T) get the statistics T is chosen
     from (TUNING_SHARE of ε): plan again with the chosen T and `tuned` (and `mean_rows` and
-    `sum_rows`, T of the means and of the sums, when they differ).
+    `sum_rows`, T of the means and of the sums, when they differ). `weights`: for some of
+    the answer's quantities (by name), their part of what they have together, which
+    otherwise is equal (`rebalanced`; the others' shares, the threshold's, and the cost are
+    unchanged).
     """
     grouped = bool(query.keys)
     # public groups (`AnalyzedQuery.public_groups`): every key is released, none selected
@@ -356,6 +364,7 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     bounds_eps = eps * APPROX_BOUNDS_SHARE if auto else Fraction(0)
     tuning_eps = eps * TUNING_SHARE if tune else Fraction(0)
     share = (eps - bounds_eps - tuning_eps) / len(specs)
+    shares = rebalanced({name: share for name, *_ in specs}, weights or {})
     gaussian = noise is NoiseKind.GAUSSIAN
     n_gauss = sum(1 for name, *_ in specs if name != "dp_users" or not selecting) \
         if gaussian else 0
@@ -387,10 +396,10 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
         # (a row-level aggregate's sensitivity bounds a user's sum over all its groups)
         groups = 1 if agg_index is not None and query.aggregates[agg_index].row_level else l0
         noise_spec = None if sensitivity is None else NoiseSpec.calibrate(
-            kind, float(share), float(delta_each), groups, sensitivity)
+            kind, float(shares[name]), float(delta_each), groups, sensitivity)
         if noise_spec is not None and not math.isfinite(noise_spec.scale):
             raise _scale_error(query, agg_index, eps, "overflow")
-        quantities.append(NoisyQuantity(name, component, agg_index, sensitivity, share,
+        quantities.append(NoisyQuantity(name, component, agg_index, sensitivity, shares[name],
                                         delta_each if gaussian else Fraction(0), noise_spec))
     if auto and not math.isfinite(l0 / float(bounds_eps / len(auto))):
         raise _scale_error(query, None, eps, "overflow")
@@ -434,9 +443,29 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     return plan
 
 
+def rebalanced(shares: Mapping[str, Fraction],
+               weights: Mapping[str, Fraction]) -> dict[str, Fraction]:
+    """`shares` with those of the quantities `weights` names split again: their total in
+    proportion to the weights (the last gets what is left, so the total is exact)."""
+    out = dict(shares)
+    names = [n for n in shares if n in weights]
+    if any(weights[n] <= 0 for n in names) or set(weights) - set(shares):
+        raise InternalError("weights of quantities a plan does not have (this is a bug)")
+    if len(names) < 2:
+        return out
+    pool = sum((shares[n] for n in names), Fraction(0))
+    total = sum((weights[n] for n in names), Fraction(0))
+    for n in names[:-1]:
+        out[n] = pool * weights[n] / total
+    out[names[-1]] = pool - sum((out[n] for n in names[:-1]), Fraction(0))
+    return out
+
+
 def replan_with_bounds(query: AnalyzedQuery, plan: DPQueryPlan, found: Mapping[int, Bounds],
                        max_rows: int | None = None, mean_rows: int | None = None,
-                       sum_rows: int | None = None) -> tuple[AnalyzedQuery, DPQueryPlan]:
+                       sum_rows: int | None = None,
+                       weights: Mapping[str, Fraction] | None = None
+                       ) -> tuple[AnalyzedQuery, DPQueryPlan]:
     """The second planning stage, after APPROX_BOUNDS and the choice of max_rows_contributed:
     the query with the bounds found filled in and its plan for them and for `max_rows` (the
     plan's own when None), the same split of ε/δ (the noise of the aggregates that had none
@@ -446,7 +475,7 @@ def replan_with_bounds(query: AnalyzedQuery, plan: DPQueryPlan, found: Mapping[i
                       plan.noise_kind, plan.auto_bounds, plan.selection_asked,
                       max_rows if max_rows is not None else plan.max_rows, bool(plan.tuning),
                       mean_rows if max_rows is not None else plan.mean_rows,
-                      sum_rows if max_rows is not None else plan.sum_rows)
+                      sum_rows if max_rows is not None else plan.sum_rows, weights)
     if any(a.row_level and a.kind is AggKind.COUNT and a.bounds != Bounds(0, 1)
            for a in query.aggregates):
         raise InternalError("a row-level count given bounds (this is a bug)")

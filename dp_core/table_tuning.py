@@ -26,7 +26,7 @@ from dp_core.errors import InternalError
 from dp_core.mechanisms import NoiseKind, NoiseSpec
 from dp_core.plan import DPQueryPlan, PrivacyCost, clip_tuned, shares_clip
 from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
-from dp_core.tuning import TunedRows
+from dp_core.tuning import TunedRows, answer_unit, finished, rechosen
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,18 @@ class TableTuning:
     rows_cut: float = 0.0
     users_cut: float = 0.0
     groups: int = 1
-    """The groups the noise of T was weighed over."""
+    """The groups the noise of T is weighed over."""
     tuned_at: str = ""
     ledger_id: int = 0
     """The ledger row of the admin's charge."""
+    means: Mapping[str, float] = field(default_factory=dict)
+    """Per clipped column, a row's mean value (an estimate)."""
+    lost: tuple[float, ...] = ()
+    """The rows beyond each candidate T (`tuning.ROW_EDGES`), estimated: with `users_over`,
+    `rows_total` and `mean_cap`, what each query chooses its own T from (`Applied.chosen`)."""
+    users_over: tuple[float, ...] = ()
+    rows_total: float = 0.0
+    mean_cap: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"table": self.table, "token": self.token, "epsilon": str(self.epsilon),
@@ -60,7 +68,10 @@ class TableTuning:
                 "sum_rows": self.sum_rows,
                 "clips": {c: [b.lower, b.upper] for c, b in sorted(self.clips.items())},
                 "clipped": dict(sorted(self.clipped.items())), "rows_cut": self.rows_cut,
-                "users_cut": self.users_cut, "groups": self.groups}
+                "users_cut": self.users_cut, "groups": self.groups,
+                "means": dict(sorted(self.means.items())), "lost": list(self.lost),
+                "users_over": list(self.users_over), "rows_total": self.rows_total,
+                "mean_cap": self.mean_cap}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], tuned_at: str = "",
@@ -70,7 +81,16 @@ class TableTuning:
                    {c: Bounds(float(b[0]), float(b[1])) for c, b in data["clips"].items()},
                    {c: float(s) for c, s in data["clipped"].items()},
                    float(data["rows_cut"]), float(data["users_cut"]), int(data["groups"]),
-                   tuned_at, ledger_id)
+                   tuned_at, ledger_id, {c: float(m) for c, m in data["means"].items()},
+                   tuple(float(x) for x in data["lost"]),
+                   tuple(float(x) for x in data["users_over"]), float(data["rows_total"]),
+                   int(data["mean_cap"]))
+
+    def statistics(self) -> TunedRows:
+        """What T is chosen from again for each query (`tuning.rechosen`)."""
+        return TunedRows(self.max_rows, self.mean_rows, self.rows_cut, self.users_cut,
+                         self.rows_total, float(self.groups), lost=self.lost,
+                         mean_cap=self.mean_cap, users_over=self.users_over)
 
     def describe(self) -> str:
         """Where the bounds come from, for EXPLAIN and the notice."""
@@ -124,23 +144,37 @@ def table_tuning(table: str, token: str, epsilon: Fraction, query: AnalyzedQuery
     """What is stored of a table's tuning: T as `tuned` chose it, and its clips by column."""
     clips: dict[str, Bounds] = {}
     clipped: dict[str, float] = {}
+    means: dict[str, float] = {}
     for i, b in tuned.clips.items():
         column = column_of(query.aggregates[i], policy)
-        if column is not None:
-            clips[column], clipped[column] = b, tuned.clipped[i]
+        if column is not None and i in tuned.means:
+            clips[column], clipped[column], means[column] = b, tuned.clipped[i], tuned.means[i]
     return TableTuning(table, token, epsilon, tuned.max_rows, tuned.mean_rows,
                        tuned.sum_rows or tuned.max_rows, clips, clipped, tuned.rows_cut,
-                       tuned.users_cut, groups)
+                       tuned.users_cut, groups, means=means, lost=tuned.lost,
+                       users_over=tuned.users_over, rows_total=tuned.rows_total,
+                       mean_cap=tuned.mean_cap)
 
 
 @dataclass(frozen=True)
 class Applied:
-    """A query with a table's tuned bounds: its clips filled in, T of counts, means, sums."""
+    """A query with a table's tuned bounds: its clips filled in; T chosen for its plan."""
 
     query: AnalyzedQuery
     tuning: TableTuning
     tuned: TunedRows
-    """The same, as the notice and EXPLAIN show a choice (no ε of the query's own)."""
+    """The clips, and once `chosen`, T of counts, means and sums and the shares' weights."""
+
+    def chosen(self, plan: DPQueryPlan) -> Applied:
+        """T for this query's noise (`plan`: its shares, which T does not change), from the
+        table's stored statistics (post-processing): as per-query tuning chooses it, the
+        noise weighed over the tuning's `groups`; then T of the sums and the weights of the
+        shares (`tuning.finished`)."""
+        unit = answer_unit(plan)
+        again = rechosen(replace(self.tuning.statistics(), clips=self.tuned.clips,
+                                 clipped=self.tuned.clipped, means=self.tuned.means),
+                         float(self.tuning.groups), unit)
+        return replace(self, tuned=finished(self.query, plan, again, unit))
 
 
 def applied(query: AnalyzedQuery, policies: Mapping[str, TablePolicy],
@@ -160,6 +194,7 @@ def applied(query: AnalyzedQuery, policies: Mapping[str, TablePolicy],
         return None
     found: dict[int, Bounds] = {}
     clipped: dict[int, float] = {}
+    means: dict[int, float] = {}
     for i in clip_tuned(query):
         agg = query.aggregates[i]
         column = column_of(agg, policy)
@@ -171,7 +206,9 @@ def applied(query: AnalyzedQuery, policies: Mapping[str, TablePolicy],
         for j, other in enumerate(query.aggregates):
             if shares_clip(agg, other):
                 found[j], clipped[j] = clip, tuning.clipped.get(column, 0.0)
-    tuned = TunedRows(tuning.max_rows, tuning.mean_rows, tuning.rows_cut, tuning.users_cut,
-                      clips=found, clipped=clipped, sum_rows=tuning.sum_rows)
+                if column in tuning.means:
+                    means[j] = tuning.means[column]
+    tuned = replace(tuning.statistics(), clips=found, clipped=clipped, means=means,
+                    sum_rows=tuning.sum_rows)
     return Applied(query.with_bounds(found), tuning, tuned)
 

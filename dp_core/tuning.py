@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -92,6 +93,15 @@ class TunedRows:
     clip, their bias per row beyond T the rows' mean value (`choose_sum_rows`)."""
     lost: tuple[float, ...] = ()
     """The rows beyond each candidate T (ROW_EDGES), as estimated from the noisy histogram."""
+    means: Mapping[int, float] = field(default_factory=dict)
+    """For each clipped aggregate, a row's mean value (an estimate, from its value bins)."""
+    mean_cap: int = 0
+    """The upper edge of the median user's bin: T of the means is at most this."""
+    users_over: tuple[float, ...] = ()
+    """The share of the users beyond each candidate T, as estimated from the noisy histogram."""
+    weights: Mapping[str, Fraction] = field(default_factory=dict)
+    """How the answer's row-level counts, sums and means split their ε among them
+    (`share_weights`; empty: equally)."""
 
 
 def groups_threshold(plan: DPQueryPlan) -> float:
@@ -212,9 +222,28 @@ def choose_max_rows(histogram: Mapping[int, int], groups: int | None, rows_noise
     over = max(float(np.sum(noisy[t < _REPS])), 0.0)
     # the median user's bin (noisy counts: post-processing), its upper edge
     median = int(np.searchsorted(np.cumsum(np.maximum(noisy, 0.0)), total_users / 2))
-    mean_t = min(t, ROW_EDGES[min(median + 1, len(ROW_EDGES) - 1)])
+    mean_cap = ROW_EDGES[min(median + 1, len(ROW_EDGES) - 1)]
+    mean_t = min(t, mean_cap)
+    users_over = [float(np.sum(noisy[c < _REPS])) / total_users for c in ROW_EDGES]
     return TunedRows(t, mean_t, min(float(lost[best]) / total_rows, 1.0),
-                     min(over / total_users, 1.0), total_rows, g, lost=tuple(map(float, lost)))
+                     min(over / total_users, 1.0), total_rows, g, lost=tuple(map(float, lost)),
+                     mean_cap=mean_cap, users_over=tuple(min(max(u, 0.0), 1.0)
+                                                         for u in users_over))
+
+
+def rechosen(tuned: TunedRows, groups: float, unit: float) -> TunedRows:
+    """T (and T of the means) chosen again from the statistics `tuned` was (post-processing):
+    for noise weighed over `groups` groups, `unit` the mean absolute noise per unit of T of
+    the answer's counts; as `choose_max_rows` chooses."""
+    if not tuned.lost:
+        raise InternalError("T chosen again without the statistics it was chosen from")
+    lost = np.array(tuned.lost)
+    best = int(np.argmin(lost + max(1.0, groups) * unit * _CANDIDATES))
+    t = ROW_EDGES[best]
+    return replace(tuned, max_rows=t, mean_rows=min(t, tuned.mean_cap or t),
+                   rows_cut=min(float(lost[best]) / max(tuned.rows_total, 1.0), 1.0),
+                   users_cut=tuned.users_over[best] if tuned.users_over else tuned.users_cut,
+                   groups=max(1.0, groups))
 
 
 def value_thresholds(bounds: Bounds) -> list[float]:
@@ -314,11 +343,9 @@ def tune(plan: DPQueryPlan, histogram: Mapping[int, int], groups: int,
     where partition selection has run (τ-thresholding), the kept groups' noisy user counts,
     which weigh the noise instead of `groups` (`typical_groups`)."""
     specs = {q.component: q.spec for q in plan.tuning}
-    counted = next((q for q in plan.quantities if q.aggregate is not None
-                    and q.component in (Component.COUNT, Component.N, Component.SUM)), None)
-    if counted is None or Component.ROWS not in specs:
-        raise InternalError("max_rows_contributed chosen for a plan without row-level counts")
-    unit = unit_noise(plan.noise_kind, float(counted.epsilon), float(counted.delta))
+    if Component.ROWS not in specs:
+        raise InternalError("max_rows_contributed chosen for a plan without its statistics")
+    unit = answer_unit(plan)
     if plan.tau is not None and not groups_known and released_users is None \
             and Component.GROUPS not in specs:
         raise InternalError("T of a one-pass plan chosen before partition selection")
@@ -346,14 +373,92 @@ def tune(plan: DPQueryPlan, histogram: Mapping[int, int], groups: int,
         for j, other in enumerate(query.aggregates):
             if shares_clip(agg, other):
                 clips[j], clipped[j], means[j] = Bounds(b.lower, upper), share, mean
-    sums = [j for j, a in enumerate(query.aggregates)
-            if a.row_level and a.kind is AggKind.SUM] if query is not None else []
+    tuned = replace(tuned, clips=clips, clipped=clipped, means=means)
+    return tuned if query is None else finished(query, plan, tuned, unit)
+
+
+def answer_unit(plan: DPQueryPlan) -> float:
+    """The mean absolute noise per unit of T of the answer's row-level counts (`unit_noise`
+    of the first count, sum or average's count among its quantities)."""
+    counted = next((q for q in plan.quantities if q.aggregate is not None
+                    and q.component in (Component.COUNT, Component.N, Component.SUM)), None)
+    if counted is None:
+        raise InternalError("max_rows_contributed chosen for a plan without row-level counts")
+    return unit_noise(plan.noise_kind, float(counted.epsilon), float(counted.delta))
+
+
+def finished(query: AnalyzedQuery, plan: DPQueryPlan, tuned: TunedRows,
+             unit: float) -> TunedRows:
+    """`tuned` (T and the clips chosen, the rows' mean values estimated) with T of the sums
+    (`choose_sum_rows`, where every row-level SUM has a clip) and the weights of the answer's
+    shares (`share_weights`): post-processing of the same statistics."""
+    sums = [j for j, a in enumerate(query.aggregates) if a.row_level and a.kind is AggKind.SUM]
     sum_rows = tuned.max_rows
-    if sums and all(j in clips for j in sums):
-        sum_rows = choose_sum_rows(tuned, [(means[j], max(abs(clips[j].lower),
-                                                          abs(clips[j].upper)))
+    if sums and all(j in tuned.clips and j in tuned.means for j in sums):
+        sum_rows = choose_sum_rows(tuned, [(tuned.means[j], max(abs(tuned.clips[j].lower),
+                                                                abs(tuned.clips[j].upper)))
                                            for j in sums], unit)
-    return replace(tuned, clips=clips, clipped=clipped, sum_rows=sum_rows)
+    tuned = replace(tuned, sum_rows=sum_rows)
+    return replace(tuned, weights=share_weights(query, plan, tuned, tuned.means))
+
+
+SHARE_FLOOR = Fraction(3, 4)
+"""The least part of its equal share of ε a rebalanced quantity keeps (`share_weights`)."""
+
+
+def share_weights(query: AnalyzedQuery, plan: DPQueryPlan, tuned: TunedRows,
+                  means: Mapping[int, float]) -> dict[str, Fraction]:
+    """How the noisy quantities of the answer's row-level COUNTs, SUMs and AVGs split their
+    ε between them, once T and the clips are chosen: in proportion to √a, a being the
+    quantity's noise per unit of ε relative to its aggregate's value, which minimises the sum
+    over them of a / ε (the groups' rows n, common to all, left out; √a rounded to a quarter
+    octave): a count's T; a sum's
+    T × its largest |value| / a row's mean value m (its noise per user over the value of its
+    rows); an average's centred sum, T × half its range / m, and its count, T × |m − the
+    range's midpoint| / m (how much its noise moves the mean). Each keeps at least
+    SHARE_FLOOR of its equal share. Post-processing of the statistics T and the clips were
+    chosen from (`means`: the row's mean value by aggregate, from its value bins); empty
+    (equal shares) where an aggregate has no such estimate, or the query has VAR or STDDEV."""
+    need: dict[str, float] = {}
+    for i, agg in enumerate(query.aggregates):
+        if not agg.row_level:
+            continue
+        if agg.kind in (AggKind.VAR, AggKind.STDDEV):
+            return {}
+        t = tuned.mean_rows if agg.kind in MEANS else \
+            (tuned.sum_rows or tuned.max_rows) if agg.kind is AggKind.SUM else tuned.max_rows
+        if agg.kind is AggKind.COUNT:
+            parts = {Component.COUNT: float(t)}
+        else:
+            m = means.get(i)
+            b = tuned.clips.get(i)
+            if m is None or b is None or not m > 0:
+                return {}
+            if agg.kind is AggKind.SUM:
+                parts = {Component.SUM: t * max(abs(b.lower), abs(b.upper)) / m}
+            else:
+                mid = (b.lower + b.upper) / 2
+                parts = {Component.CENTERED_SUM: t * (b.upper - b.lower) / 2 / m,
+                         Component.N: t * abs(m - mid) / m}
+        for component, a in parts.items():
+            name = plan.name_of(i, component)
+            need[name] = max(need.get(name, 0.0), a)
+    if len(need) < 2:
+        return {}
+    # √a on a grid of quarter octaves: the split moves by steps (a few splits, whichever the
+    # noisy statistics; equal weights stay equal)
+    raw = {n: Fraction(2.0 ** (round(4 * math.log2(math.sqrt(max(a, 1e-12)))) / 4))
+           .limit_denominator(1 << 16) for n, a in need.items()}
+    # the floor f = SHARE_FLOOR × the mean weight, those below it raised to it: with k
+    # weights, `low` of them raised, f = c × (the others' sum + low × f) / k
+    k, low = len(raw), frozenset[str]()
+    while True:
+        above = sum((w for n, w in raw.items() if n not in low), Fraction(0))
+        floor = SHARE_FLOOR * above / (k - SHARE_FLOOR * len(low))
+        now = frozenset(n for n, w in raw.items() if w < floor)
+        if now <= low:
+            return {n: max(w, floor) if n in low else w for n, w in raw.items()}
+        low |= now
 
 
 def replan_tuned(query: AnalyzedQuery, plan: DPQueryPlan, tuned: TunedRows,
@@ -361,4 +466,5 @@ def replan_tuned(query: AnalyzedQuery, plan: DPQueryPlan, tuned: TunedRows,
     """The query and plan for what `tuned` chose (T of counts, means and sums, and the
     clips), with the bounds APPROX_BOUNDS `found`."""
     return replan_with_bounds(query, plan, {**(found or {}), **tuned.clips}, tuned.max_rows,
-                              tuned.mean_rows, tuned.sum_rows or tuned.max_rows)
+                              tuned.mean_rows, tuned.sum_rows or tuned.max_rows,
+                              tuned.weights)

@@ -187,13 +187,19 @@ class Preparer:
                                  settings.max_groups_contributed, settings.noise,
                                  selection=settings.selection, max_rows=settings.max_rows)
             else:  # (the tuning's token: a question asked again after a new tuning is new)
-                query, t = tuned.query, tuned.tuning
-                meaning = (*meaning, t.token)
-                cache_key = (*cache_key, t.token)
+                query = tuned.query
+                meaning = (*meaning, tuned.tuning.token)
+                cache_key = (*cache_key, tuned.tuning.token)
+                # T for this query's noise: its shares first (T does not change them)
+                tuned = tuned.chosen(make_plan(
+                    query, settings.epsilon, settings.delta, settings.max_groups_contributed,
+                    settings.noise, selection=settings.selection, max_rows=1))
+                t = tuned.tuned
                 plan = make_plan(query, settings.epsilon, settings.delta,
                                  settings.max_groups_contributed, settings.noise,
                                  selection=settings.selection, max_rows=t.max_rows,
-                                 mean_rows=t.mean_rows, sum_rows=t.sum_rows)
+                                 mean_rows=t.mean_rows, sum_rows=t.sum_rows or t.max_rows,
+                                 weights=t.weights)
             pd = self.pushdowns.pushdown(cache_key, query, plan, arg_types)
             statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
         except asyncpg.PostgresError as e:

@@ -18,12 +18,15 @@ from dp_core.table_tuning import (
     tuning_sql,
     with_tuning_epsilon,
 )
-from dp_core.tuning import TunedRows
+from dp_core.tuning import ROW_EDGES, TunedRows
 from tests.support.engine import CLASSIFIER, POLICY
 
+LOST = tuple(100.0 * max(0, 1000 - c) for c in ROW_EDGES)
+"""Rows beyond each candidate T of 100 users of 1,000 rows each (and no other)."""
 TUNED = TableTuning("public.visits", "tuned:public.visits:ab", Fraction(1, 10), 64, 8, 32,
                     {"duration": Bounds(0, 900)}, {"duration": 0.02}, 0.01, 0.001, 1,
-                    "2026-11-27 00:00:00 UTC", 7)
+                    "2026-11-27 00:00:00 UTC", 7, {"duration": 420.0}, LOST,
+                    tuple(1.0 if c < 1000 else 0.0 for c in ROW_EDGES), 100_000.0, 12)
 
 
 def _query(sql: str):  # type: ignore[no-untyped-def]
@@ -49,11 +52,13 @@ def test_what_is_stored_round_trips_and_keeps_the_clips_by_column() -> None:
     assert TableTuning.from_json(TUNED.to_json(), TUNED.tuned_at, TUNED.ledger_id) == TUNED
     query = _query(tuning_sql("public", "visits", ["duration"]))
     tuned = TunedRows(128, 8, 0.05, 0.01, clips={1: Bounds(0, 450), 2: Bounds(0, 450)},
-                      clipped={1: 0.1, 2: 0.1}, sum_rows=64)
+                      clipped={1: 0.1, 2: 0.1}, sum_rows=64, means={1: 300.0, 2: 300.0},
+                      lost=LOST, mean_cap=12)
     stored = table_tuning("public.visits", "tok", Fraction(1, 10), query, POLICY["visits"],
                           tuned, 3)
     assert (stored.max_rows, stored.mean_rows, stored.sum_rows, stored.groups) == (128, 8, 64, 3)
     assert stored.clips == {"duration": Bounds(0, 450)} and stored.clipped == {"duration": 0.1}
+    assert stored.means == {"duration": 300.0} and stored.lost == LOST and stored.mean_cap == 12
 
 
 def test_a_query_of_the_table_alone_takes_t_and_its_columns_clips() -> None:
@@ -78,6 +83,23 @@ def test_a_query_of_the_table_alone_takes_t_and_its_columns_clips() -> None:
     assert total.sensitivity == 32 * 900  # T of sums × the clip
 
 
+@pytest.mark.parametrize(("epsilon", "expected"), [(1.0, 1024), (0.005, 1)])
+def test_each_query_chooses_its_t_from_the_stored_statistics(epsilon: float,
+                                                             expected: int) -> None:
+    """100 users of 1,000 rows (LOST), `SELECT COUNT(*)`: its count has all of ε (no tuning
+    share), Laplace noise of mean |noise| 1 / ε per unit of T. At ε 1: rows beyond T + T is
+    least at T = 1024 (0 + 1024; at 768, 23,200 + 768); at ε 0.005 (200 per unit): at T = 1
+    (99,900 + 200; at 768, 23,200 + 153,600; at 1024, 204,800)."""
+    query = _query("SELECT COUNT(*) FROM visits")
+    used = applied(query, POLICY, {"public.visits": TUNED})
+    assert used is not None
+    probe = make_plan(used.query, epsilon, 1e-6, 1, NoiseKind.LAPLACE, max_rows=1)
+    tuned = used.chosen(probe).tuned
+    assert tuned.max_rows == expected and tuned.mean_rows == min(expected, 12)
+    assert tuned.rows_cut == pytest.approx(LOST[ROW_EDGES.index(expected)] / 100_000)
+    assert tuned.users_cut == (1.0 if expected < 1000 else 0.0)
+
+
 @pytest.mark.parametrize("sql", [
     "SELECT COUNT(*) FROM purchases",  # another table
     "SELECT COUNT(*) FROM visits JOIN purchases USING (uid)",  # two protected tables
@@ -91,7 +113,7 @@ def test_other_queries_do_not_use_it(sql: str) -> None:
 def test_a_clip_that_no_longer_fits_the_columns_bounds_is_not_used() -> None:
     query = _query("SELECT SUM(duration) FROM visits")
     stale = TableTuning("public.visits", "t", Fraction(1, 10), 64, 8, 32,
-                        {"duration": Bounds(0, 5000)}, {"duration": 0.0})
+                        {"duration": Bounds(0, 5000)}, {"duration": 0.0}, lost=LOST)
     used = applied(query, POLICY, {"public.visits": stale})
     assert used is not None and used.query.aggregates[0].bounds == Bounds(0, 3600)
-    assert used.tuned.clips == {} and used.tuned.max_rows == 64
+    assert used.tuned.clips == {}

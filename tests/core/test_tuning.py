@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from fractions import Fraction
 
 import numpy as np
@@ -425,3 +426,50 @@ def test_a_range_too_narrow_to_halve_has_fewer_clips() -> None:
         for _ in range(20):
             upper, _, _ = choose_clip(bins, bounds, 1000.0, 1e6, _exact(), rng)
             assert bounds.lower < upper <= bounds.upper
+
+
+def test_rebalanced_shares_keep_the_total_and_the_others() -> None:
+    from dp_core.plan import rebalanced
+
+    fifth = Fraction(1, 5)
+    out = rebalanced({"t": fifth, "a": fifth, "b": fifth, "c": fifth},
+                     {"a": Fraction(1), "b": Fraction(3)})
+    assert out == {"t": fifth, "a": Fraction(1, 10), "b": Fraction(3, 10), "c": fifth}
+    assert rebalanced({"a": fifth}, {"a": Fraction(2)}) == {"a": fifth}  # (one: nothing to split)
+    with pytest.raises(InternalError):
+        rebalanced({"a": fifth, "b": fifth}, {"a": Fraction(1), "z": Fraction(1)})
+
+
+def test_counts_sums_and_averages_split_their_epsilon_by_their_relative_noise() -> None:
+    """COUNT(*), SUM and AVG of duration by country, T 48 (sums 32, means 8), clip 900, a
+    row's mean value 420 (hand-computed): a = 48 for the count, 32 × 900 / 420 = 68.57 for
+    the sum, 8 × 450 / 420 = 8.57 for the average's centred sum and 8 × |420 − 450| / 420 =
+    0.571 for its count; √a = 6.928, 8.281, 2.928, 0.756 on the quarter-octave grid 2^(11/4)
+    = 6.727, 2^3 = 8, 2^(6/4), 2^(-2/4); the last two raised to the floor f = ¾ of the mean
+    weight, f = 0.75 × (6.727 + 8 + 2f) / 4, so f = 4.418. Their 4 × 0.18 of ε: the count
+    0.2056, the sum 0.2444, each of the average's 0.135 (¾ of 0.18)."""
+    from dp_core.tuning import share_weights
+
+    query, plan, _ = build("SELECT country, COUNT(*), SUM(duration), AVG(duration) FROM visits "
+                           "GROUP BY country", max_groups=5)
+    tuned = TunedRows(48, 8, 0.0, 0.0, clips={1: Bounds(0, 900), 2: Bounds(0, 900)},
+                      sum_rows=32)
+    weights = share_weights(query, plan, tuned, {1: 420.0, 2: 420.0})
+    assert {n: float(w) for n, w in weights.items()} == pytest.approx(
+        {"dp_a0_count": 2 ** (11 / 4), "dp_a1_sum": 8.0,
+         "dp_a2_csum": 4.41815, "dp_a2_n": 4.41815}, rel=1e-4)
+    _, again = replan_tuned(query, plan, replace(tuned, weights=weights))
+    eps = {q.name: float(q.epsilon) for q in again.all_quantities}
+    assert eps["dp_users"] == pytest.approx(0.18)  # (the threshold's share: as charged)
+    assert eps["dp_a0_count"] == pytest.approx(0.2056, abs=1e-4)
+    assert eps["dp_a1_sum"] == pytest.approx(0.2444, abs=1e-4)
+    assert eps["dp_a2_csum"] == pytest.approx(0.135, abs=1e-6)
+    assert eps["dp_a2_n"] == pytest.approx(0.135, abs=1e-6)
+    assert again.cost == plan.cost
+    # the noise follows the shares: the count's Laplace scale is T / its ε
+    assert again.quantity("dp_a0_count").spec.scale == pytest.approx(48 / eps["dp_a0_count"])
+    # equal shares where a mean value is unknown, or with VAR
+    assert share_weights(query, plan, tuned, {1: 420.0}) == {}
+    var_query, var_plan, _ = build("SELECT COUNT(*), VAR_POP(duration) FROM visits")
+    assert share_weights(var_query, var_plan, replace(tuned, clips={1: Bounds(0, 900)}),
+                         {1: 420.0}) == {}
