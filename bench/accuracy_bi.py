@@ -1,6 +1,7 @@
 """Accuracy of plain BI SQL on the heavy-tailed dataset: error, bias and noise against the truth.
 
     .venv/bin/python bench/accuracy_bi.py [--scale 1] [--runs 10] [--epsilon 1] [--cap 5]
+                                          [--tuned GROUPS]
 
 The questions a BI tool asks, in plain SQL (no DP clause; the session sets ε, δ = 1e-6
 and C_u): COUNT(*), SUM and AVG of duration by browser and by country, VAR_POP and
@@ -11,7 +12,9 @@ released (median over groups): the relative error of one answer against the true
 non-private answer; the bias, |mean of the answers − truth| / truth (what the
 contribution bounds cost: the noise averages out); the noise, the answers' standard
 deviation / truth. Also the share of true groups released, and the DP query's time
-against the raw query's.
+against the raw query's. `--tuned GROUPS`: an admin tunes visits' bounds first
+(`dp_tune_bounds('visits', 0.1, GROUPS)`, its noise weighed over GROUPS groups), and every
+query uses them (no tuning share of its own).
 """
 
 from __future__ import annotations
@@ -105,15 +108,24 @@ async def measure(conn: asyncpg.Connection, admin: asyncpg.Connection, runs: int
 
 async def run(args: argparse.Namespace) -> int:
     async with dataset_and_proxy(args.scale, shape="heavy") as s:
+        if args.tuned is not None:
+            admin = await s.analyst("admin")
+            try:
+                row = await admin.fetchrow("SELECT * FROM dp_tune_bounds('visits', 0.1, $1)",
+                                           str(args.tuned))
+            finally:
+                await admin.close()
+            print(f"tuned: {dict(row or {})}", flush=True)
         conn = await s.analyst()
         try:
             result = await measure(conn, s.admin, args.runs, args.epsilon, args.cap)
         finally:
             await conn.close()
         rows, users = s.rows, s.users
+    tuned = "" if args.tuned is None else f", bounds tuned per table ({args.tuned} groups)"
     lines = [f"### Accuracy of plain BI SQL: heavy-tailed dataset, scale {args.scale} ({rows} visits, "
              f"{users} users), ε = {args.epsilon:g}, δ = {DELTA:g}, C_u = {args.cap}, "
-             f"{args.runs} runs", "", f"Machine: {machine()}", "",
+             f"{args.runs} runs{tuned}", "", f"Machine: {machine()}", "",
              "Median over the released groups of the relative error of one answer, of the bias "
              "(|mean of the answers − truth| / truth) and of the noise (standard deviation / truth); "
              "the share of true groups released; the DP query's time over the raw query's "
@@ -137,6 +149,8 @@ def main() -> int:
     ap.add_argument("--epsilon", type=float, default=1.0)
     ap.add_argument("--cap", type=int, default=5, help="max_groups_contributed (C_u)")
     ap.add_argument("--no-write", action="store_true", help="do not append to bench/RESULTS.md")
+    ap.add_argument("--tuned", type=int, default=None, metavar="GROUPS",
+                    help="tune visits' bounds once first (dp_tune_bounds), for GROUPS groups")
     return asyncio.run(run(ap.parse_args()))
 
 

@@ -34,9 +34,10 @@ class BenchSetup:
     users: int
     generated_in: float
 
-    async def analyst(self) -> asyncpg.Connection:
-        return await asyncpg.connect(host="127.0.0.1", port=self.port, user="alice",
-                                     password="alice", database=DATABASE, ssl=False)
+    async def analyst(self, name: str = "alice") -> asyncpg.Connection:
+        """A session through the proxy as the demo's analyst `name` (its password is its name)."""
+        return await asyncpg.connect(host="127.0.0.1", port=self.port, user=name,
+                                     password=name, database=DATABASE, ssl=False)
 
 
 @asynccontextmanager
