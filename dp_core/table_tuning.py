@@ -26,7 +26,7 @@ from dp_core.errors import InternalError
 from dp_core.mechanisms import NoiseKind, NoiseSpec
 from dp_core.plan import DPQueryPlan, PrivacyCost, clip_tuned, shares_clip
 from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
-from dp_core.tuning import TunedRows, answer_unit, finished, rechosen
+from dp_core.tuning import TunedRows, answer_unit, clip_from, clip_weight, finished, rechosen
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,11 @@ class TableTuning:
     users_over: tuple[float, ...] = ()
     rows_total: float = 0.0
     mean_cap: int = 0
+    bins: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    """Per clipped column, its value bins with their noise (over `ranges`' thresholds): what
+    each query chooses its own clip from."""
+    ranges: Mapping[str, Bounds] = field(default_factory=dict)
+    """Per clipped column, its configured bounds when it was tuned."""
 
     def to_json(self) -> dict[str, Any]:
         return {"table": self.table, "token": self.token, "epsilon": str(self.epsilon),
@@ -71,7 +76,9 @@ class TableTuning:
                 "users_cut": self.users_cut, "groups": self.groups,
                 "means": dict(sorted(self.means.items())), "lost": list(self.lost),
                 "users_over": list(self.users_over), "rows_total": self.rows_total,
-                "mean_cap": self.mean_cap}
+                "mean_cap": self.mean_cap,
+                "bins": {c: list(b) for c, b in sorted(self.bins.items())},
+                "ranges": {c: [b.lower, b.upper] for c, b in sorted(self.ranges.items())}}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], tuned_at: str = "",
@@ -84,7 +91,9 @@ class TableTuning:
                    tuned_at, ledger_id, {c: float(m) for c, m in data["means"].items()},
                    tuple(float(x) for x in data["lost"]),
                    tuple(float(x) for x in data["users_over"]), float(data["rows_total"]),
-                   int(data["mean_cap"]))
+                   int(data["mean_cap"]),
+                   {c: tuple(float(x) for x in b) for c, b in data["bins"].items()},
+                   {c: Bounds(float(b[0]), float(b[1])) for c, b in data["ranges"].items()})
 
     def statistics(self) -> TunedRows:
         """What T is chosen from again for each query (`tuning.rechosen`)."""
@@ -145,15 +154,20 @@ def table_tuning(table: str, token: str, epsilon: Fraction, query: AnalyzedQuery
     clips: dict[str, Bounds] = {}
     clipped: dict[str, float] = {}
     means: dict[str, float] = {}
+    bins: dict[str, tuple[float, ...]] = {}
+    ranges: dict[str, Bounds] = {}
     for i, b in tuned.clips.items():
         column = column_of(query.aggregates[i], policy)
         if column is not None and i in tuned.means:
             clips[column], clipped[column], means[column] = b, tuned.clipped[i], tuned.means[i]
+            if i in tuned.value_bins:
+                bins[column] = tuned.value_bins[i]
+                ranges[column] = query.aggregates[i].known_bounds
     return TableTuning(table, token, epsilon, tuned.max_rows, tuned.mean_rows,
                        tuned.sum_rows or tuned.max_rows, clips, clipped, tuned.rows_cut,
                        tuned.users_cut, groups, means=means, lost=tuned.lost,
                        users_over=tuned.users_over, rows_total=tuned.rows_total,
-                       mean_cap=tuned.mean_cap)
+                       mean_cap=tuned.mean_cap, bins=bins, ranges=ranges)
 
 
 @dataclass(frozen=True)
@@ -164,17 +178,38 @@ class Applied:
     tuning: TableTuning
     tuned: TunedRows
     """The clips, and once `chosen`, T of counts, means and sums and the shares' weights."""
+    unclipped: AnalyzedQuery | None = None
+    """The query before its clips (which `chosen` chooses again)."""
+    columns: Mapping[int, str] = field(default_factory=dict)
+    """The clipped aggregates' columns (the first of each column and range)."""
 
     def chosen(self, plan: DPQueryPlan) -> Applied:
-        """T for this query's noise (`plan`: its shares, which T does not change), from the
-        table's stored statistics (post-processing): as per-query tuning chooses it, the
-        noise weighed over the tuning's `groups`; then T of the sums and the weights of the
-        shares (`tuning.finished`)."""
+        """T and the clips for this query's noise (`plan`: its shares, which neither
+        changes), from the table's stored statistics (post-processing), as per-query tuning
+        chooses them, the noise weighed over the tuning's `groups` (over 1 without GROUP
+        BY); then T of the sums and the weights of the shares (`tuning.finished`)."""
         unit = answer_unit(plan)
         again = rechosen(replace(self.tuning.statistics(), clips=self.tuned.clips,
                                  clipped=self.tuned.clipped, means=self.tuned.means),
-                         float(self.tuning.groups), unit)
-        return replace(self, tuned=finished(self.query, plan, again, unit))
+                         float(self.tuning.groups) if self.query.keys else 1.0, unit)
+        query = self.query
+        if self.unclipped is not None:
+            clips, clipped, means = dict(again.clips), dict(again.clipped), dict(again.means)
+            base = self.unclipped
+            for i, column in self.columns.items():
+                agg = base.aggregates[i]
+                bins = self.tuning.bins.get(column)
+                if bins is None or self.tuning.ranges.get(column) != agg.known_bounds:
+                    continue  # (tuned under other bounds: the stored clip, if it fits)
+                upper, share, mean = clip_from(bins, agg.known_bounds, again.rows_total,
+                                               clip_weight(again, agg.kind, unit))
+                for j, other in enumerate(base.aggregates):
+                    if shares_clip(agg, other):
+                        clips[j] = Bounds(agg.known_bounds.lower, upper)
+                        clipped[j], means[j] = share, mean
+            again = replace(again, clips=clips, clipped=clipped, means=means)
+            query = base.with_bounds(clips)
+        return replace(self, query=query, tuned=finished(query, plan, again, unit))
 
 
 def applied(query: AnalyzedQuery, policies: Mapping[str, TablePolicy],
@@ -195,11 +230,13 @@ def applied(query: AnalyzedQuery, policies: Mapping[str, TablePolicy],
     found: dict[int, Bounds] = {}
     clipped: dict[int, float] = {}
     means: dict[int, float] = {}
+    columns: dict[int, str] = {}
     for i in clip_tuned(query):
         agg = query.aggregates[i]
         column = column_of(agg, policy)
         if column is None or column not in tuning.clips:
             continue
+        columns[i] = column
         clip = tuning.clips[column]
         if not (agg.known_bounds.lower == clip.lower <= clip.upper <= agg.known_bounds.upper):
             continue  # (the column's bounds changed since: its clip no longer fits)
@@ -210,5 +247,5 @@ def applied(query: AnalyzedQuery, policies: Mapping[str, TablePolicy],
                     means[j] = tuning.means[column]
     tuned = replace(tuning.statistics(), clips=found, clipped=clipped, means=means,
                     sum_rows=tuning.sum_rows)
-    return Applied(query.with_bounds(found), tuning, tuned)
+    return Applied(query.with_bounds(found), tuning, tuned, query, columns)
 

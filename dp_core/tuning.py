@@ -95,6 +95,8 @@ class TunedRows:
     """The rows beyond each candidate T (ROW_EDGES), as estimated from the noisy histogram."""
     means: Mapping[int, float] = field(default_factory=dict)
     """For each clipped aggregate, a row's mean value (an estimate, from its value bins)."""
+    value_bins: Mapping[int, tuple[float, ...]] = field(default_factory=dict)
+    """For each aggregate whose clip was chosen, its value bins with their noise."""
     mean_cap: int = 0
     """The upper edge of the median user's bin: T of the means is at most this."""
     users_over: tuple[float, ...] = ()
@@ -269,12 +271,23 @@ def choose_clip(bins: Sequence[float], bounds: Bounds, rows: float, weight: floa
     beyond it plus `weight` times its range (the noise a range brings, per unit: groups × T
     × a count's mean noise, halved for a mean's centred sums). The bins get their noise once,
     here; the rest is post-processing."""
+    return clip_from(noisy_bins(bins, noise, rng), bounds, rows, weight)
+
+
+def noisy_bins(bins: Sequence[float], noise: NoiseSpec, rng: np.random.Generator) -> np.ndarray:
+    """Value bins with their noise, clipped at 0 (what `clip_from` chooses from)."""
+    return np.maximum(noise.add(np.asarray(bins, dtype=np.float64), rng), 0.0)
+
+
+def clip_from(noisy: Sequence[float] | np.ndarray, bounds: Bounds, rows: float,
+              weight: float) -> tuple[float, float, float]:
+    """`choose_clip`'s choice from value bins already noisy (post-processing)."""
     t = value_thresholds(bounds)
-    if len(bins) != len(t) + 1:
+    if len(noisy) != len(t) + 1:
         raise InternalError()
+    noisy = np.asarray(noisy, dtype=np.float64)
     edges = [bounds.upper, *t, bounds.lower]
-    reps = np.array([(edges[k] + edges[k + 1]) / 2 for k in range(len(bins))])
-    noisy = np.maximum(noise.add(np.asarray(bins, dtype=np.float64), rng), 0.0)
+    reps = np.array([(edges[k] + edges[k + 1]) / 2 for k in range(len(noisy))])
     mass = max(float(noisy.sum()), 1e-12)
     candidates = np.array([bounds.upper, *t])
     beyond = np.maximum(reps[None, :] - candidates[:, None], 0.0) @ noisy / mass
@@ -358,6 +371,7 @@ def tune(plan: DPQueryPlan, histogram: Mapping[int, int], groups: int,
     clips: dict[int, Bounds] = {}
     clipped: dict[int, float] = {}
     means: dict[int, float] = {}
+    value_bins: dict[int, tuple[float, ...]] = {}
     for q in plan.tuning:
         if q.aggregate is None:
             continue
@@ -365,16 +379,24 @@ def tune(plan: DPQueryPlan, histogram: Mapping[int, int], groups: int,
             raise InternalError("value bins without the query they clip")
         agg = query.aggregates[q.aggregate]
         b = agg.known_bounds
-        t = tuned.mean_rows if agg.kind in MEANS else tuned.max_rows
         steps = len(value_thresholds(b)) + 1
         bins = [values.get(q.aggregate, {}).get(k, 0.0) for k in range(steps)]
-        upper, share, mean = choose_clip(bins, b, tuned.rows_total, tuned.groups * unit * t *
-                                         (0.5 if agg.kind in MEANS else 1.0), q.spec, rng)
+        noisy = noisy_bins(bins, q.spec, rng)
+        value_bins[q.aggregate] = tuple(map(float, noisy))
+        upper, share, mean = clip_from(noisy, b, tuned.rows_total,
+                                       clip_weight(tuned, agg.kind, unit))
         for j, other in enumerate(query.aggregates):
             if shares_clip(agg, other):
                 clips[j], clipped[j], means[j] = Bounds(b.lower, upper), share, mean
-    tuned = replace(tuned, clips=clips, clipped=clipped, means=means)
+    tuned = replace(tuned, clips=clips, clipped=clipped, means=means, value_bins=value_bins)
     return tuned if query is None else finished(query, plan, tuned, unit)
+
+
+def clip_weight(tuned: TunedRows, kind: AggKind, unit: float) -> float:
+    """What a unit of a clip's range costs in noise (`clip_from`'s `weight`): groups × T ×
+    a count's mean noise, halved for a mean's centred sums (T of the means for them)."""
+    t = tuned.mean_rows if kind in MEANS else tuned.max_rows
+    return tuned.groups * unit * t * (0.5 if kind in MEANS else 1.0)
 
 
 def answer_unit(plan: DPQueryPlan) -> float:
@@ -412,10 +434,9 @@ def share_weights(query: AnalyzedQuery, plan: DPQueryPlan, tuned: TunedRows,
     ε between them, once T and the clips are chosen: in proportion to √a, a being the
     quantity's noise per unit of ε relative to its aggregate's value, which minimises the sum
     over them of a / ε (the groups' rows n, common to all, left out; √a rounded to a quarter
-    octave): a count's T; a sum's
-    T × its largest |value| / a row's mean value m (its noise per user over the value of its
-    rows); an average's centred sum, T × half its range / m, and its count, T × |m − the
-    range's midpoint| / m (how much its noise moves the mean). Each keeps at least
+    octave): a count's T; a sum's T × its largest |value| / a row's mean value m (its noise
+    per user over the value of its rows); an average's centred sum, T × half its range / m,
+    and its count, T × |m − the range's midpoint| / m (how much its noise moves the mean). Each keeps at least
     SHARE_FLOOR of its equal share. Post-processing of the statistics T and the clips were
     chosen from (`means`: the row's mean value by aggregate, from its value bins); empty
     (equal shares) where an aggregate has no such estimate, or the query has VAR or STDDEV."""

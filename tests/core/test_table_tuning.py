@@ -3,6 +3,7 @@ is stored, and which later queries use it and how (hand-computed)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -50,6 +51,9 @@ def test_the_tuning_query_and_its_noise_for_the_admins_epsilon() -> None:
 
 def test_what_is_stored_round_trips_and_keeps_the_clips_by_column() -> None:
     assert TableTuning.from_json(TUNED.to_json(), TUNED.tuned_at, TUNED.ledger_id) == TUNED
+    binned = replace(TUNED, bins={"duration": (1.0, 2.5, 0.0)},
+                     ranges={"duration": Bounds(0, 3600)})
+    assert TableTuning.from_json(binned.to_json(), binned.tuned_at, binned.ledger_id) == binned
     query = _query(tuning_sql("public", "visits", ["duration"]))
     tuned = TunedRows(128, 8, 0.05, 0.01, clips={1: Bounds(0, 450), 2: Bounds(0, 450)},
                       clipped={1: 0.1, 2: 0.1}, sum_rows=64, means={1: 300.0, 2: 300.0},
@@ -59,6 +63,7 @@ def test_what_is_stored_round_trips_and_keeps_the_clips_by_column() -> None:
     assert (stored.max_rows, stored.mean_rows, stored.sum_rows, stored.groups) == (128, 8, 64, 3)
     assert stored.clips == {"duration": Bounds(0, 450)} and stored.clipped == {"duration": 0.1}
     assert stored.means == {"duration": 300.0} and stored.lost == LOST and stored.mean_cap == 12
+    assert stored.bins == {} and stored.ranges == {}  # (no value bins in `tuned`)
 
 
 def test_a_query_of_the_table_alone_takes_t_and_its_columns_clips() -> None:
@@ -117,3 +122,29 @@ def test_a_clip_that_no_longer_fits_the_columns_bounds_is_not_used() -> None:
     used = applied(query, POLICY, {"public.visits": stale})
     assert used is not None and used.query.aggregates[0].bounds == Bounds(0, 3600)
     assert used.tuned.clips == {}
+
+
+@pytest.mark.parametrize(("epsilon", "clip"), [(1.0, 450), (0.005, 900)])
+def test_each_query_chooses_its_clip_from_the_stored_value_bins(epsilon: float,
+                                                                clip: float) -> None:
+    """Every user's mean in the bin [450, 900) (representative 675), 1,500 rows in all, the
+    column's range [0, 3600]: a clip c costs 1,500 × (675 − c)⁺ + w × c, w = the noise per
+    unit of range, T × the sum's mean |noise| per unit (1 / ε). At ε 1 (T 1024: w 1024),
+    450 (225 × 1500 + 460,800 = 798,300) beats 900 (921,600) and 225 (675,000 + 230,400);
+    at ε 0.005 (T 1: w 200), 900 (180,000) beats 450 (337,500 + 90,000)."""
+    stored = replace(TUNED, rows_total=1500.0, bins={"duration": (0, 0, 100.0, 0, 0, 0, 0)},
+                     ranges={"duration": Bounds(0, 3600)})
+    used = applied(_query("SELECT SUM(duration) FROM visits"), POLICY, {stored.table: stored})
+    assert used is not None
+    chosen = used.chosen(make_plan(used.query, epsilon, 1e-6, 1, NoiseKind.LAPLACE,
+                                   max_rows=1))
+    assert chosen.tuned.clips == {0: Bounds(0, clip)}
+    assert chosen.query.aggregates[0].bounds == Bounds(0, clip)
+    assert chosen.query.aggregates[0].row_bounds == Bounds(0, 3600)
+    assert chosen.tuned.means == {0: 675.0}
+    # bins stored under other bounds are not read: the stored clip, where it fits
+    moved = replace(stored, ranges={"duration": Bounds(0, 7200)})
+    used = applied(_query("SELECT SUM(duration) FROM visits"), POLICY, {moved.table: moved})
+    assert used is not None
+    assert used.chosen(make_plan(used.query, epsilon, 1e-6, 1, NoiseKind.LAPLACE,
+                                 max_rows=1)).tuned.clips == {0: Bounds(0, 900)}
