@@ -261,14 +261,17 @@ def notice_text(query: AnalyzedQuery, plan: DPQueryPlan,
             and any(a.row_level and a.kind in kinds for a in query.aggregates)]
         how = f"epsilon {fmt(spent)}" if tuned_from is None else f"from {tuned_from}"
         details.append(f"max_rows_contributed chose {tuned.max_rows} rows per user{''.join(apart)} "
-                       f"({how}); about {_pct(tuned.rows_cut)} of the rows (of "
+                       f"({how}); about {_pct(tuned.rows_cut)} of the "
+                       f"{'rows' if tuned_from is None else 'table rows'} (of "
                        f"{_pct(tuned.users_cut)} of the users) were weighted away, by a DP "
-                       "histogram that misses users too few to show in it")
+                       "histogram that misses users too few to show in it"
+                       + ("" if tuned_from is None else " (of the whole table, when tuned)"))
         for i, b in sorted(tuned.clips.items()):
             if any(o.aggregate == i for o in query.outputs):
                 details.append(f"{visible_name(query, i)}: each user's mean in a group "
                                f"clipped to [{fmt(b.lower)}, {fmt(b.upper)}], about "
-                               f"{_pct(tuned.clipped[i])} of its value beyond")
+                               f"{_pct(tuned.clipped[i])} of its value beyond"
+                               + ("" if tuned_from is None else " (in the whole table)"))
     elif plan.max_rows is not None:
         details.append(f"max_rows_contributed {plan.max_rows} rows per user")
     return message, "; ".join(details) if details else None

@@ -21,11 +21,13 @@ from fractions import Fraction
 from typing import Any
 
 from pglast import ast
+from pglast.enums import NullTestType
 
 from dp_core.errors import InternalError
 from dp_core.mechanisms import NoiseKind, NoiseSpec
 from dp_core.plan import DPQueryPlan, PrivacyCost, clip_tuned, shares_clip
 from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
+from dp_core.sqlnodes import same_node
 from dp_core.tuning import TunedRows, answer_unit, clip_from, clip_weight, finished, rechosen
 
 
@@ -212,12 +214,26 @@ class Applied:
         return replace(self, query=query, tuned=finished(query, plan, again, unit))
 
 
+def unfiltered(query: AnalyzedQuery) -> bool:
+    """Whether the query reads every row of its one FROM item (no join, no WHERE but the
+    `uid IS NOT NULL` the analysis adds): the rows a table's tuning measured."""
+    where = query.where
+    if len(query.from_clause) != 1 or not isinstance(query.from_clause[0], ast.RangeVar):
+        return False
+    return where is None or (isinstance(where, ast.NullTest)
+                             and where.nulltesttype == NullTestType.IS_NOT_NULL
+                             and same_node(where.arg, query.uid))
+
+
 def applied(query: AnalyzedQuery, policies: Mapping[str, TablePolicy],
             tunings: Mapping[str, TableTuning]) -> Applied | None:
     """The query with the tuned bounds of the one protected table it reads, where it reads
     one (not through a subquery), has row-level aggregates and that table is tuned; None
-    otherwise (T then chosen per query, or as the query or the session fixes it). Each
-    row-level sum or mean of a bounded column as it is gets the column's clip."""
+    otherwise (T then chosen per query, or as the query or the session fixes it). Where it
+    reads all the table's rows (`unfiltered`), each row-level sum or mean of a bounded column
+    as it is gets a clip; a filtered or joined query's values may lie anywhere in [L, U]
+    whatever the table's do, so it keeps its bounds (and T from the table's statistics:
+    fewer rows per user only make it larger than it need be)."""
     if len(query.tables) != 1 or not any(a.row_level for a in query.aggregates):
         return None
     (ref,) = query.tables
@@ -227,6 +243,8 @@ def applied(query: AnalyzedQuery, policies: Mapping[str, TablePolicy],
     tuning = tunings.get(next(iter(ref.bases)))
     if tuning is None:
         return None
+    if not unfiltered(query):
+        return Applied(query, tuning, tuning.statistics())
     found: dict[int, Bounds] = {}
     clipped: dict[int, float] = {}
     means: dict[int, float] = {}

@@ -290,6 +290,11 @@ class DPService:
                 log.warning("session %s: could not look for a reusable answer: %s",
                             request.process_id, type(e).__name__)
                 key, versions, found = None, None, None
+            if found is not None and prepared.tuned is not None and reuse == "all" \
+                    and not await self._paid(request, prepared.tuned.tuning):
+                # (another analyst's answer with tuned bounds shows them: this analyst pays
+                # for them once first, with an answer of its own)
+                found = None
             if found is not None:
                 return await self._reused(request, st, found, arrived)
         mechanisms = plan.mechanisms()

@@ -20,7 +20,7 @@ from typing import Any
 
 import asyncpg
 
-from config import Config
+from config import Accountant, Config
 from dp_core.accounting import AnswerCost
 from dp_core.analysis import analyze, parse_select
 from dp_core.errors import DPError, InvalidParameterValue, UndefinedTable
@@ -30,6 +30,7 @@ from dp_core.query import TablePolicy
 from dp_core.rewrite import tuning_statement
 from dp_core.table_tuning import TableTuning, table_tuning, tuning_sql, with_tuning_epsilon
 from dp_core.tuning import tune_rows
+from server.backend_setup import quote_ident
 from server.dp_query.prepare import planning_error
 from server.dp_query.run import PushdownRunner
 from server.ledger import TUNED, Ledger
@@ -107,14 +108,18 @@ class TableTuner:
             except asyncpg.PostgresError as e:
                 raise planning_error(e) from None
             token = f"{TUNED}{qualified}:{secrets.token_hex(8)}"
+            names = {q.name for q in plan.tuning}  # (the statistics are all it releases)
+            mechanisms = {n: m for n, m in plan.mechanisms().items() if n in names}
+            analyst = self.config.analysts.get(admin)
             charged = await self.ledger.charge(
                 admin, AnswerCost(eps, Fraction(0)), f"SELECT dp_tune_bounds('{qualified}')",
                 {"tuned_bounds": {"table": qualified, "groups": g, "epsilon": str(eps)},
-                 **plan.mechanisms()}, scopes=self.config.total_scopes([qualified]), token=token)
+                 **mechanisms}, scopes=self.config.total_scopes([qualified]), token=token,
+                accountant=Accountant.BASIC if analyst is None else analyst.accountant)
             try:
                 rows = await self.runner.fetch_alone(conn, sql)
                 tuned = tune_rows(plan, rows, secure_rng(), query, known_groups=g)
-            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as e:
+            except Exception as e:  # (charged: one generic error, whatever failed)
                 log.warning("tuning of %s failed after its charge: %s", qualified,
                             type(e).__name__)
                 raise TuningFailed() from None
@@ -129,6 +134,6 @@ class TableTuner:
             "SELECT a.attname, t.typname FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type "
             "t ON t.oid = a.atttypid WHERE a.attrelid = pg_catalog.to_regclass($1) AND "
             "a.attnum > 0 AND NOT a.attisdropped AND a.attname = ANY($2::text[])",
-            f'"{policy.schema}"."{table}"', list(policy.columns))
+            f"{quote_ident(policy.schema)}.{quote_ident(table)}", list(policy.columns))
         numeric = {"int2", "int4", "int8", "float4", "float8", "numeric"}
         return {str(r[0]): str(r[1]) for r in rows if str(r[1]) in numeric}

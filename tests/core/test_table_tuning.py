@@ -68,8 +68,7 @@ def test_what_is_stored_round_trips_and_keeps_the_clips_by_column() -> None:
 
 def test_a_query_of_the_table_alone_takes_t_and_its_columns_clips() -> None:
     query = _query("SELECT browser, COUNT(*), SUM(duration), AVG(v.duration), "
-                   "VAR_POP(duration), SUM(duration * 2) FROM visits v WHERE country <> 'x' "
-                   "GROUP BY browser")
+                   "VAR_POP(duration), SUM(duration * 2) FROM visits v GROUP BY browser")
     used = applied(query, POLICY, {"public.visits": TUNED})
     assert used is not None and used.tuning is TUNED
     aggs = used.query.aggregates
@@ -148,3 +147,19 @@ def test_each_query_chooses_its_clip_from_the_stored_value_bins(epsilon: float,
     assert used is not None
     assert used.chosen(make_plan(used.query, epsilon, 1e-6, 1, NoiseKind.LAPLACE,
                                  max_rows=1)).tuned.clips == {0: Bounds(0, 900)}
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT SUM(duration) FROM visits WHERE duration > 3000",
+    "SELECT SUM(duration) FROM visits JOIN countries c ON c.code = visits.country",
+])
+def test_a_filtered_or_joined_query_keeps_its_bounds_and_takes_t(sql: str) -> None:
+    """Its rows' values may lie anywhere in [L, U] whatever the table's do (the table's clip
+    would clamp every mean of `duration > 3000` to 900): no clip; T from the statistics."""
+    used = applied(_query(sql), POLICY, {"public.visits": TUNED})
+    assert used is not None and used.tuned.clips == {}
+    assert used.query.aggregates[0].bounds == Bounds(0, 3600)
+    assert used.query.aggregates[0].row_bounds is None
+    chosen = used.chosen(make_plan(used.query, 1.0, 1e-6, 1, NoiseKind.LAPLACE, max_rows=1))
+    assert chosen.tuned.max_rows == 1024 and chosen.tuned.clips == {}
+

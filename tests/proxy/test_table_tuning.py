@@ -212,3 +212,33 @@ def test_tuned_bounds_answer_the_demo_count_closely(proxy: Proxy, dropped: None,
     assert abs(got - true) <= 0.1 * true, (got, true)
     reset_budget(proxy, "admin")
     reset_budget(proxy)
+
+
+def test_shared_answer_reuse_does_not_skip_the_once_cost(loop_thread: LoopThread,
+                                                         demo_config: Config,
+                                                         backend: Backend) -> None:
+    """With answer_reuse = "all", another analyst's answer that used tuned bounds shows them:
+    an analyst who has not paid for them gets an answer of its own, and pays once."""
+    defaults = demo_config.defaults.model_copy(update={"answer_reuse": "all"})
+    config = demo_config.model_copy(update={"defaults": defaults})
+    with running_proxy(loop_thread, config, backend) as px, \
+            psycopg.connect(px.dsn("admin"), autocommit=True) as admin:
+        admin.execute("SELECT dp_drop_tuned_bounds('visits')")
+        for who in ("alice", "bob", "admin"):
+            reset_budget(px, who)
+        try:
+            admin.execute("SELECT * FROM dp_tune_bounds('visits', 0.1)").fetchall()
+            with psycopg.connect(px.dsn("alice"), autocommit=True) as alice:
+                alice.execute("SET dp.epsilon = 0.3")
+                alice.execute("SELECT COUNT(*) FROM visits").fetchall()
+                assert spent(alice).epsilon == pytest.approx(0.4)
+            with psycopg.connect(px.dsn("bob"), autocommit=True) as bob:
+                bob.execute("SET dp.epsilon = 0.3")
+                bob.execute("SELECT COUNT(*) FROM visits").fetchall()
+                assert spent(bob).epsilon == pytest.approx(0.4)  # not alice's answer, free
+                bob.execute("SELECT COUNT(*) FROM visits").fetchall()
+                assert spent(bob).epsilon == pytest.approx(0.4)  # paid: reused, at no cost
+        finally:
+            admin.execute("SELECT dp_drop_tuned_bounds('visits')")
+            for who in ("alice", "bob", "admin"):
+                reset_budget(px, who)
