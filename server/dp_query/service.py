@@ -310,7 +310,9 @@ class DPService:
                                                mechanisms, accountant=accountant,
                                                scopes=self.config.total_scopes(read), once=once)
             ledger_id = charged.ledger_id
-            self.metrics.epsilon_spent.labels(request.analyst).inc(float(plan.cost.epsilon))
+            self.metrics.epsilon_spent.labels(request.analyst).inc(float(
+                plan.cost.epsilon + sum((o.cost.epsilon for o in charged.paid_once),
+                                        Fraction(0))))
             request.charged()
         except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as e:
             log.error("session %s: ledger unavailable: %s", request.process_id, e)
