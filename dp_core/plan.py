@@ -179,7 +179,7 @@ class DPQueryPlan:
         if self.max_rows is not None:
             out["max_rows_contributed"] = {"rows": self.max_rows, "means": self.mean_rows,
                                            "sums": self.sum_rows}
-        elif self.threshold is not None and self.selection is SelectionKind.TRUNCATED_GEOMETRIC:
+        if self.threshold is not None and self.selection is SelectionKind.TRUNCATED_GEOMETRIC:
             out[self.threshold.name].update(kind=self.selection.value, scale=None)
         if self.max_rows is None and self.tuning:
             out["max_rows_contributed"] = {"chosen": "per query; the row-level counts', sums' "
