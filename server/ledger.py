@@ -401,7 +401,7 @@ class Ledger:
             "EXCLUDED.tuning, ledger_id = EXCLUDED.ledger_id, by_admin = EXCLUDED.by_admin, "
             "tuned_at = clock_timestamp() RETURNING tuned_at", tuning.table,
             json.dumps(tuning.to_json()), tuning.ledger_id, by_admin)
-        return replace(tuning, tuned_at=_when(row[0]))
+        return replace(tuning, tuned_at=ledger_time(row[0]))
 
     async def tunings(self) -> dict[str, TableTuning]:
         """The tables' tuned bounds, by schema.table."""
@@ -409,7 +409,7 @@ class Ledger:
             f"SELECT tuning::text, tuned_at, ledger_id FROM {self.s}.tuned_bounds")
         out = {}
         for tuning, at, ledger_id in rows:
-            t = TableTuning.from_json(json.loads(tuning), _when(at), int(ledger_id))
+            t = TableTuning.from_json(json.loads(tuning), ledger_time(at), int(ledger_id))
             out[t.table] = t
         return out
 
@@ -434,7 +434,7 @@ class Ledger:
         return [tuple(r) for r in rows]
 
 
-def _when(at: Any) -> str:
+def ledger_time(at: Any) -> str:
     """A ledger time as the notices print it."""
     return str(at.astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 import math
 import time
@@ -33,7 +32,7 @@ from dp_core.settings import check_caps
 from dp_core.table_tuning import TableTuning
 from server import wire as p
 from server.errors import BindMismatch, PushdownBusy
-from server.ledger import Ledger, OnceCost
+from server.ledger import Ledger, OnceCost, ledger_time
 from server.local_functions import LocalFunctions
 from server.replies import notice_response
 
@@ -373,7 +372,7 @@ class DPService:
                       arrived: float) -> tuple[str, list[p.NoticeResponse]]:
         """An answer released before, given again: no charge, a 'reuse' event in the ledger;
         on the release quantum as a fresh one, so that its time does not tell reuse apart."""
-        released = found.released_at.astimezone(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        released = ledger_time(found.released_at)
         try:
             await self.ledger.record_reuse(request.analyst, st.sql, released)
             budget = await self.ledger.budget(request.analyst)

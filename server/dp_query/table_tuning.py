@@ -23,6 +23,7 @@ import asyncpg
 from config import Accountant, Config
 from dp_core.accounting import AnswerCost
 from dp_core.analysis import analyze, parse_select
+from dp_core.catalogue import NUMBER_TYPES
 from dp_core.errors import DPError, InvalidParameterValue, UndefinedTable
 from dp_core.mechanisms import secure_rng
 from dp_core.plan import TUNING_SHARE, check_noise_scales, make_plan
@@ -135,5 +136,4 @@ class TableTuner:
             "t ON t.oid = a.atttypid WHERE a.attrelid = pg_catalog.to_regclass($1) AND "
             "a.attnum > 0 AND NOT a.attisdropped AND a.attname = ANY($2::text[])",
             f"{quote_ident(policy.schema)}.{quote_ident(table)}", list(policy.columns))
-        numeric = {"int2", "int4", "int8", "float4", "float8", "numeric"}
-        return {str(r[0]): str(r[1]) for r in rows if str(r[1]) in numeric}
+        return {str(r[0]): str(r[1]) for r in rows if str(r[1]) in NUMBER_TYPES}
