@@ -76,7 +76,8 @@ def _typed_hash(expr: str, type_name: str, seed: str) -> str:
 
 
 def kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
-              order_seed: int, prefilter: Prefilter | None = None) -> tuple[str, str, str]:
+              order_seed: int, prefilter: Prefilter | None = None,
+              derived: Sequence[str] = ()) -> tuple[str, str, str]:
     """(WITH-list entries, relation, condition): the per-user rows each user keeps (≤ C_u groups).
 
     With `prefilter`, a user's rows outside its kept groups are dropped before they are
@@ -86,10 +87,17 @@ def kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
     With row-level aggregates (`Aggregate.row_level`), every (user, group) row is kept, with
     `dp_total`, the user's rows in all its groups (what its weight is computed from), and the
     condition picks the C_u groups where the user has the most rows (ties broken by the
-    keyed hash), which its user count goes to; no prefilter then (every group counts)."""
+    keyed hash), which its user count goes to; no prefilter then (every group counts).
+
+    `derived`: more columns of the relation, expressions of the per-user rows' columns
+    (`expr AS name`), computed once per row: beside the rank with GROUP BY (a query with
+    window functions is not merged into the one that reads it), else over the grouped
+    per-user rows."""
     keys = [f"{PH}k{i} AS dp_k{i}" for i in range(len(query.keys))]
     row_level = any(a.row_level for a in query.aggregates)
     if prefilter is not None and query.keys and not row_level:
+        if derived:
+            raise InternalError("derived columns of prefiltered rows")
         return _prefiltered_rows(query, plan, partials, order_seed, prefilter)
     # the user first: rows read in user order (an index on the uid column, or a table
     # clustered by user) then group with small per-user sorts, and the groups come out in
@@ -99,7 +107,10 @@ def kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
         if row_level else []
     per_user = (f"SELECT {', '.join([*keys, f'{PH}uid AS dp_uid', *partials, *rows])} "
                 f"FROM {PH}from WHERE {PH}where GROUP BY {group_by}")
+    more = "".join(f", {d}" for d in derived)
     if not query.keys:
+        if derived:
+            per_user = f"SELECT *{more} FROM ({per_user}) AS dp_p"
         return f"dp_per_user AS ({per_user})", "dp_per_user", "TRUE"
     # which groups a user keeps: a keyed hash of (user, group) with a fresh secret key per
     # query: independent across users as random() is, but parallel-safe and cheap to sort.
@@ -115,11 +126,15 @@ def kept_rows(query: AnalyzedQuery, plan: DPQueryPlan, partials: list[str],
                 f"({rank}) # (dp_k{i} IS NULL)::int4::int8)")
     if row_level:
         rank = f"dp_rowcount DESC, {rank}"
-    # (int8: sum() of int8 is numeric, whose divisions per row cost several times more)
-    total = ", (sum(dp_rowcount) OVER (PARTITION BY dp_uid))::int8 AS dp_total" \
-        if row_level else ""
-    bounded = ("SELECT *, row_number() OVER (PARTITION BY dp_uid ORDER BY "
-               f"{rank}) AS dp_rn{total} FROM dp_per_user")
+    window = f"PARTITION BY dp_uid ORDER BY {rank}"
+    total = ""
+    if row_level:
+        # one window for both, framed over the whole partition (Postgres merges equal window
+        # clauses): one pass over each user's groups where two windows would be two. (int8:
+        # sum() of int8 is numeric, whose divisions per row cost several times more)
+        window += " ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING"
+        total = f", (sum(dp_rowcount) OVER ({window}))::int8 AS dp_total"
+    bounded = f"SELECT *{more}, row_number() OVER ({window}) AS dp_rn{total} FROM dp_per_user"
     return (f"dp_per_user AS ({per_user}), dp_bounded AS ({bounded})", "dp_bounded",
             f"dp_rn <= {int(plan.max_groups_contributed)}")
 

@@ -169,17 +169,23 @@ def _value_bin_partials(query: AnalyzedQuery, i: int, arg_type: str | None) -> l
             f"count({PH}a{i}) AS dp_v{i}_n"]
 
 
-def _value_bins(query: AnalyzedQuery, i: int) -> list[str]:
-    """A (user, group)'s rows of aggregate i in each value bin of its mean there, from
-    `_value_bin_partials`' (all its rows in the bin of their mean): bin 0 [t1, U], bin j
-    [t(j+1), t(j)), the last [L, t(last)) (`tuning.value_thresholds`)."""
+def _value_bin(query: AnalyzedQuery, i: int) -> str:
+    """The value bin of a (user, group)'s mean of aggregate i, from `_value_bin_partials`'
+    (all its rows are in that bin): 0 [t1, U], j [t(j+1), t(j)), the last [L, t(last))
+    (`tuning.value_thresholds`, high to low: the first threshold the mean reaches); a user
+    without values is in the last, with no rows."""
     n = f"dp_v{i}_n"
-    ge = [f"(CASE WHEN dp_v{i}_s >= ({n})::float8 * {f8(t)} THEN {n} ELSE 0 END)"
-          for t in value_thresholds(query.aggregates[i].known_bounds)]
-    if not ge:  # (a range too narrow to clip: one bin)
-        return [n]
-    return [ge[0], *(f"({ge[j + 1]} - {ge[j]})" for j in range(len(ge) - 1)),
-            f"({n} - {ge[-1]})"]
+    ts = value_thresholds(query.aggregates[i].known_bounds)
+    if not ts:  # (a range too narrow to clip: one bin)
+        return "0"
+    whens = " ".join(f"WHEN dp_v{i}_s >= ({n})::float8 * {f8(t)} THEN {j}"
+                     for j, t in enumerate(ts))
+    return f"CASE {whens} ELSE {len(ts)} END"
+
+
+def _value_bin_count(query: AnalyzedQuery, i: int) -> int:
+    """How many value bins aggregate i's mean has (`_value_bin`)."""
+    return len(value_thresholds(query.aggregates[i].known_bounds)) + 1
 
 
 def _key_columns(query: AnalyzedQuery) -> list[str]:
@@ -217,7 +223,11 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     value_bins = value_bin_columns(query, plan)
     for i in value_bins:
         partials += _value_bin_partials(query, i, arg_types.get(i))
-    with_list, relation, _ = kept_rows(query, plan, partials, order_seed)
+    # each (user, group) row's values, computed once beside its rank (`kept_rows`' derived):
+    # written in each aggregate that reads them, Postgres would compute them in each
+    derived = [f"({column.value})::float8 AS dp_x{j}" for j, column in enumerate(columns)]
+    derived += [f"{_value_bin(query, i)} AS dp_a{i}_vbin" for i in value_bins]
+    with_list, relation, _ = kept_rows(query, plan, partials, order_seed, derived=derived)
     keyed = bool(query.keys)
     c_u = int(plan.max_groups_contributed)
     inner = [f"width_bucket(dp_total, ARRAY[{', '.join(str(e) for e in ROW_EDGES)}]::int8[]) "
@@ -241,13 +251,13 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
         inner.append(f"{_per_user_sum(q.component, p, b.lower, b.upper)}{kept} AS {q.name}")
         outer.append(f"sum({q.name}) AS {q.name}")
     sums = ["dp_first"]
-    for j, column in enumerate(columns):
-        inner += [f"sum(({column.value})::float8) AS dp_c{j}a",
-                  f"sum(({column.value})::float8 / (dp_total)::float8) AS dp_c{j}b"]
+    for j in range(len(columns)):
+        inner += [f"sum(dp_x{j}) AS dp_c{j}a", f"sum(dp_x{j} / (dp_total)::float8) AS dp_c{j}b"]
         sums += [f"dp_c{j}a", f"dp_c{j}b"]
     for i, names in value_bins.items():
-        for name, part in zip(names, _value_bins(query, i), strict=True):
-            inner.append(f"sum(({part})::float8 / (dp_total)::float8) AS {name}")
+        for j, name in enumerate(names):
+            inner.append(f"coalesce(sum((dp_v{i}_n)::float8 / (dp_total)::float8) "
+                         f"FILTER (WHERE dp_a{i}_vbin = {j}), 0) AS {name}")
             outer.append(f"sum({name}) AS {name}")
     outer += ["array_agg(dp_bin ORDER BY dp_bin) AS dp_bins",
               f"array_agg((ARRAY[{', '.join(sums)}])::float8[] ORDER BY dp_bin) AS dp_sums"]
@@ -355,7 +365,9 @@ def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     # coordinator), into their sums per group and user total: what each part adds up
     counts = [f"count(*) FILTER (WHERE {first}) AS dp_f"]
     for i in clipped:
-        counts += [f"sum({b}) AS dp_b{i}_{j}" for j, b in enumerate(_value_bins(query, i))]
+        vbin = _value_bin(query, i)
+        counts += [f"coalesce(sum(dp_v{i}_n) FILTER (WHERE {vbin} = {j}), 0) AS dp_b{i}_{j}"
+                   for j in range(_value_bin_count(query, i))]
     totals = (f"dp_t AS (SELECT {', '.join([*key_cols, 'dp_total', *counts])} FROM {relation} "
               f"GROUP BY {', '.join([*key_cols, 'dp_total'])})")
     parts = [f"SELECT 0 AS dp_kind, 0 AS dp_agg, width_bucket(dp_total, ARRAY[{edges}]::int8[]) "
@@ -365,7 +377,7 @@ def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
                      f"FROM dp_t GROUP BY {', '.join(key_cols)} "
                      f"HAVING sum(dp_f) >= {f8(groups_threshold(plan))}) AS dp_g")
     for i in clipped:
-        bins = range(len(_value_bins(query, i)))
+        bins = range(_value_bin_count(query, i))
         # (counts added up per user total first: one division per distinct total, not per row)
         sums = ", ".join(f"sum(dp_b{j} / (dp_total)::float8)" for j in bins)
         per_total = ", ".join(f"sum(dp_b{i}_{j}) AS dp_b{j}" for j in bins)

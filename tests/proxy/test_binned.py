@@ -4,6 +4,7 @@ values the statement written for that T and clip computes, on the demo data in P
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from typing import Any
 
@@ -196,3 +197,46 @@ def test_a_clip_bounds_each_users_mean_in_a_group(backend: Backend) -> None:
             await conn.close()
 
     asyncio.run(go())
+
+
+def _nodes(plan: dict[str, Any]) -> list[str]:
+    return [plan["Node Type"], *(n for p in plan.get("Plans", []) for n in _nodes(p))]
+
+
+def test_a_binned_statement_ranks_and_totals_users_in_one_window(backend: Backend) -> None:
+    """The work of a row-level main statement beyond the per-user rows: one window over each
+    user's groups gives both its rank and its total rows (two windows would be two passes),
+    and each clip candidate's value is computed once per (user, group) row, below the
+    aggregation that sums it twice (A and B): Postgres's plan has one WindowAgg and the
+    per-bin aggregation reads the candidates as columns."""
+    query, plan, _ = build("SELECT browser, count(*), sum(duration), avg(duration) "
+                           "FROM visits GROUP BY browser", max_groups=2)
+    main = pushdown(query, plan, order_seed=11).main
+    assert main is not None
+
+    async def go() -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            await conn.execute("SET hash_mem_multiplier = 8")
+            raw = await conn.fetchval(f"EXPLAIN (VERBOSE, FORMAT JSON) {main}")
+            tree = json.loads(raw)[0]["Plan"]
+            assert _nodes(tree).count("WindowAgg") == 1, _nodes(tree)
+            window = _find(tree, "WindowAgg")
+            # the candidates' clamps are in the window's output, once each
+            clamps = [o for o in window["Output"] if "LEAST(GREATEST" in o]
+            assert len(clamps) == len(value_thresholds(Bounds(0, 3600))), window["Output"]
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
+
+
+def _find(plan: dict[str, Any], node: str) -> dict[str, Any]:
+    if plan["Node Type"] == node:
+        return plan
+    for p in plan.get("Plans", []):
+        try:
+            return _find(p, node)
+        except LookupError:
+            continue
+    raise LookupError(node)
