@@ -250,6 +250,11 @@ def shares_clip(a: Aggregate, b: Aggregate) -> bool:
     return b.row_level and b.kind in CLIPPED_KINDS and b.arg == a.arg and b.bounds == a.bounds
 
 
+def sharing_clip(query: AnalyzedQuery, i: int) -> list[int]:
+    """The aggregates of `query` that get the clip chosen for aggregate i (`shares_clip`)."""
+    a = query.aggregates[i]
+    return [j for j, b in enumerate(query.aggregates) if shares_clip(a, b)]
+
 
 def clip_tuned(query: AnalyzedQuery, auto: frozenset[int] = frozenset()) -> tuple[int, ...]:
     """The row-level sums and means whose clip within their configured bounds [L, U] (L ≥ 0)

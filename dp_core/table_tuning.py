@@ -25,7 +25,7 @@ from pglast.enums import NullTestType
 
 from dp_core.errors import InternalError
 from dp_core.mechanisms import NoiseKind, NoiseSpec
-from dp_core.plan import DPQueryPlan, PrivacyCost, clip_tuned, shares_clip
+from dp_core.plan import DPQueryPlan, PrivacyCost, clip_tuned, sharing_clip
 from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
 from dp_core.sqlnodes import same_node
 from dp_core.tuning import TunedRows, answer_unit, clip_from, clip_weight, finished, rechosen
@@ -205,10 +205,9 @@ class Applied:
                     continue  # (tuned under other bounds: the stored clip, if it fits)
                 upper, share, mean = clip_from(bins, agg.known_bounds, again.rows_total,
                                                clip_weight(again, agg.kind, unit))
-                for j, other in enumerate(base.aggregates):
-                    if shares_clip(agg, other):
-                        clips[j] = Bounds(agg.known_bounds.lower, upper)
-                        clipped[j], means[j] = share, mean
+                for j in sharing_clip(base, i):
+                    clips[j] = Bounds(agg.known_bounds.lower, upper)
+                    clipped[j], means[j] = share, mean
             again = replace(again, clips=clips, clipped=clipped, means=means)
             query = base.with_bounds(clips)
         return replace(self, query=query, tuned=finished(query, plan, again, unit))
@@ -225,6 +224,12 @@ def unfiltered(query: AnalyzedQuery) -> bool:
                              and same_node(where.arg, query.uid))
 
 
+def may_use_tuning(query: AnalyzedQuery) -> bool:
+    """Whether a table's tuned bounds could apply to the query (`applied`): it reads one
+    table and has row-level aggregates (else no tuning need be read)."""
+    return len(query.tables) == 1 and any(a.row_level for a in query.aggregates)
+
+
 def applied(query: AnalyzedQuery, policies: Mapping[str, TablePolicy],
             tunings: Mapping[str, TableTuning]) -> Applied | None:
     """The query with the tuned bounds of the one protected table it reads, where it reads
@@ -234,7 +239,7 @@ def applied(query: AnalyzedQuery, policies: Mapping[str, TablePolicy],
     as it is gets a clip; a filtered or joined query's values may lie anywhere in [L, U]
     whatever the table's do, so it keeps its bounds (and T from the table's statistics:
     fewer rows per user only make it larger than it need be)."""
-    if len(query.tables) != 1 or not any(a.row_level for a in query.aggregates):
+    if not may_use_tuning(query):
         return None
     (ref,) = query.tables
     policy = policies.get(ref.name)
@@ -258,11 +263,10 @@ def applied(query: AnalyzedQuery, policies: Mapping[str, TablePolicy],
         clip = tuning.clips[column]
         if not (agg.known_bounds.lower == clip.lower <= clip.upper <= agg.known_bounds.upper):
             continue  # (the column's bounds changed since: its clip no longer fits)
-        for j, other in enumerate(query.aggregates):
-            if shares_clip(agg, other):
-                found[j], clipped[j] = clip, tuning.clipped.get(column, 0.0)
-                if column in tuning.means:
-                    means[j] = tuning.means[column]
+        for j in sharing_clip(query, i):
+            found[j], clipped[j] = clip, tuning.clipped.get(column, 0.0)
+            if column in tuning.means:
+                means[j] = tuning.means[column]
     tuned = replace(tuning.statistics(), clips=found, clipped=clipped, means=means,
                     sum_rows=tuning.sum_rows)
     return Applied(query.with_bounds(found), tuning, tuned, query, columns)

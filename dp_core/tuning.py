@@ -32,7 +32,7 @@ from dp_core.errors import InternalError
 from dp_core.mechanism_choices import NoiseKind, SelectionKind
 from dp_core.mechanisms import NoiseSpec, users_kept_with
 from dp_core.partials import MEANS
-from dp_core.plan import VALUE_STEPS, Component, DPQueryPlan, replan_with_bounds, shares_clip
+from dp_core.plan import VALUE_STEPS, Component, DPQueryPlan, replan_with_bounds, sharing_clip
 from dp_core.quantiles import bounds_threshold
 from dp_core.query import AggKind, AnalyzedQuery, Bounds
 
@@ -385,9 +385,8 @@ def tune(plan: DPQueryPlan, histogram: Mapping[int, int], groups: int,
         value_bins[q.aggregate] = tuple(map(float, noisy))
         upper, share, mean = clip_from(noisy, b, tuned.rows_total,
                                        clip_weight(tuned, agg.kind, unit))
-        for j, other in enumerate(query.aggregates):
-            if shares_clip(agg, other):
-                clips[j], clipped[j], means[j] = Bounds(b.lower, upper), share, mean
+        for j in sharing_clip(query, q.aggregate):
+            clips[j], clipped[j], means[j] = Bounds(b.lower, upper), share, mean
     tuned = replace(tuned, clips=clips, clipped=clipped, means=means, value_bins=value_bins)
     return tuned if query is None else finished(query, plan, tuned, unit)
 

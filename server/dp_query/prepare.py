@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import asyncpg
@@ -32,7 +32,7 @@ from dp_core.pushdown_cache import PushdownCache
 from dp_core.query import AnalyzedQuery, Bounds, KeyDomain, TablePolicy
 from dp_core.result import TypeRef
 from dp_core.settings import query_settings
-from dp_core.table_tuning import TableTuning, applied
+from dp_core.table_tuning import TableTuning, applied, may_use_tuning
 from server import wire as p
 from server.backend_setup import quote_ident
 from server.dp_query.context import fixed_clock, relation_schemas
@@ -74,6 +74,10 @@ def table_policy(t: TableConfig) -> TablePolicy:
          for c, b in t.columns.items() if b.public_keys is not None or b.public_keys_from})
 
 
+TuningsSource = Callable[[], Awaitable[Mapping[str, TableTuning]]]
+"""Reads the tables' tuned bounds (the ledger's), when a query could use them."""
+
+
 class Preparer:
     """Analyses, plans and prepares DP queries on pushdown connections, reading no row."""
 
@@ -98,13 +102,13 @@ class Preparer:
 
     async def prepare(self, request: DPRequest, st: Statement, bind: p.Bind | None,
                       param_types: Sequence[int] = (), conn: Any = None,
-                      tunings: Mapping[str, TableTuning] | None = None) -> Prepared:
+                      tunings: TuningsSource | None = None) -> Prepared:
         """Analyse and plan `st` and prepare its pushdown; raises DPError on refusal.
 
         With `conn` (a pushdown connection the caller holds) the prepared statement
-        stays usable for running the pushdown without planning it again. `tunings`: the
+        stays usable for running the pushdown without planning it again. `tunings`: reads the
         tables' tuned bounds (`dp_core.table_tuning`), which a query of one of them alone
-        uses where neither it nor the session fixes max_rows_contributed.
+        uses where neither it nor the session fixes max_rows_contributed (read only then).
         """
         if conn is None:
             async with self.pool.acquire() as own:
@@ -180,8 +184,9 @@ class Preparer:
                        tuple(clock))
             cache_key: tuple[Any, ...] = (st.sql, bind.param_formats if bind else None,
                          bind.params if bind else None, tuple(param_types), *meaning)
-            tuned = None if settings.max_rows is not None or not tunings \
-                else applied(query, self.policy, tunings)
+            tuned = None
+            if settings.max_rows is None and tunings is not None and may_use_tuning(query):
+                tuned = applied(query, self.policy, await tunings())
             if tuned is None:
                 plan = make_plan(query, settings.epsilon, settings.delta,
                                  settings.max_groups_contributed, settings.noise,

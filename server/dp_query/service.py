@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -247,8 +248,8 @@ class DPService:
     async def _answer(self, request: DPRequest, st: Statement, bind: p.Bind | None,
                       param_types: Sequence[int], conn: Any,
                       arrived: float) -> tuple[str, list[p.NoticeResponse]]:
-        tunings = await self._tunings(request)
-        prepared = await self.preparer.prepare(request, st, bind, param_types, conn, tunings)
+        prepared = await self.preparer.prepare(request, st, bind, param_types, conn,
+                                               functools.partial(self._tunings, request))
         if st.kind is StatementKind.DP_EXPLAIN and prepared.tuned is not None \
                 and not await self._paid(request, prepared.tuned.tuning):
             # EXPLAIN spends nothing: tuned bounds the analyst has not paid for are not shown
