@@ -26,7 +26,7 @@ from numpy.typing import NDArray
 
 from dp_core.errors import InternalError
 from dp_core.partials import f8, mean_clamped, squares_clamped
-from dp_core.plan import Component, DPQueryPlan, clip_tuned, shares_clip
+from dp_core.plan import Component, DPQueryPlan, shares_clip
 from dp_core.query import AnalyzedQuery, Bounds
 from dp_core.tuning import ROW_EDGES, value_thresholds
 
@@ -98,10 +98,12 @@ def candidates(bounds: Bounds, clipped: bool) -> list[Bounds]:
 
 
 def clipped_aggregates(query: AnalyzedQuery, plan: DPQueryPlan) -> set[int]:
-    """The row-level aggregates whose clip is chosen with T: those of `plan.clip_tuned` and
-    the ones that share their argument and bounds (`tuning.tune_rows` gives them its clip)."""
+    """The row-level aggregates whose clip is chosen with T: those of `plan.clip_tuned` (or,
+    T chosen from a table's stored statistics, `plan.rows_stored`) and the ones that share
+    their argument and bounds (`tuning.tune_rows` gives them its clip)."""
     tuned = [query.aggregates[q.aggregate] for q in plan.tuning
              if q.component == Component.VALUES and q.aggregate is not None]
+    tuned += [query.aggregates[i] for i in sorted(plan.rows_stored or ())]
     return {i for i, a in enumerate(query.aggregates) if any(shares_clip(t, a) for t in tuned)}
 
 
@@ -174,12 +176,15 @@ BINNED_COMPONENTS = frozenset({Component.COUNT, Component.SUM, Component.N,
 
 
 def value_bin_columns(query: AnalyzedQuery, plan: DPQueryPlan) -> dict[int, list[str]]:
-    """Per aggregate whose clip is chosen (`plan.clip_tuned`), the main statement's columns of
-    its rows per value bin, each user's weighted by 1 / its rows (`tuning.choose_clip`)."""
+    """Per aggregate whose clip is chosen from the answer's statistics (`plan.clip_tuned`),
+    the main statement's columns of its rows per value bin, each user's weighted by 1 / its
+    rows (`tuning.choose_clip`); none where T and the clips come from a table's stored ones."""
     out = {}
-    for i in clip_tuned(query, plan.auto_bounds):
-        steps = len(value_thresholds(query.aggregates[i].known_bounds)) + 1
-        out[i] = [f"dp_a{i}_vb{j}" for j in range(steps)]
+    for q in plan.tuning:
+        if q.component != Component.VALUES or q.aggregate is None:
+            continue
+        steps = len(value_thresholds(query.aggregates[q.aggregate].known_bounds)) + 1
+        out[q.aggregate] = [f"dp_a{q.aggregate}_vb{j}" for j in range(steps)]
     return out
 
 

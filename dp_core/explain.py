@@ -182,7 +182,13 @@ def _row_level_lines(query: AnalyzedQuery, plan: DPQueryPlan) -> list[str]:
             lines.append("  groups: after partition selection, the released groups' noisy "
                          "user counts over the median released group's (T for the median "
                          "group's error relative to its size)")
-    clipped = {q.aggregate for q in plan.tuning if q.aggregate is not None}
+    if plan.rows_stored is not None:
+        lines.append("  T (and the clips below) chosen after partition selection from the "
+                     "statistics of the table's tuned bounds, as they would be per query: the "
+                     "noise weighed over the released groups' noisy user counts over the "
+                     "median released group's (post-processing: none of this query's epsilon)")
+    clipped = {q.aggregate for q in plan.tuning if q.aggregate is not None} \
+        | set(plan.rows_stored or ())
     for q in plan.tuning:
         if q.aggregate is not None:
             lines.append(f"Clip of {visible_name(query, q.aggregate)} from DP statistics: its "

@@ -118,6 +118,10 @@ class DPQueryPlan:
     """(aggregate, component, the quantity it reads): where an earlier aggregate of the same
     argument and bounds already has that quantity (`shared_key`: AVG, VAR and STDDEV of one
     column share their count and centred sums), released once and read by both."""
+    rows_stored: frozenset[int] | None = None
+    """Where T waits for partition selection to be chosen from a table's stored statistics
+    (`dp_core.table_tuning`: no share of ε), the aggregates whose clip is chosen with it
+    (from the stored value bins); None otherwise."""
 
     def name_of(self, aggregate: int, component: str) -> str:
         """The noisy quantity aggregate `aggregate`'s `component` reads (its own, or the one
@@ -143,8 +147,9 @@ class DPQueryPlan:
 
     @property
     def rows_pending(self) -> bool:
-        """Row-level aggregates wait for max_rows_contributed (`dp_core.tuning`)."""
-        return bool(self.tuning) and self.max_rows is None
+        """Row-level aggregates wait for max_rows_contributed (`dp_core.tuning`), chosen from
+        the answer's own statistics or a table's stored ones (`rows_stored`)."""
+        return (bool(self.tuning) or self.rows_stored is not None) and self.max_rows is None
 
     @property
     def auto_bounds(self) -> frozenset[int]:
@@ -181,6 +186,9 @@ class DPQueryPlan:
                                            "sums": self.sum_rows}
         if self.threshold is not None and self.selection is SelectionKind.TRUNCATED_GEOMETRIC:
             out[self.threshold.name].update(kind=self.selection.value, scale=None)
+        if self.max_rows is None and self.rows_stored is not None:
+            out["max_rows_contributed"] = {"chosen": "after partition selection, from a "
+                                           "table's tuned statistics (dp_core.table_tuning)"}
         if self.max_rows is None and self.tuning:
             out["max_rows_contributed"] = {"chosen": "per query; the row-level counts', sums' "
                                            "and averages' shares split again with it "
@@ -313,7 +321,8 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
               selection: SelectionKind = SelectionKind.LAPLACE, max_rows: int | None = None,
               tuned: bool = False, mean_rows: int | None = None,
               sum_rows: int | None = None,
-              weights: Mapping[str, Fraction] | None = None) -> DPQueryPlan:
+              weights: Mapping[str, Fraction] | None = None,
+              stored: frozenset[int] | None = None) -> DPQueryPlan:
     """Split (ε, δ) over the query's noisy quantities and calibrate each one's noise.
 
     Aggregates without bounds get an APPROX_BOUNDS histogram (together APPROX_BOUNDS_SHARE
@@ -324,7 +333,8 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     `sum_rows`, T of the means and of the sums, when they differ). `weights`: for some of
     the answer's quantities (by name), their part of what they have together, which
     otherwise is equal (`rebalanced`; the others' shares, the threshold's, and the cost are
-    unchanged).
+    unchanged). `stored`: T (and the clips of these aggregates) to be chosen from a table's
+    stored statistics once the groups are selected (`rows_stored`), not from the answer's own.
     """
     grouped = bool(query.keys)
     # public groups (`AnalyzedQuery.public_groups`): every key is released, none selected
@@ -340,7 +350,7 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     max_rows = max_rows if row_level else None  # (T of row-level aggregates only)
     mean_rows = max_rows if mean_rows is None or max_rows is None else mean_rows
     sum_rows = max_rows if sum_rows is None or max_rows is None else sum_rows
-    tune = row_level and (max_rows is None or tuned)
+    tune = row_level and (max_rows is None or tuned) and stored is None
     if max_rows is not None and not (1 <= max_rows <= MAX_ROWS and mean_rows is not None
                                      and 1 <= mean_rows <= max_rows and sum_rows is not None
                                      and 1 <= sum_rows <= max_rows):
@@ -438,7 +448,8 @@ def make_plan(query: AnalyzedQuery, epsilon: float, delta: float, max_groups: in
     cost = PrivacyCost(eps, delta_threshold + delta_each * n_gauss)
     plan = DPQueryPlan(eps, dlt, max_groups, noise, grouped, tau, threshold, tuple(quantities),
                        shared, cost, histograms, used if grouped else SelectionKind.LAPLACE,
-                       selection, max_rows, tuning, mean_rows, sum_rows, tuple(same))
+                       selection, max_rows, tuning, mean_rows, sum_rows, tuple(same),
+                       stored if row_level and max_rows is None else None)
     spent_eps = sum((q.epsilon for q in plan.all_quantities), Fraction(0))
     spent_delta = sum((q.delta for q in plan.all_quantities), Fraction(0))
     if spent_eps != cost.epsilon or spent_delta != cost.delta or cost.delta > dlt:
@@ -480,7 +491,8 @@ def replan_with_bounds(query: AnalyzedQuery, plan: DPQueryPlan, found: Mapping[i
                       plan.noise_kind, plan.auto_bounds, plan.selection_asked,
                       max_rows if max_rows is not None else plan.max_rows, bool(plan.tuning),
                       mean_rows if max_rows is not None else plan.mean_rows,
-                      sum_rows if max_rows is not None else plan.sum_rows, weights)
+                      sum_rows if max_rows is not None else plan.sum_rows, weights,
+                      plan.rows_stored if max_rows is None else None)
     if any(a.row_level and a.kind is AggKind.COUNT and a.bounds != Bounds(0, 1)
            for a in query.aggregates):
         raise InternalError("a row-level count given bounds (this is a bug)")

@@ -28,7 +28,15 @@ from dp_core.mechanisms import NoiseKind, NoiseSpec
 from dp_core.plan import DPQueryPlan, PrivacyCost, clip_tuned, sharing_clip
 from dp_core.query import AnalyzedQuery, Bounds, TablePolicy
 from dp_core.sqlnodes import same_node
-from dp_core.tuning import TunedRows, answer_unit, clip_from, clip_weight, finished, rechosen
+from dp_core.tuning import (
+    TunedRows,
+    answer_unit,
+    clip_from,
+    clip_weight,
+    finished,
+    rechosen,
+    typical_groups,
+)
 
 
 @dataclass(frozen=True)
@@ -185,15 +193,33 @@ class Applied:
     columns: Mapping[int, str] = field(default_factory=dict)
     """The clipped aggregates' columns (the first of each column and range)."""
 
-    def chosen(self, plan: DPQueryPlan) -> Applied:
+    @property
+    def base(self) -> AnalyzedQuery:
+        """The query as asked, before the table's clips."""
+        return self.query if self.unclipped is None else self.unclipped
+
+    @property
+    def clips_rechosen(self) -> bool:
+        """Whether `chosen` chooses each clip again from the table's value bins (each
+        clipped column was tuned under the bounds it has now), not keeping a stored one."""
+        base = self.base
+        return all(column in self.tuning.bins
+                   and self.tuning.ranges.get(column) == base.aggregates[i].known_bounds
+                   for i, column in self.columns.items())
+
+    def chosen(self, plan: DPQueryPlan, released: Sequence[float] | None = None) -> Applied:
         """T and the clips for this query's noise (`plan`: its shares, which neither
         changes), from the table's stored statistics (post-processing), as per-query tuning
         chooses them, the noise weighed over the tuning's `groups` (over 1 without GROUP
-        BY); then T of the sums and the weights of the shares (`tuning.finished`)."""
+        BY), or once groups are selected, over the released groups' noisy user counts
+        (`released`: `tuning.typical_groups`, as per-query tuning's one pass weighs it);
+        then T of the sums and the weights of the shares (`tuning.finished`)."""
         unit = answer_unit(plan)
+        groups = (typical_groups(released) if released is not None
+                  else float(self.tuning.groups) if self.query.keys else 1.0)
         again = rechosen(replace(self.tuning.statistics(), clips=self.tuned.clips,
                                  clipped=self.tuned.clipped, means=self.tuned.means),
-                         float(self.tuning.groups) if self.query.keys else 1.0, unit)
+                         groups, unit)
         query = self.query
         if self.unclipped is not None:
             clips, clipped, means = dict(again.clips), dict(again.clipped), dict(again.means)

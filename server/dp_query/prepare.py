@@ -26,13 +26,14 @@ from dp_core.errors import (
     ProgramLimitExceeded,
 )
 from dp_core.names import InputColumns
-from dp_core.plan import make_plan
+from dp_core.plan import DPQueryPlan, make_plan
 from dp_core.probes import argument_probe_sql, column_probe_sql, standalone_subqueries
 from dp_core.pushdown_cache import PushdownCache
 from dp_core.query import AnalyzedQuery, Bounds, KeyDomain, TablePolicy
 from dp_core.result import TypeRef
-from dp_core.settings import query_settings
-from dp_core.table_tuning import TableTuning, applied, may_use_tuning
+from dp_core.rewrite import binned
+from dp_core.settings import QuerySettings, query_settings
+from dp_core.table_tuning import Applied, TableTuning, applied, may_use_tuning
 from server import wire as p
 from server.backend_setup import quote_ident
 from server.dp_query.context import fixed_clock, relation_schemas
@@ -192,19 +193,24 @@ class Preparer:
                                  settings.max_groups_contributed, settings.noise,
                                  selection=settings.selection, max_rows=settings.max_rows)
             else:  # (the tuning's token: a question asked again after a new tuning is new)
-                query = tuned.query
                 meaning = (*meaning, tuned.tuning.token)
                 cache_key = (*cache_key, tuned.tuning.token)
-                # T for this query's noise: its shares first (T does not change them)
-                tuned = tuned.chosen(make_plan(
-                    query, settings.epsilon, settings.delta, settings.max_groups_contributed,
-                    settings.noise, selection=settings.selection, max_rows=1))
-                t = tuned.tuned
-                plan = make_plan(query, settings.epsilon, settings.delta,
-                                 settings.max_groups_contributed, settings.noise,
-                                 selection=settings.selection, max_rows=t.max_rows,
-                                 mean_rows=t.mean_rows, sum_rows=t.sum_rows or t.max_rows,
-                                 weights=t.weights)
+                later = self._after_selection(tuned, settings)
+                if later is not None:  # (T and the clips chosen when the groups are known)
+                    query, plan = tuned.base, later
+                else:
+                    query = tuned.query
+                    # T for this query's noise: its shares first (T does not change them)
+                    tuned = tuned.chosen(make_plan(
+                        query, settings.epsilon, settings.delta,
+                        settings.max_groups_contributed, settings.noise,
+                        selection=settings.selection, max_rows=1))
+                    t = tuned.tuned
+                    plan = make_plan(query, settings.epsilon, settings.delta,
+                                     settings.max_groups_contributed, settings.noise,
+                                     selection=settings.selection, max_rows=t.max_rows,
+                                     mean_rows=t.mean_rows, sum_rows=t.sum_rows or t.max_rows,
+                                     weights=t.weights)
             pd = self.pushdowns.pushdown(cache_key, query, plan, arg_types)
             statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
         except asyncpg.PostgresError as e:
@@ -243,6 +249,25 @@ class Preparer:
             raise planning_error(e) from None
         prepared.columns = list(result.get_attributes())
         return prepared
+
+    @staticmethod
+    def _after_selection(tuned: Applied, settings: QuerySettings) -> DPQueryPlan | None:
+        """For a grouped query with a table's tuned bounds, whose groups partition selection
+        picks: the plan whose T (and clips) the run chooses from the table's statistics once
+        the groups are selected (`DPQueryPlan.rows_stored`: the main statement returns its
+        sums per bin of the users' rows, `dp_core.binned`), for the released groups as
+        per-query tuning weighs them; None where T is chosen now (no GROUP BY, public
+        groups, truncated-geometric selection (which releases no noisy user counts), clips
+        stored under other bounds, bounds APPROX_BOUNDS finds, or sums that do not add up
+        over bins)."""
+        query = tuned.base
+        if not query.keys or query.public_groups or not tuned.clips_rechosen:
+            return None
+        plan = make_plan(query, settings.epsilon, settings.delta,
+                         settings.max_groups_contributed, settings.noise,
+                         selection=settings.selection, stored=frozenset(tuned.columns))
+        return plan if binned(plan) and plan.tau is not None and not plan.auto_bounds \
+            else None
 
     @staticmethod
     async def _public_keys(query: AnalyzedQuery, conn: Any) -> list[tuple[str, ...]]:

@@ -253,12 +253,17 @@ class PushdownRunner:
             if per_bin:
                 # T and the clips from the statistics of every group's rows, then each kept
                 # group's sums for them, and their noise
-                groups = stats.groups if prepared.public_keys is None \
-                    else len(prepared.public_keys)
-                tuned = tune(plan, stats.rows(), groups,
-                             {i: dict(enumerate(v)) for i, v in stats.values.items()}, rng, query,
-                             groups_known=prepared.public_keys is not None,
-                             released_users=released_users(plan, selection))
+                if plan.rows_stored is not None and prepared.tuned is not None:
+                    # from a table's stored statistics (post-processing), for these groups
+                    tuned = prepared.tuned.chosen(
+                        plan, released_users(plan, selection)).tuned
+                else:
+                    groups = stats.groups if prepared.public_keys is None \
+                        else len(prepared.public_keys)
+                    tuned = tune(plan, stats.rows(), groups,
+                                 {i: dict(enumerate(v)) for i, v in stats.values.items()}, rng,
+                                 query, groups_known=prepared.public_keys is not None,
+                                 released_users=released_users(plan, selection))
                 before = query
                 query, plan = replan_tuned(query, plan, tuned)
                 resolve(selection.rows, before, plan, terms, tuned.clips)

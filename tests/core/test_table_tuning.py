@@ -9,9 +9,11 @@ from fractions import Fraction
 import pytest
 
 from dp_core.analysis import analyze, parse_select
+from dp_core.binned import clipped_aggregates, value_bin_columns
 from dp_core.mechanisms import NoiseKind
 from dp_core.plan import Component, make_plan
 from dp_core.query import Bounds
+from dp_core.rewrite import binned
 from dp_core.table_tuning import (
     TableTuning,
     applied,
@@ -19,7 +21,7 @@ from dp_core.table_tuning import (
     tuning_sql,
     with_tuning_epsilon,
 )
-from dp_core.tuning import ROW_EDGES, TunedRows
+from dp_core.tuning import ROW_EDGES, TunedRows, replan_tuned, typical_groups, value_thresholds
 from tests.support.engine import CLASSIFIER, POLICY
 
 LOST = tuple(100.0 * max(0, 1000 - c) for c in ROW_EDGES)
@@ -163,3 +165,53 @@ def test_a_filtered_or_joined_query_keeps_its_bounds_and_takes_t(sql: str) -> No
     chosen = used.chosen(make_plan(used.query, 1.0, 1e-6, 1, NoiseKind.LAPLACE, max_rows=1))
     assert chosen.tuned.max_rows == 1024 and chosen.tuned.clips == {}
 
+
+
+@pytest.mark.parametrize(("released", "expected"), [([100.0] * 4, 1024), ([10.0] * 200, 1)])
+def test_a_grouped_query_chooses_t_once_its_groups_are_selected(released: list[float],
+                                                                expected: int) -> None:
+    """`SELECT browser, COUNT(*) ... GROUP BY browser` of the tuned table (LOST: 100 users of
+    1,000 rows): its plan leaves T to the run (`rows_stored`; no tuning share, its main
+    statement binned), which chooses it from the stored statistics once partition selection
+    has released groups, weighed over their noisy user counts over the median's
+    (`typical_groups`). The count has half of ε 1 (the threshold the other half): mean
+    |noise| 2 per unit of T. Four groups of 100 users: 4 groups, rows beyond T + 8·T, least
+    at T = 1024 (8,192; at 768, 23,200 + 6,144); 200 groups of 10: 200 groups, 100,000 +
+    300·T below 1,000 rows, least at T = 1 (100,300; at 1024, 409,600)."""
+    query = _query("SELECT browser, COUNT(*) FROM visits GROUP BY browser")
+    used = applied(query, POLICY, {"public.visits": TUNED})
+    assert used is not None and used.clips_rechosen
+    plan = make_plan(used.base, 1.0, 1e-6, 1, NoiseKind.LAPLACE,
+                     stored=frozenset(used.columns))
+    assert plan.rows_pending and plan.tuning == () and plan.cost.epsilon == 1 and binned(plan)
+    assert plan.mechanisms()["max_rows_contributed"]["chosen"].startswith(
+        "after partition selection")
+    tuned = used.chosen(plan, released).tuned
+    assert tuned.max_rows == expected
+    assert tuned.groups == pytest.approx(typical_groups(released))
+    # before the groups are known, the admin's `groups` (1) weighs it: T = 1024 either way
+    assert used.chosen(plan).tuned.max_rows == 1024
+    # what the run does next: the plan for that T, at the cost charged
+    _, again = replan_tuned(used.base, plan, tuned)
+    assert again.max_rows == expected and again.cost == plan.cost and not again.rows_pending
+
+
+def test_a_grouped_querys_clip_is_chosen_with_t_from_the_value_bins() -> None:
+    """Grouped and of all the table's rows: its SUM's clip candidates are in the binned main
+    statement (`rows_stored` names it), and the run chooses the clip from the stored value
+    bins with T (as `test_each_query_chooses_its_clip_from_the_stored_value_bins`)."""
+    stored = replace(TUNED, rows_total=1500.0, bins={"duration": (0, 0, 100.0, 0, 0, 0, 0)},
+                     ranges={"duration": Bounds(0, 3600)})
+    used = applied(_query("SELECT browser, SUM(duration), AVG(duration) FROM visits "
+                          "GROUP BY browser"), POLICY, {stored.table: stored})
+    assert used is not None and used.clips_rechosen and set(used.columns) == {0}
+    plan = make_plan(used.base, 1.0, 1e-6, 1, NoiseKind.LAPLACE, stored=frozenset(used.columns))
+    assert clipped_aggregates(used.base, plan) == {0, 1}  # (AVG shares SUM's clip)
+    assert value_bin_columns(used.base, plan) == {}  # (the stored bins, not the answer's)
+    tuned = used.chosen(plan, [100.0] * 4).tuned
+    assert set(tuned.clips) == {0, 1} and tuned.clips[0] == tuned.clips[1]
+    assert tuned.clips[0].upper in (3600.0, *value_thresholds(Bounds(0, 3600)))
+    # bins stored under other bounds: T is chosen when the query is prepared, as before
+    moved = applied(used.base, POLICY, {stored.table: replace(stored, ranges={
+        "duration": Bounds(0, 7200)})})
+    assert moved is not None and not moved.clips_rechosen
