@@ -183,7 +183,7 @@ def _row_level_lines(query: AnalyzedQuery, plan: DPQueryPlan) -> list[str]:
                          "user counts over the median released group's (T for the median "
                          "group's error relative to its size)")
     if plan.rows_stored is not None:
-        lines.append("  T (and the clips below) chosen after partition selection from the "
+        lines.append("  T (and any clips below) chosen after partition selection from the "
                      "statistics of the table's tuned bounds, as they would be per query: the "
                      "noise weighed over the released groups' noisy user counts over the "
                      "median released group's (post-processing: none of this query's epsilon)")

@@ -36,6 +36,7 @@ from dp_core.tuning import (
     finished,
     rechosen,
     typical_groups,
+    value_thresholds,
 )
 
 
@@ -201,10 +202,13 @@ class Applied:
     @property
     def clips_rechosen(self) -> bool:
         """Whether `chosen` chooses each clip again from the table's value bins (each
-        clipped column was tuned under the bounds it has now), not keeping a stored one."""
+        clipped column was tuned under the bounds it has now, into as many bins as they
+        have now), not keeping a stored one."""
         base = self.base
         return all(column in self.tuning.bins
                    and self.tuning.ranges.get(column) == base.aggregates[i].known_bounds
+                   and len(self.tuning.bins[column])
+                   == len(value_thresholds(base.aggregates[i].known_bounds)) + 1
                    for i, column in self.columns.items())
 
     def chosen(self, plan: DPQueryPlan, released: Sequence[float] | None = None) -> Applied:

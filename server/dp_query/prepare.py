@@ -266,8 +266,13 @@ class Preparer:
         plan = make_plan(query, settings.epsilon, settings.delta,
                          settings.max_groups_contributed, settings.noise,
                          selection=settings.selection, stored=frozenset(tuned.columns))
-        return plan if binned(plan) and plan.tau is not None and not plan.auto_bounds \
-            else None
+        if not binned(plan) or plan.tau is None or plan.auto_bounds:
+            return None
+        try:  # (what the run will do after the charge, done once here before it: pure)
+            tuned.chosen(plan, [1.0])
+        except InternalError:
+            return None
+        return plan
 
     @staticmethod
     async def _public_keys(query: AnalyzedQuery, conn: Any) -> list[tuple[str, ...]]:

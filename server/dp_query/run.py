@@ -253,8 +253,11 @@ class PushdownRunner:
             if per_bin:
                 # T and the clips from the statistics of every group's rows, then each kept
                 # group's sums for them, and their noise
-                if plan.rows_stored is not None and prepared.tuned is not None:
+                if plan.rows_stored is not None:
                     # from a table's stored statistics (post-processing), for these groups
+                    # (`Preparer._after_selection` planned it so, and tried the choice)
+                    if prepared.tuned is None:
+                        raise InternalError("T left to a table's tuning without the tuning")
                     tuned = prepared.tuned.chosen(
                         plan, released_users(plan, selection)).tuned
                 else:

@@ -262,3 +262,37 @@ def test_shared_answer_reuse_does_not_skip_the_once_cost(loop_thread: LoopThread
             admin.execute("SELECT dp_drop_tuned_bounds('visits')")
             for who in ("alice", "bob", "admin"):
                 reset_budget(px, who)
+
+
+@pytest.mark.parametrize(("sql", "after_selection", "clipped"), [
+    (GROUPED, True, True),
+    # filtered: T after selection, no clip (its values may lie anywhere in the range)
+    ("SELECT browser, COUNT(*), SUM(duration) FROM visits WHERE duration > 10 GROUP BY browser",
+     True, False),
+    ("SELECT COUNT(*), SUM(duration) FROM visits", False, True),  # no groups to select
+    # COUNT(DISTINCT x)'s sums do not add up over bins: T chosen when planned
+    ("SELECT country, COUNT(*), COUNT(DISTINCT browser) FROM visits GROUP BY country",
+     False, False),
+])
+def test_which_grouped_queries_of_a_tuned_table_choose_t_after_selection(
+        proxy: Proxy, dropped: None, sql: str, after_selection: bool, clipped: bool) -> None:
+    """The admin has paid (tuning it): EXPLAIN shows what a run does. Grouped queries whose
+    groups τ-thresholding selects choose T (and the clips, for all the table's rows) once
+    the groups are released; the others when planned (EXPLAIN shows T), as do grouped ones
+    under truncated-geometric selection (which releases no noisy user count)."""
+    reset_budget(proxy, "admin")
+    with psycopg.connect(proxy.dsn("admin"), autocommit=True) as admin:
+        admin.execute("SELECT * FROM dp_tune_bounds('visits', 0.2)").fetchall()
+        plan = "\n".join(r[0] for r in admin.execute("EXPLAIN " + sql).fetchall())
+        assert "admin tuned" in plan, plan
+        assert ("chosen after partition selection" in plan) == after_selection, plan
+        assert (re.search(r"max_rows_contributed T \d+;", plan) is None) == after_selection
+        assert ("each user's mean in a group clamped to" in plan) == clipped, plan
+        if after_selection:
+            rows = admin.execute(sql).fetchall()
+            assert rows and spent(admin).epsilon == pytest.approx(1.2)
+            admin.execute("SET dp.partition_selection = 'truncated_geometric'")
+            plan = "\n".join(r[0] for r in admin.execute("EXPLAIN " + sql).fetchall())
+            assert "chosen after partition selection" not in plan, plan
+            assert re.search(r"max_rows_contributed T \d+;", plan), plan
+    reset_budget(proxy, "admin")
