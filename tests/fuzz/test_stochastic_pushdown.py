@@ -47,7 +47,13 @@ from dp_core.release import (
     tree_arrays,
 )
 from dp_core.rewrite import binned, main_sql, pushdown, ranged_pushdown, tuning_statement
-from dp_core.table_tuning import applied, table_tuning, tuning_sql, with_tuning_epsilon
+from dp_core.table_tuning import (
+    Applied,
+    applied,
+    table_tuning,
+    tuning_sql,
+    with_tuning_epsilon,
+)
 from dp_core.tuning import groups_threshold, tune, tune_rows
 from dp_core.uid_ranges import UidRange
 from tests.support.backend import Backend
@@ -342,10 +348,9 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
         return np.array([float(r[-1]) for r in release(q, pl, copies, rng,
                                                       selection=chosen).rows])
 
-    def with_table_tuning(samples: int) -> NDArray[np.float64]:
+    def tunings_drawn(samples: int, rng: np.random.Generator) -> Iterator[Applied]:
         """An admin's tuning of visits (`dp_core.table_tuning`: its statement on this
-        database, T and the clips drawn per sample), then the query with the bounds each
-        draw stored, planned with them fixed, as the proxy plans it, run once per choice."""
+        database once, its choice drawn per sample), as the query at hand applies it."""
         assert table_tuning_epsilon is not None
         tq = analyze(parse_select(tuning_sql(SCHEMA, "visits", ["duration"])), policy,
                      plain_form=True)
@@ -353,15 +358,21 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
                                     Fraction(repr(table_tuning_epsilon)))
         stats = conn.execute(tuning_statement(tq, tplan, {1: "float8", 2: "float8"},
                                               secrets.randbits(62))).fetchall()
-        rng = secure_rng()
-        drawn = Counter[tuple[int, int, int, tuple[tuple[int, float, float], ...],
-                              tuple[tuple[str, Fraction], ...]]]()
         for _ in range(samples):
             tuned = tune_rows(tplan, stats, rng, tq, known_groups=1)
             stored = table_tuning(f"{SCHEMA}.visits", "t", Fraction(1), tq, policy["visits"],
                                   tuned, 1)
             used = applied(query, policy, {stored.table: stored})
             assert used is not None
+            yield used
+
+    def with_table_tuning(samples: int) -> NDArray[np.float64]:
+        """An admin's tuning of visits (`tunings_drawn`), then the query with the bounds each
+        draw stored, planned with them fixed, as the proxy plans it, run once per choice."""
+        rng = secure_rng()
+        drawn = Counter[tuple[int, int, int, tuple[tuple[int, float, float], ...],
+                              tuple[tuple[str, Fraction], ...]]]()
+        for used in tunings_drawn(samples, rng):
             t = used.chosen(make_plan(used.query, epsilon, delta, groups, noise,
                                       max_rows=1)).tuned
             drawn[t.max_rows, t.mean_rows, t.sum_rows or t.max_rows,
@@ -388,24 +399,13 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
         tuning drawn, the groups selected over the binned main statement's rows, T and the
         clips chosen for the released groups' noisy user counts, the rows resolved for them
         and the group 'a' noised for the plan that led to (or not released)."""
-        assert table_tuning_epsilon is not None
-        tq = analyze(parse_select(tuning_sql(SCHEMA, "visits", ["duration"])), policy,
-                     plain_form=True)
-        tplan = with_tuning_epsilon(make_plan(tq, epsilon, delta, groups, noise),
-                                    Fraction(repr(table_tuning_epsilon)))
-        stats = conn.execute(tuning_statement(tq, tplan, {1: "float8", 2: "float8"},
-                                              secrets.randbits(62))).fetchall()
         rng = secure_rng()
         read: dict[frozenset[int], tuple[DPQueryPlan, list[dict[str, Any]], Any]] = {}
         drawn = Counter[tuple[frozenset[int], int, int, int,
                               tuple[tuple[int, float, float], ...], bool,
                               tuple[tuple[str, Fraction], ...]]]()
-        for _ in range(samples):
-            tuned = tune_rows(tplan, stats, rng, tq, known_groups=1)
-            stored = table_tuning(f"{SCHEMA}.visits", "t", Fraction(1), tq, policy["visits"],
-                                  tuned, 1)
-            used = applied(query, policy, {stored.table: stored})
-            assert used is not None and used.clips_rechosen
+        for used in tunings_drawn(samples, rng):
+            assert used.clips_rechosen
             columns = frozenset(used.columns)
             if columns not in read:
                 pl = make_plan(used.base, epsilon, delta, groups, noise, stored=columns)
