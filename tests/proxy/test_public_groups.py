@@ -167,3 +167,25 @@ def test_absent_groups_get_the_noise_of_any_group() -> None:
         else:  # counts are released rounded, never below 0: 0 where the noise is below 0.5
             zero = 1 - 0.5 * np.exp(-0.5 / scale)
             assert abs(np.mean(out == 0) - zero) < 5 * np.sqrt(zero * (1 - zero) / len(out))
+
+
+def test_a_tuned_tables_public_groups_take_t_when_planned(public_proxy: Proxy) -> None:
+    """Public groups are all released, none selected: with the table's tuned bounds, T is
+    chosen when the query is planned (EXPLAIN shows it; weighed over the tuning's `groups`),
+    not after partition selection as for selected groups."""
+    reset_budget(public_proxy, "admin")
+    with psycopg.connect(public_proxy.dsn("admin"), autocommit=True) as admin:
+        admin.execute("SELECT * FROM dp_tune_bounds('visits', 0.2)").fetchall()
+        try:
+            plan = "\n".join(r[0] for r in admin.execute(
+                "EXPLAIN SELECT browser, COUNT(*), SUM(duration) FROM visits "
+                "GROUP BY browser").fetchall())
+            assert "Public groups" in plan and "admin tuned" in plan, plan
+            assert "chosen after partition selection" not in plan, plan
+            assert "max_rows_contributed T " in plan and "T chosen per query" not in plan
+            rows = admin.execute("SELECT browser, COUNT(*) FROM visits GROUP BY browser"
+                                 ).fetchall()
+            assert [r[0] for r in rows] == BROWSERS
+        finally:
+            admin.execute("SELECT dp_drop_tuned_bounds('visits')")
+            reset_budget(public_proxy, "admin")
