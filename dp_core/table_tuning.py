@@ -204,12 +204,17 @@ class Applied:
         """Whether `chosen` chooses each clip again from the table's value bins (each
         clipped column was tuned under the bounds it has now, into as many bins as they
         have now), not keeping a stored one."""
-        base = self.base
-        return all(column in self.tuning.bins
-                   and self.tuning.ranges.get(column) == base.aggregates[i].known_bounds
-                   and len(self.tuning.bins[column])
-                   == len(value_thresholds(base.aggregates[i].known_bounds)) + 1
+        return all((bins := self._bins(i, column)) is not None
+                   and len(bins) == len(value_thresholds(self.base.aggregates[i].known_bounds)) + 1
                    for i, column in self.columns.items())
+
+    def _bins(self, i: int, column: str) -> tuple[float, ...] | None:
+        """The stored value bins of aggregate i's column, where it was tuned under the bounds
+        it has now (else None: the stored clip, if it fits, is what it may have)."""
+        bins = self.tuning.bins.get(column)
+        if bins is None or self.tuning.ranges.get(column) != self.base.aggregates[i].known_bounds:
+            return None
+        return bins
 
     def chosen(self, plan: DPQueryPlan, released: Sequence[float] | None = None) -> Applied:
         """T and the clips for this query's noise (`plan`: its shares, which neither
@@ -230,9 +235,9 @@ class Applied:
             base = self.unclipped
             for i, column in self.columns.items():
                 agg = base.aggregates[i]
-                bins = self.tuning.bins.get(column)
-                if bins is None or self.tuning.ranges.get(column) != agg.known_bounds:
-                    continue  # (tuned under other bounds: the stored clip, if it fits)
+                bins = self._bins(i, column)
+                if bins is None:
+                    continue
                 upper, share, mean = clip_from(bins, agg.known_bounds, again.rows_total,
                                                clip_weight(again, agg.kind, unit))
                 for j in sharing_clip(base, i):

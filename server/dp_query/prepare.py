@@ -75,6 +75,12 @@ def table_policy(t: TableConfig) -> TablePolicy:
          for c, b in t.columns.items() if b.public_keys is not None or b.public_keys_from})
 
 
+def _planned(query: AnalyzedQuery, settings: QuerySettings, **options: Any) -> DPQueryPlan:
+    """`make_plan` for the query's settings (ε, δ, C_u, noise, selection) and `options`."""
+    return make_plan(query, settings.epsilon, settings.delta, settings.max_groups_contributed,
+                     settings.noise, selection=settings.selection, **options)
+
+
 TuningsSource = Callable[[], Awaitable[Mapping[str, TableTuning]]]
 """Reads the tables' tuned bounds (the ledger's), when a query could use them."""
 
@@ -189,9 +195,7 @@ class Preparer:
             if settings.max_rows is None and tunings is not None and may_use_tuning(query):
                 tuned = applied(query, self.policy, await tunings())
             if tuned is None:
-                plan = make_plan(query, settings.epsilon, settings.delta,
-                                 settings.max_groups_contributed, settings.noise,
-                                 selection=settings.selection, max_rows=settings.max_rows)
+                plan = _planned(query, settings, max_rows=settings.max_rows)
             else:  # (the tuning's token: a question asked again after a new tuning is new)
                 meaning = (*meaning, tuned.tuning.token)
                 cache_key = (*cache_key, tuned.tuning.token)
@@ -201,16 +205,10 @@ class Preparer:
                 else:
                     query = tuned.query
                     # T for this query's noise: its shares first (T does not change them)
-                    tuned = tuned.chosen(make_plan(
-                        query, settings.epsilon, settings.delta,
-                        settings.max_groups_contributed, settings.noise,
-                        selection=settings.selection, max_rows=1))
+                    tuned = tuned.chosen(_planned(query, settings, max_rows=1))
                     t = tuned.tuned
-                    plan = make_plan(query, settings.epsilon, settings.delta,
-                                     settings.max_groups_contributed, settings.noise,
-                                     selection=settings.selection, max_rows=t.max_rows,
-                                     mean_rows=t.mean_rows, sum_rows=t.sum_rows or t.max_rows,
-                                     weights=t.weights)
+                    plan = _planned(query, settings, max_rows=t.max_rows, mean_rows=t.mean_rows,
+                                    sum_rows=t.sum_rows or t.max_rows, weights=t.weights)
             pd = self.pushdowns.pushdown(cache_key, query, plan, arg_types)
             statements = {name: await conn.prepare(sql) for name, sql in pd.statements().items()}
         except asyncpg.PostgresError as e:
@@ -263,9 +261,7 @@ class Preparer:
         query = tuned.base
         if not query.keys or query.public_groups or not tuned.clips_rechosen:
             return None
-        plan = make_plan(query, settings.epsilon, settings.delta,
-                         settings.max_groups_contributed, settings.noise,
-                         selection=settings.selection, stored=frozenset(tuned.columns))
+        plan = _planned(query, settings, stored=frozenset(tuned.columns))
         if not binned(plan) or plan.tau is None or plan.auto_bounds:
             return None
         try:  # (what the run will do after the charge, done once here before it: pure)

@@ -218,6 +218,7 @@ class PushdownRunner:
             columns, terms = binned_plan(query, plan) if per_bin else ([], {})
             value_bins = value_bin_columns(query, plan) if per_bin else {}
             stats = TuningStats(groups_threshold(plan))
+            own_stats = per_bin and plan.rows_stored is None  # (else a table's stored ones)
             if "main" in statements:
                 if ranges:
                     streams = [_row_stream(await (await c.prepare(sqls["main"])).cursor(
@@ -229,7 +230,7 @@ class PushdownRunner:
                                           timeout, 1, len(columns) if per_bin else None)
                 batch: list[Any] = []
                 async for r in rows_in:
-                    if per_bin:
+                    if own_stats:
                         stats.add(r, value_bins)
                     if public is not None:
                         key = tuple(r[f"dp_t{i}"] for i in range(len(query.keys)))
