@@ -216,15 +216,18 @@ class Applied:
             return None
         return bins
 
-    def chosen(self, plan: DPQueryPlan, released: Sequence[float] | None = None) -> Applied:
+    def chosen(self, plan: DPQueryPlan, released: Sequence[float] | None = None,
+               public: int | None = None) -> Applied:
         """T and the clips for this query's noise (`plan`: its shares, which neither
         changes), from the table's stored statistics (post-processing), as per-query tuning
         chooses them, the noise weighed over the tuning's `groups` (over 1 without GROUP
         BY), or once groups are selected, over the released groups' noisy user counts
-        (`released`: `tuning.typical_groups`, as per-query tuning's one pass weighs it);
+        (`released`: `tuning.typical_groups`, as per-query tuning's one pass weighs it), or
+        over the public groups the query releases, all of them (`public`: their number);
         then T of the sums and the weights of the shares (`tuning.finished`)."""
         unit = answer_unit(plan)
         groups = (typical_groups(released) if released is not None
+                  else float(public) if public is not None
                   else float(self.tuning.groups) if self.query.keys else 1.0)
         again = rechosen(replace(self.tuning.statistics(), clips=self.tuned.clips,
                                  clipped=self.tuned.clipped, means=self.tuned.means),

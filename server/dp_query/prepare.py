@@ -191,6 +191,8 @@ class Preparer:
                        tuple(clock))
             cache_key: tuple[Any, ...] = (st.sql, bind.param_formats if bind else None,
                          bind.params if bind else None, tuple(param_types), *meaning)
+            # the groups a query of public groups releases (read now, as the analysts could)
+            public_keys = await self._public_keys(query, conn) if query.public_groups else None
             tuned = None
             if settings.max_rows is None and tunings is not None and may_use_tuning(query):
                 tuned = applied(query, self.policy, await tunings())
@@ -204,8 +206,10 @@ class Preparer:
                     query, plan = tuned.base, later
                 else:
                     query = tuned.query
-                    # T for this query's noise: its shares first (T does not change them)
-                    tuned = tuned.chosen(_planned(query, settings, max_rows=1))
+                    # T for this query's noise: its shares first (T does not change them),
+                    # weighed over the public groups it releases, where it has them
+                    tuned = tuned.chosen(_planned(query, settings, max_rows=1),
+                                         public=None if public_keys is None else len(public_keys))
                     t = tuned.tuned
                     plan = _planned(query, settings, max_rows=t.max_rows, mean_rows=t.mean_rows,
                                     sum_rows=t.sum_rows or t.max_rows, weights=t.weights)
@@ -238,7 +242,7 @@ class Preparer:
                     "(numeric, floats, intervals, or a database with a nondeterministic "
                     "collation)", hint="group by a cast of it to text, which partition "
                     "selection releases")
-            prepared.public_keys = await self._public_keys(query, conn)
+            prepared.public_keys = public_keys
         # The result query (HAVING, ORDER BY and expressions over the released values), with
         # no rows: what it cannot use is refused here, before any charge, not after the run.
         try:

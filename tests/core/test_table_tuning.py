@@ -106,6 +106,21 @@ def test_each_query_chooses_its_t_from_the_stored_statistics(epsilon: float,
     assert tuned.users_cut == (1.0 if expected < 1000 else 0.0)
 
 
+@pytest.mark.parametrize(("public", "expected"), [(None, 1024), (3, 1)])
+def test_public_groups_weigh_t_over_their_number(public: int | None, expected: int) -> None:
+    """A query of public groups releases all of them: T chosen when it is planned, its noise
+    weighed over their number (`public`), not the admin's `groups` (TUNED: 1). Grouped by
+    browser at ε 1/30, the count has half of it: mean |noise| 60 per unit of T. Rows beyond
+    T + groups × 60·T: over 1 group least at T = 1024 (61,440; at 768, 23,200 + 46,080; at 1,
+    99,960); over 3, at T = 1 (100,080; at 1024, 184,320)."""
+    used = applied(_query("SELECT browser, COUNT(*) FROM visits GROUP BY browser"), POLICY,
+                   {"public.visits": TUNED})
+    assert used is not None
+    plan = make_plan(used.query, 1 / 30, 1e-6, 1, NoiseKind.LAPLACE, max_rows=1)
+    tuned = used.chosen(plan, public=public).tuned
+    assert tuned.max_rows == expected and tuned.groups == (public or 1)
+
+
 @pytest.mark.parametrize("sql", [
     "SELECT COUNT(*) FROM purchases",  # another table
     "SELECT COUNT(*) FROM visits JOIN purchases USING (uid)",  # two protected tables

@@ -15,6 +15,7 @@ and the split paths: the statements of two uid ranges, plain and prefiltered, ad
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from collections import Counter
@@ -368,13 +369,16 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
 
     def with_table_tuning(samples: int) -> NDArray[np.float64]:
         """An admin's tuning of visits (`tunings_drawn`), then the query with the bounds each
-        draw stored, planned with them fixed, as the proxy plans it, run once per choice."""
+        draw stored, planned with them fixed, as the proxy plans it (T weighed over the
+        public groups, where it has them), run once per choice."""
         rng = secure_rng()
         drawn = Counter[tuple[int, int, int, tuple[tuple[int, float, float], ...],
                               tuple[tuple[str, Fraction], ...]]]()
+        public = (math.prod(len(k.domain.keys or ()) for k in query.keys if k.domain)
+                  if query.public_groups else None)
         for used in tunings_drawn(samples, rng):
             t = used.chosen(make_plan(used.query, epsilon, delta, groups, noise,
-                                      max_rows=1)).tuned
+                                      max_rows=1), public=public).tuned
             drawn[t.max_rows, t.mean_rows, t.sum_rows or t.max_rows,
                   tuple((i, b.lower, b.upper) for i, b in sorted(t.clips.items())),
                   tuple(sorted(t.weights.items()))] += 1
@@ -437,7 +441,7 @@ def mechanism(conn: psycopg.Connection[dict[str, Any]], sql: str, split: bool = 
     def run(values: list[float], samples: int) -> NDArray[np.float64]:  # type: ignore[override]
         _write(conn, values)
         try:
-            if table_tuning_epsilon is not None and query.keys:
+            if table_tuning_epsilon is not None and query.keys and not query.public_groups:
                 return with_table_tuning_grouped(samples)
             if table_tuning_epsilon is not None:
                 return with_table_tuning(samples)
@@ -496,15 +500,20 @@ def test_real_pushdowns_are_differentially_private(
 
 
 TUNED_POLICY = {**POLICY, "visits": TablePolicy(SCHEMA, "uid", {"duration": Bounds(LOWER, UPPER)})}
+TUNED_PUBLIC_POLICY = {**POLICY, "visits": TablePolicy(
+    SCHEMA, "uid", {"duration": Bounds(LOWER, UPPER)}, {"browser": KeyDomain(("a", "b", "q"))})}
 TUNING_EPSILON = 0.5
 TUNED_SHAPES = {
     "table tuned, row-level sum and avg": f"{DP}) SUM(duration), AVG(duration) FROM visits",
     "table tuned, row-level count": f"{DP}) COUNT(*) FROM visits WHERE duration > 1",
     "table tuned, grouped row-level sum and avg, T after selection":
         f"{DP}, delta=0.2) browser, SUM(duration), AVG(duration) FROM visits GROUP BY browser",
+    "table tuned, public groups, row-level sum":
+        f"{DP}) browser, SUM(duration) FROM visits GROUP BY browser",
 }
 """Queries over visits after an admin tuned it (`dp_core.table_tuning`, ε TUNING_EPSILON):
-together, the tuning and the answer are (ε + TUNING_EPSILON)-DP."""
+together, the tuning and the answer are (ε + TUNING_EPSILON)-DP. (The public groups' T is
+chosen when the query is planned, weighed over its 3 public groups.)"""
 
 
 @pytest.mark.parametrize("name", list(TUNED_SHAPES))
@@ -513,7 +522,8 @@ def test_table_tuning_and_its_answers_are_differentially_private(
     if "count" in name and not LONG:  # (minutes each: the tuning and T drawn every sample)
         pytest.skip("DPPROXY_TEST_STOCHASTIC_LONG=1 runs it")
     released = Counter[bool]()
-    verdict = test_mechanism(mechanism(tester_db, TUNED_SHAPES[name], policy=TUNED_POLICY,
+    policy = TUNED_PUBLIC_POLICY if "public" in name else TUNED_POLICY
+    verdict = test_mechanism(mechanism(tester_db, TUNED_SHAPES[name], policy=policy,
                                        table_tuning_epsilon=TUNING_EPSILON, released=released),
                              EPSILON + TUNING_EPSILON, 0.2 if "grouped" in name else 1e-5,
                              databases=DATABASES, max_users=4,

@@ -4,11 +4,13 @@ with no partition selection and nothing spent on it (issue 30)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import numpy as np
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 from pydantic import ValidationError
 
 from config import Config
@@ -20,6 +22,7 @@ from dp_core.plan import make_plan
 from dp_core.query import Bounds, KeyDomain, TablePolicy
 from dp_core.release import absent_groups, release
 from dp_core.rewrite import pushdown
+from dp_core.tuning import ROW_EDGES
 from tests.support.backend import Backend
 from tests.support.proxy import LoopThread, Proxy, reset_budget, running_proxy, spent
 
@@ -169,22 +172,43 @@ def test_absent_groups_get_the_noise_of_any_group() -> None:
             assert abs(np.mean(out == 0) - zero) < 5 * np.sqrt(zero * (1 - zero) / len(out))
 
 
-def test_a_tuned_tables_public_groups_take_t_when_planned(public_proxy: Proxy) -> None:
+def test_a_tuned_tables_public_groups_take_t_when_planned(public_proxy: Proxy,
+                                                          backend: Backend) -> None:
     """Public groups are all released, none selected: with the table's tuned bounds, T is
-    chosen when the query is planned (EXPLAIN shows it; weighed over the tuning's `groups`),
-    not after partition selection as for selected groups."""
+    chosen when the query is planned (EXPLAIN shows it), not after partition selection as for
+    selected groups, its noise weighed over the public groups (3), as per-query tuning weighs
+    it, not over the tuning's `groups` (the admin's, 1). The stored statistics are set to 100
+    users of 1,000 rows each: rows beyond T + groups × T / ε (the count's mean |noise| per
+    unit of T). At ε 1/60: over 1 group, least at T = 1024 (61,440; at T = 1, 99,960);
+    over 3 groups, at T = 1 (100,080; at T = 1024, 184,320)."""
     reset_budget(public_proxy, "admin")
     with psycopg.connect(public_proxy.dsn("admin"), autocommit=True) as admin:
         admin.execute("SELECT * FROM dp_tune_bounds('visits', 0.2)").fetchall()
         try:
-            plan = "\n".join(r[0] for r in admin.execute(
-                "EXPLAIN SELECT browser, COUNT(*), SUM(duration) FROM visits "
-                "GROUP BY browser").fetchall())
-            assert "Public groups" in plan and "admin tuned" in plan, plan
-            assert "chosen after partition selection" not in plan, plan
-            assert "max_rows_contributed T " in plan and "T chosen per query" not in plan
-            rows = admin.execute("SELECT browser, COUNT(*) FROM visits GROUP BY browser"
-                                 ).fetchall()
+            with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
+                (stored,) = su.execute("SELECT tuning FROM dpproxy.tuned_bounds "
+                                       "WHERE table_name = 'public.visits'").fetchone() or ()
+                assert stored["groups"] == 1
+                stored.update(rows_total=100_000.0,
+                              lost=[100.0 * max(0, 1000 - c) for c in ROW_EDGES],
+                              users_over=[1.0 if c < 1000 else 0.0 for c in ROW_EDGES])
+                su.execute("UPDATE dpproxy.tuned_bounds SET tuning = %s "
+                           "WHERE table_name = 'public.visits'", [Jsonb(stored)])
+            admin.execute("SET dp.epsilon = 0.016666666666666666")
+
+            def t_of(sql: str) -> str:
+                plan = "\n".join(r[0] for r in admin.execute("EXPLAIN " + sql).fetchall())
+                assert "admin tuned" in plan and "T chosen per query" not in plan, plan
+                assert "chosen after partition selection" not in plan, plan
+                (t,) = re.findall(r"max_rows_contributed T (\d+)", plan)
+                return t
+
+            public = "SELECT browser, COUNT(*) FROM visits GROUP BY browser"
+            assert "Public groups" in "\n".join(
+                r[0] for r in admin.execute("EXPLAIN " + public).fetchall())
+            assert t_of(public) == "1"  # weighed over the 3 public groups
+            assert t_of("SELECT COUNT(*) FROM visits") == "1024"  # over 1: no GROUP BY
+            rows = admin.execute(public).fetchall()
             assert [r[0] for r in rows] == BROWSERS
         finally:
             admin.execute("SELECT dp_drop_tuned_bounds('visits')")
