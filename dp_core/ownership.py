@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pglast import ast, parse_sql
-from pglast.enums import A_Expr_Kind, JoinType, SubLinkType
+from pglast.enums import JoinType, SubLinkType
 
 from dp_core.catalogue import SYSTEM_SCHEMAS, is_dp_aggregate
 from dp_core.errors import (
@@ -19,7 +19,6 @@ from dp_core.query import TablePolicy, TableRef
 from dp_core.sqlnodes import (
     OWNED_CLAUSES,
     PUBLIC_CLAUSES,
-    conjuncts,
     const_number,
     func_name,
     node_sql,
@@ -28,6 +27,7 @@ from dp_core.sqlnodes import (
     walk_nodes,
 )
 from dp_core.totality import Totalizer
+from dp_core.uid_links import UidLinks
 
 JOIN_ROWS_PER_USER = 100
 """Where two protected FROM items are joined row by row, the rows of each user each of them
@@ -114,8 +114,7 @@ class FromAnalysis:
         self.ctes = dict(ctes or {})
         """Common table expressions in scope: name → uid column (None: no protected rows)."""
         self.tables: list[TableRef] = []
-        self.uid_equalities: list[tuple[str, str]] = []
-        self.using: list[tuple[set[str], str]] = []
+        self.links = UidLinks(self.tables)
         self.names: set[str] = set()
         """The names of the scope's FROM items (aliases, or table names)."""
         self.nullable: set[str] = set()
@@ -145,14 +144,10 @@ class FromAnalysis:
                 self.nullable |= right
             if node.jointype in (JoinType.JOIN_RIGHT, JoinType.JOIN_FULL):
                 self.nullable |= left
-            if node.usingClause:
-                cols = {str(c.sval) for c in node.usingClause}
-                for alias in left | right:
-                    uid = self._by_alias(alias).uid_column
-                    if left and right and uid in cols:
-                        self.using.append((left | right, uid))
+            self.links.using(node)
             if node.quals is not None:
-                self._collect_uid_equalities(node.quals)
+                self.links.equalities(
+                    node.quals, None if node.jointype == JoinType.JOIN_INNER else (left, right))
                 node.quals = self.totalize(node.quals, "JOIN condition")
             return node
         if isinstance(node, ast.RangeSubselect):
@@ -229,30 +224,6 @@ class FromAnalysis:
                 for t in (self.owned() or self.tables)]
         return refs[0] if len(refs) == 1 or self.owned() else ast.CoalesceExpr(args=tuple(refs))
 
-    def _by_alias(self, alias: str) -> TableRef:
-        for t in self.tables:
-            if t.alias == alias:
-                return t
-        raise KeyError(alias)
-
-    def _collect_uid_equalities(self, cond: Any) -> None:
-        for conj in conjuncts(cond):
-            if (isinstance(conj, ast.A_Expr) and conj.kind == A_Expr_Kind.AEXPR_OP
-                    and conj.name[-1].sval == "="):
-                a, b = self._uid_alias(conj.lexpr), self._uid_alias(conj.rexpr)
-                if a and b and a != b:
-                    self.uid_equalities.append((a, b))
-
-    def _uid_alias(self, node: Any) -> str | None:
-        """The alias whose uid column `node` names (alias.uid), if any."""
-        if not isinstance(node, ast.ColumnRef) or len(node.fields) != 2:
-            return None
-        alias, col = str(node.fields[0].sval), str(node.fields[1].sval)
-        for t in self.tables:
-            if t.alias == alias and t.uid_column == col:
-                return alias
-        return None
-
     def check_multiplying(self) -> None:
         """Joined row by row, protected tables multiply each user's rows: two tables give the
         product of the user's rows in each (the work a query does then grows with one user's
@@ -291,26 +262,13 @@ class FromAnalysis:
         return tuple(swap(item) for item in items)
 
     def check_connected(self, where: Any) -> None:
-        """All protected tables must be joined on uid equality into one privacy unit."""
+        """All protected tables must be joined on uid equality into one privacy unit
+        (`UidLinks`: what ties them for every row kept)."""
         if len(self.tables) <= 1:
             return
         if where is not None:
-            self._collect_uid_equalities(where)
-        parent = {t.alias: t.alias for t in self.tables}
-
-        def find(a: str) -> str:
-            while parent[a] != a:
-                a = parent[a]
-            return a
-
-        for a, b in self.uid_equalities:
-            parent[find(a)] = find(b)
-        for aliases, _ in self.using:
-            first, *rest = sorted(aliases)
-            for other in rest:
-                parent[find(other)] = find(first)
-        roots = {find(t.alias) for t in self.tables}
-        if len(roots) > 1:
+            self.links.equalities(where)
+        if not self.links.connected():
             names = ", ".join(t.alias for t in self.tables)
             raise refuse("joins between protected tables must equate their uid columns, "
                           "e.g. USING (uid) or ON a.uid = b.uid", names)

@@ -242,6 +242,57 @@ def test_per_user_rows_joined_freely_and_more_than_two_tables_refused() -> None:
                              "JOIN events e USING (uid)"), policy, plain_form=True)
 
 
+UNLINKED = [
+    # USING (uid) where one side's `uid` is a column of another meaning: every user of that
+    # side would own one user's rows of the other (a constant, or any column named uid)
+    "(SELECT uid AS user_id, 32 AS uid FROM visits GROUP BY uid) s JOIN purchases p USING (uid)",
+    "(SELECT uid AS user_id, duration AS uid FROM visits) s JOIN purchases p USING (uid)",
+    "purchases p JOIN (SELECT uid AS user_id, 5 AS uid FROM visits) s USING (uid)",
+    "(SELECT uid AS user_id, 5 AS uid FROM visits) s LEFT JOIN purchases p USING (uid)",
+    "(SELECT uid AS user_id, 5 AS uid FROM visits) s FULL JOIN purchases p USING (uid)",
+    "(countries c JOIN (SELECT uid AS u, 5 AS uid FROM visits) s ON true) JOIN purchases p "
+    "USING (uid)",
+    "((SELECT uid AS u, 5 AS uid FROM visits) s JOIN countries c ON true) JOIN purchases p "
+    "USING (uid)",
+    # an outer join's ON equating two items of its preserved side filters none of its rows
+    "visits v JOIN purchases p ON true LEFT JOIN countries c ON v.uid = p.uid",
+    "visits v CROSS JOIN purchases p LEFT JOIN countries c ON v.uid = p.uid AND c.code = 'x'",
+    "countries c RIGHT JOIN (visits v JOIN purchases p ON true) ON v.uid = p.uid",
+    "visits v JOIN purchases p ON true FULL JOIN countries c ON p.uid = v.uid",
+    "(visits v JOIN purchases p ON true LEFT JOIN countries c ON v.uid = p.uid) "
+    "JOIN countries d ON true",
+    "(SELECT v.uid, p.amount FROM visits v JOIN purchases p ON true LEFT JOIN countries c "
+    "ON v.uid = p.uid) s",
+]
+"""Joins that tie no two protected items to one user (a USING column that is not both sides'
+uid; an outer join's ON between items of one side): refused (`dp_core.uid_links`)."""
+
+LINKED = [
+    "visits v JOIN purchases p USING (uid)",
+    "visits v LEFT JOIN purchases p USING (uid)",
+    "visits v FULL JOIN purchases p USING (uid)",
+    "visits v LEFT JOIN purchases p ON v.uid = p.uid",
+    "purchases p RIGHT JOIN visits v ON v.uid = p.uid",
+    "visits v JOIN purchases p ON true WHERE v.uid = p.uid",
+    "(visits v JOIN countries c ON c.code = v.country) JOIN purchases p USING (uid)",
+    "(visits v LEFT JOIN countries c ON c.code = v.country) LEFT JOIN purchases p USING (uid)",
+    "(SELECT uid AS user_id, duration FROM visits) s JOIN purchases p ON s.user_id = p.uid",
+    "(SELECT uid, count(*) AS n FROM visits GROUP BY uid) s JOIN purchases p USING (uid)",
+    "visits v LEFT JOIN (purchases p JOIN countries c ON true) ON v.uid = p.uid",
+]
+"""Their sound forms: still answered."""
+
+
+@pytest.mark.parametrize("from_where", UNLINKED)
+def test_joins_that_tie_no_user_are_refused(from_where: str) -> None:
+    assert_refused(_ANY + from_where, "must equate their uid columns")
+
+
+@pytest.mark.parametrize("from_where", LINKED)
+def test_joins_on_the_uid_are_answered(from_where: str) -> None:
+    build(_ANY + from_where)
+
+
 def test_every_select_clause_pglast_knows_is_named() -> None:
     """The clause allowlist names every field of pglast's SelectStmt: a field a later pglast
     adds is refused by its own name until a rule handles it."""

@@ -127,6 +127,23 @@ CASES = [
          "0A000"),
     Case("column aliases in an IN subquery", DP_COUNT + " WHERE uid IN (SELECT uid FROM "
          "purchases AS p (category, uid))", "0A000"),
+    # joins that tie no user: every user of one side owns one user's rows of the other
+    Case("USING (uid) over a subquery's column named uid that is not its uid",
+         DP + "p.category, p.amount::text AS amount, ANON_COUNT(*) FROM (SELECT uid AS user_id, "
+         "32 AS uid FROM visits GROUP BY uid) s JOIN purchases p USING (uid) "
+         "GROUP BY p.category, p.amount::text", "0A000"),
+    Case("USING (uid) over a WITH query's column named uid that is not its uid",
+         "WITH t AS (SELECT uid AS user_id, 5 AS uid FROM visits) " + DP +
+         "ANON_AVG(p.amount, 0, 500) FROM t JOIN purchases p USING (uid)", "0A000"),
+    Case("plain SQL: USING (uid) over a column named uid that is not the uid",
+         "SELECT count(*) FROM (SELECT uid AS u, 5 AS uid FROM visits) s "
+         "JOIN purchases p USING (uid)", "0A000"),
+    Case("an outer join's ON equating two tables of its preserved side",
+         DP + "ANON_COUNT(*) FROM visits v JOIN purchases p ON true LEFT JOIN countries c "
+         "ON v.uid = p.uid WHERE p.uid = 5 AND p.amount > 10", "0A000"),
+    Case("a FULL join's ON equating two tables of one side",
+         "SELECT count(*) FROM countries c FULL JOIN (visits v CROSS JOIN purchases p) "
+         "ON v.uid = p.uid WHERE p.uid = 5", "0A000"),
     Case("DISTINCT uid: every value is one user's", "SELECT DISTINCT uid FROM visits", "0A000"),
     Case("grouped by uid and a key", DP + "uid, browser, ANON_COUNT(*) FROM visits "
          "GROUP BY browser, uid", "0A000"),

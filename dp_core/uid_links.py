@@ -1,0 +1,94 @@
+"""Which protected FROM items a scope's joins tie to one user: uid equalities and USING on the uid.
+
+A row of a DP query belongs to one user only where every protected FROM item in it has the
+same uid (or none: an outer join's NULL side). `UidLinks` collects what says so, and only
+what says so for every row the scope keeps:
+
+- `a.uid = b.uid` among the conjuncts of WHERE, or of an inner join's ON;
+- in an outer join's ON, only between an item of one side and an item of the other: the ON
+  filters none of the preserved side's rows (`a JOIN b ON true LEFT JOIN c ON a.uid = b.uid`
+  keeps every pair of a and b);
+- `JOIN ... USING (c)` where each side's column c is a protected item's uid, not a column of
+  another meaning with its name (`(SELECT uid AS u, 5 AS uid FROM visits) s JOIN purchases
+  USING (uid)` gives every user of s the rows of user 5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pglast import ast
+from pglast.enums import A_Expr_Kind
+
+from dp_core.query import TableRef
+from dp_core.sqlnodes import conjuncts
+
+
+class UidLinks:
+    """The links between protected FROM items (by alias) that equate their uids."""
+
+    def __init__(self, tables: Sequence[TableRef]) -> None:
+        self.tables = tables
+        """The scope's protected FROM items (the list the FROM walk appends to)."""
+        self.pairs: list[tuple[str, str]] = []
+
+    def equalities(self, cond: Any, sides: tuple[set[str], set[str]] | None = None) -> None:
+        """The uid equalities among `cond`'s conjuncts (a WHERE, or an inner join's ON: every
+        row kept has them); `sides`: an outer join's two sides, of which its ON equates only
+        an item of one with an item of the other."""
+        for conj in conjuncts(cond):
+            if (isinstance(conj, ast.A_Expr) and conj.kind == A_Expr_Kind.AEXPR_OP
+                    and conj.name and conj.name[-1].sval == "="):
+                a, b = self._uid_alias(conj.lexpr), self._uid_alias(conj.rexpr)
+                if not a or not b or a == b:
+                    continue
+                if sides is not None and not ({a, b} & sides[0] and {a, b} & sides[1]):
+                    continue
+                self.pairs.append((a, b))
+
+    def using(self, join: ast.JoinExpr) -> None:
+        """A join's USING columns: each links the items whose uid it is on both sides."""
+        for col in sorted({str(c.sval) for c in join.usingClause or ()}):
+            left, right = self._uid_named(join.larg, col), self._uid_named(join.rarg, col)
+            if left and right:
+                first, *rest = sorted(left | right)
+                self.pairs.extend((first, other) for other in rest)
+
+    def connected(self) -> bool:
+        """Whether the links tie every protected item to every other."""
+        parent = {t.alias: t.alias for t in self.tables}
+
+        def find(a: str) -> str:
+            while parent[a] != a:
+                a = parent[a]
+            return a
+
+        for a, b in self.pairs:
+            parent[find(a)] = find(b)
+        return len({find(t.alias) for t in self.tables}) <= 1
+
+    def _uid_named(self, node: Any, col: str) -> set[str]:
+        """The protected items whose uid is `node`'s column named `col`, where it is one (a
+        FROM item; a join's column of that name is one side's, Postgres refusing a name both
+        sides have, or with USING both sides', equal where neither is NULL)."""
+        if isinstance(node, ast.JoinExpr):
+            return self._uid_named(node.larg, col) | self._uid_named(node.rarg, col)
+        if isinstance(node, ast.RangeVar):
+            alias = str(node.alias.aliasname) if node.alias else str(node.relname)
+        elif isinstance(node, ast.RangeSubselect) and node.alias is not None:
+            alias = str(node.alias.aliasname)
+        else:
+            return set()
+        return {t.alias for t in self.tables if t.alias == alias and t.uid_column == col}
+
+    def _uid_alias(self, node: Any) -> str | None:
+        """The alias whose uid column `node` names (alias.uid), if any."""
+        fields = tuple(node.fields or ()) if isinstance(node, ast.ColumnRef) else ()
+        if len(fields) != 2 or not all(isinstance(f, ast.String) for f in fields):
+            return None
+        alias, col = str(fields[0].sval), str(fields[1].sval)
+        for t in self.tables:
+            if t.alias == alias and t.uid_column == col:
+                return alias
+        return None
