@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from pglast import ast, parse_sql
-from pglast.enums import BoolExprType, NullTestType
+from pglast.enums import A_Expr_Kind, BoolExprType, NullTestType
 from pglast.parser import ParseError
 from pglast.visitors import Visitor
 
@@ -347,6 +347,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         if is_uid(k.expr, fa):
             raise refuse("grouping by the uid: every group would hold one user, and partition "
                           "selection releases none (group by something coarser)", node_sql(k.expr))
+    for clause, what in ((stmt.limitCount, "LIMIT"), (stmt.limitOffset, "OFFSET")):
+        _constant_count(clause, what)
     return AnalyzedQuery(
         from_clause=from_clause, where=where, uid=uid, tables=tuple(fa.tables), keys=tuple(keys),
         aggregates=tuple(aggregates), outputs=tuple(outputs), having=having,
@@ -557,3 +559,20 @@ def _default_name(val: Any) -> str:
         inner = _default_name(val.arg)
         return inner if inner != "?column?" else str(val.typeName.names[-1].sval)
     return "?column?"
+
+
+def _constant_count(node: Any, what: str) -> None:
+    """LIMIT and OFFSET of a DP query apply to its released rows (post-processing): numbers,
+    parameters, casts and arithmetic of them, and NULL or ALL; nothing that reads a column,
+    a table (a subquery) or calls a function."""
+    if node is None:
+        return
+    for n in walk_nodes(node):
+        if isinstance(n, (ast.A_Const, ast.ParamRef, ast.TypeName, ast.String, ast.Integer,
+                          ast.Float, ast.Boolean, ast.BitString)):
+            continue
+        if isinstance(n, ast.TypeCast) or (isinstance(n, ast.A_Expr)
+                                           and n.kind == A_Expr_Kind.AEXPR_OP):
+            continue
+        raise refuse(f"{what} of anything but numbers and parameters", node_sql(node))
+

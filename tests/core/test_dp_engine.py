@@ -242,6 +242,27 @@ def test_per_user_rows_joined_freely_and_more_than_two_tables_refused() -> None:
                              "JOIN events e USING (uid)"), policy, plain_form=True)
 
 
+@pytest.mark.parametrize("tail", [
+    "LIMIT (SELECT count(*) + 1 FROM purchases WHERE uid = 5)",
+    "LIMIT 1 OFFSET (SELECT count(*) FROM purchases WHERE uid = 5)",
+    "LIMIT CASE WHEN EXISTS (SELECT 1 FROM visits WHERE uid = 5) THEN 1 ELSE 2 END",
+    "LIMIT length(current_user)",
+    "LIMIT browser",
+])
+def test_limit_and_offset_read_nothing(tail: str) -> None:
+    """They apply to the released rows: numbers and parameters only (the second wall would
+    show a subquery there no protected row, but the first refuses it)."""
+    assert_refused(_ANY.replace("ANON_COUNT(*)", "browser, ANON_COUNT(*)") + "visits GROUP BY "
+                   "browser " + tail, "numbers and parameters")
+
+
+@pytest.mark.parametrize("tail", ["LIMIT 3", "LIMIT ALL OFFSET 1", "LIMIT $1", "LIMIT 2 * 3",
+                                  "LIMIT '4'::int8 OFFSET NULL"])
+def test_limit_and_offset_of_numbers_are_answered(tail: str) -> None:
+    build(_ANY.replace("ANON_COUNT(*)", "browser, ANON_COUNT(*)") + "visits GROUP BY browser "
+          + tail)
+
+
 UNLINKED = [
     # USING (uid) where one side's `uid` is a column of another meaning: every user of that
     # side would own one user's rows of the other (a constant, or any column named uid)
