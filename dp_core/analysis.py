@@ -188,6 +188,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
                                                    integer_types), ctes)
             if ctes[name] is not None:
                 findings.shapes[name] = findings.shapes[id(cte.ctequery)]
+            else:
+                findings.public_sources[name] = findings.public_sources[id(cte.ctequery)]
         cte_nodes = tuple(stmt.withClause.ctes)
     distinct = stmt.distinctClause == (None,) and not stmt.groupClause and not any(
         dp_aggregates_in(t) for t in stmt.targetList or ())
@@ -357,6 +359,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         casts=tuple(findings.casts), arithmetic=tuple(findings.arithmetic),
         relations=tuple(dict.fromkeys(findings.relations)),
         sublinks=tuple(findings.sublinks), joins_capped=findings.joins_capped,
+        public_items=tuple(findings.fanout),
         grouped_by=tuple(grouped_by),
         # (GROUP BY's names first: HAVING's and ORDER BY's are read against its grouping)
         name_checks=tuple(dict.fromkeys(group_checks or names.missing)),

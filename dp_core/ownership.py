@@ -15,11 +15,14 @@ from dp_core.errors import (
     SyntaxError_,
     UndefinedTable,
 )
-from dp_core.query import TablePolicy, TableRef
+from dp_core.fanout import anchor, renamed, selected_source, ties, values_source
+from dp_core.query import PublicSource, TablePolicy, TableRef
 from dp_core.sqlnodes import (
     OWNED_CLAUSES,
     PUBLIC_CLAUSES,
     const_number,
+    from_name,
+    from_names,
     func_name,
     node_sql,
     only_clauses,
@@ -122,6 +125,10 @@ class FromAnalysis:
         NULL in rows they have no part in)."""
         self.nodes: dict[str, Any] = {}
         """Each protected FROM item's node, by alias (for `capped_joins`)."""
+        self.public: dict[str, PublicSource] = {}
+        """Each public FROM item's source, by alias (`dp_core.fanout`)."""
+        self.ties: list[tuple[str, str, frozenset[str]]] = []
+        """Equalities that tie a public item's column to other items (`fanout.ties`)."""
 
     def item(self, node: Any) -> Any:
         if isinstance(node, ast.RangeVar):
@@ -145,9 +152,17 @@ class FromAnalysis:
             if node.jointype in (JoinType.JOIN_RIGHT, JoinType.JOIN_FULL):
                 self.nullable |= left
             self.links.using(node)
+            inner = node.jointype == JoinType.JOIN_INNER
+            sides = (from_names(node.larg), from_names(node.rarg))
+            for col in (str(c.sval) for c in node.usingClause or ()):
+                # (a public item alone on one side: its column is the other side's)
+                for one, other in ((node.larg, sides[1]), (node.rarg, sides[0])):
+                    alias = from_name(one)
+                    if alias in self.public:
+                        self.ties.append((alias, col, frozenset(other)))
             if node.quals is not None:
-                self.links.equalities(
-                    node.quals, None if node.jointype == JoinType.JOIN_INNER else (left, right))
+                self.links.equalities(node.quals, None if inner else (left, right))
+                self.ties += ties(node.quals, list(self.public), None if inner else sides)
                 node.quals = self.totalize(node.quals, "JOIN condition")
             return node
         if isinstance(node, ast.RangeSubselect):
@@ -159,6 +174,9 @@ class FromAnalysis:
                                       self.totalize.inner(node.subquery), self.ctes)
             alias = str(node.alias.aliasname)
             self._named(alias)
+            if sub_uid is None:
+                self.public[alias] = renamed(
+                    self.totalize.findings.public_sources[id(node.subquery)], node.alias)
             if sub_uid is not None:
                 if node.alias.colnames:
                     raise refuse("column aliases on a subquery that reads protected tables", alias)
@@ -196,6 +214,9 @@ class FromAnalysis:
                 self.tables.append(TableRef(name, alias, cte_uid, derived=True, bases=bases,
                                             per_user=per_user))
                 self.nodes[alias] = rv
+            else:
+                self.public[alias] = renamed(self.totalize.findings.public_sources[name],
+                                              rv.alias)
             return rv
         pol = self.policy.get(name)
         if pol is not None and schema in (None, pol.schema):
@@ -209,6 +230,8 @@ class FromAnalysis:
             # the pushdown role's search_path finds first)
         else:
             _public_relation(rv, self.ctes, self.totalize)
+            self.public[alias] = renamed(PublicSource(
+                (str(rv.schemaname) if rv.schemaname else None, name)), rv.alias)
         return rv
 
     def owned(self) -> list[TableRef]:
@@ -264,6 +287,10 @@ class FromAnalysis:
     def check_connected(self, where: Any) -> None:
         """All protected tables must be joined on uid equality into one privacy unit
         (`UidLinks`: what ties them for every row kept)."""
+        if where is not None:
+            self.ties += ties(where, list(self.public))
+        self.totalize.findings.fanout += anchor(self.public, {t.alias for t in self.tables},
+                                                self.ties)
         if len(self.tables) <= 1:
             return
         if where is not None:
@@ -310,6 +337,8 @@ def _public_subquery(sub: ast.SelectStmt, totalize: Totalizer,
     a VALUES list; its tables are recorded for the server's check (`_public_relation`)."""
     if sub.valuesLists:
         only_clauses(sub, ("valuesLists",), scope)
+        totalize.findings.public_sources[id(sub)] = values_source(
+            sub.valuesLists, [f"column{j + 1}" for j in range(len(sub.valuesLists[0]))])
         sub.valuesLists = tuple(tuple(totalize(v, "VALUES list") for v in row)
                                 for row in sub.valuesLists)
         return
@@ -327,6 +356,7 @@ def _public_subquery(sub: ast.SelectStmt, totalize: Totalizer,
         _public_relation(item, ctes, totalize)
         totalize.findings.row_names.add(str(item.alias.aliasname) if item.alias
                                         else str(item.relname))
+    totalize.findings.public_sources[id(sub)] = selected_source(sub, totalize.findings.public_sources)
     for target in sub.targetList or ():
         if isinstance(target.val, ast.ColumnRef) and isinstance(target.val.fields[-1], ast.A_Star):
             continue
@@ -541,3 +571,4 @@ def _no_aggregates_inside(val: Any) -> None:
         if isinstance(node, ast.FuncCall) and is_dp_aggregate(func_name(node)):
             raise refuse("expressions over DP aggregates are not supported yet "
                           "(select the aggregate itself)", node_sql(val))
+

@@ -179,6 +179,38 @@ class KeyDomain:
 
 
 @dataclass(frozen=True)
+class PublicSource:
+    """What a public FROM item reads: a table, or a public subquery or WITH query (of one
+    table, or a VALUES list)."""
+
+    relation: Relation | None = None
+    """The table it reads (None: a VALUES list, or a SELECT without FROM)."""
+    columns: Mapping[str, str] | None = None
+    """A subquery's output columns that are the table's columns as they are (name → the
+    table's); None: the item is the table itself (every column its own)."""
+    rows: int = 1
+    """A VALUES list's rows (1: a SELECT without FROM)."""
+    repeats: Mapping[str, int] = field(default_factory=dict)
+    """A VALUES list's columns: the most rows with one literal value (a column with any other
+    expression is not listed)."""
+
+    def column(self, name: str) -> str | None:
+        """The table's column that the item's column `name` is, where it is one."""
+        if self.relation is None:
+            return None
+        return name if self.columns is None else self.columns.get(name)
+
+
+@dataclass(frozen=True)
+class PublicItem:
+    """A public FROM item of a scope with protected rows, with the columns that tie it to the
+    items bounded before it (`anchor`; none: it is bounded by its rows)."""
+
+    source: PublicSource
+    keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class AnalyzedQuery:
     """A validated DP query, in pieces for the rewriter."""
 
@@ -214,6 +246,9 @@ class AnalyzedQuery:
     joins_capped: bool = False
     """Two protected FROM items are joined row by row somewhere: each reads at most
     JOIN_ROWS_PER_USER rows of a user."""
+    public_items: tuple[PublicItem, ...] = ()
+    """The public FROM items of its scopes with protected rows, as their joins tie them: the
+    server bounds the public rows one protected row meets (`dp_core.fanout`)."""
     outer: ast.SelectStmt | None = None
     """A query over this one's answer (`SELECT ... FROM (DP query) AS t WHERE ...`, as Power BI
     writes; `WITH t AS (DP query) SELECT ... FROM t`; aggregates over it, as Superset's

@@ -169,3 +169,21 @@ def walk_nodes(node: Any) -> Iterator[Any]:
             stack.extend(getattr(cur, name) for name in cur)
         elif isinstance(cur, (tuple, list)):
             stack.extend(cur)
+
+
+def from_name(node: Any) -> str | None:
+    """A FROM item's name (its alias, or a table's name); None for a join."""
+    if isinstance(node, ast.RangeVar):
+        return str(node.alias.aliasname) if node.alias else str(node.relname)
+    if isinstance(node, ast.RangeSubselect) and node.alias is not None:
+        return str(node.alias.aliasname)
+    return None
+
+
+def from_names(node: Any) -> set[str]:
+    """The names of the FROM items in `node` (a join's, all of them)."""
+    if isinstance(node, ast.JoinExpr):
+        return from_names(node.larg) | from_names(node.rarg)
+    name = from_name(node)
+    return set() if name is None else {name}
+

@@ -33,7 +33,7 @@ from dp_core.cost import Cost, Linear, RowWorkBudget, row_cost
 from dp_core.errors import (
     SyntaxError_,
 )
-from dp_core.query import ArithmeticCheck, CastCheck, Relation
+from dp_core.query import ArithmeticCheck, CastCheck, PublicItem, PublicSource, Relation
 from dp_core.sqlnodes import (
     INTEGER_LIMITS,
     as_integer,
@@ -75,6 +75,12 @@ class Findings:
     work: Linear = field(default_factory=Linear)
     """The sum of their work."""
     budget: RowWorkBudget = field(default_factory=RowWorkBudget)
+    public_sources: dict[Any, PublicSource] = field(default_factory=dict)
+    """What each public subquery (by id of its node) and public WITH query (by name) reads
+    (`dp_core.fanout`)."""
+    fanout: list[PublicItem] = field(default_factory=list)
+    """The public FROM items of every scope with protected rows, tied as they are
+    (`fanout.anchor`): their product bounds the public rows one protected row meets."""
     joins_capped: bool = False
     """Some scope joins two protected items row by row (`FromAnalysis.capped_joins`)."""
     schemas: Mapping[str, str | None] | None = None

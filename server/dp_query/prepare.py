@@ -38,6 +38,7 @@ from server import wire as p
 from server.backend_setup import quote_ident
 from server.dp_query.context import fixed_clock, relation_schemas
 from server.dp_query.prepared import Prepared, answer_sql
+from server.dp_query.public_rows import check_public_rows
 from server.dp_query.request import DPRequest
 from server.wire.params import param_text
 
@@ -150,6 +151,7 @@ class Preparer:
                                   st.dp_clause.options if st.dp_clause is not None else ())
         try:
             await self._check_relations(query, conn)
+            await check_public_rows(query, conn)
             for _ in range(2):
                 # names of GROUP BY, then of HAVING and ORDER BY (read against its grouping),
                 # as Postgres reads them in the query's FROM

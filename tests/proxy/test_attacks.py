@@ -144,6 +144,29 @@ CASES = [
     Case("a FULL join's ON equating two tables of one side",
          "SELECT count(*) FROM countries c FULL JOIN (visits v CROSS JOIN purchases p) "
          "ON v.uid = p.uid WHERE p.uid = 5", "0A000"),
+    # joins with public tables that give one protected row many public rows: the time tells
+    # one user's rows (DESIGN §3.11; dp_core.fanout)
+    Case("cross joins of a public table", DP + "ANON_COUNT(*) FROM visits v CROSS JOIN countries a "
+         "CROSS JOIN countries b CROSS JOIN countries c WHERE v.uid = 42", "54000"),
+    Case("cross joins of VALUES lists", DP + "ANON_SUM(a.x + b.y, 0, 10) FROM visits v, (VALUES "
+         + ", ".join(f"({i})" for i in range(20)) + ") a(x), (VALUES " +
+         ", ".join(f"({i})" for i in range(20)) + ") b(y) WHERE v.uid = 42", "54000"),
+    Case("a non-equi join with a public table", "SELECT count(*) FROM visits v JOIN countries c "
+         "ON c.code <> v.country WHERE v.uid = 42", "54000"),
+    Case("a join on a public column that is not unique", DP + "ANON_COUNT(*) FROM visits v JOIN "
+         "countries c ON c.region = 'Europe' JOIN countries d ON d.region = c.region", "54000"),
+    Case("an outer join's ON on the public table's key, between two items of one side",
+         DP + "ANON_COUNT(*) FROM visits v CROSS JOIN countries c LEFT JOIN purchases p "
+         "ON c.code = v.country AND p.uid = v.uid", "54000"),
+    Case("a public table joined on its key", DP + "c.region, ANON_COUNT(*) FROM visits v "
+         "JOIN countries c ON c.code = v.country GROUP BY c.region", None),
+    Case("a public table left joined on its key, through a subquery and a WITH query",
+         "WITH r AS (SELECT code, region FROM countries) " + DP + "r.region, ANON_COUNT(*) "
+         "FROM visits v LEFT JOIN (SELECT code FROM countries) c ON c.code = v.country "
+         "JOIN r ON r.code = c.code GROUP BY r.region", None),
+    Case("a public table and a VALUES list joined on their keys", "SELECT t.n, count(*) FROM "
+         "visits v JOIN countries c ON v.country = c.code JOIN (VALUES ('Europe', 1), ('Asia', 2))"
+         " t(region, n) ON t.region = c.region GROUP BY t.n", None),
     Case("DISTINCT uid: every value is one user's", "SELECT DISTINCT uid FROM visits", "0A000"),
     Case("grouped by uid and a key", DP + "uid, browser, ANON_COUNT(*) FROM visits "
          "GROUP BY browser, uid", "0A000"),

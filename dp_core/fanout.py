@@ -1,0 +1,198 @@
+"""How many public rows one protected row can meet in a DP query's joins: a bound from the text and catalog.
+
+DESIGN §3.11: no construct may let one user's rows multiply the backend's work. A join with a
+public table gives each protected row every public row it matches: `visits CROSS JOIN
+countries a CROSS JOIN countries b` gives each of a user's rows 200² rows to work through,
+and the query's time then tells that user's rows (a timing side channel) where the cross
+join of a few public tables outlasts the statement timeout (an error). Each public FROM item
+of a scope that reads protected rows (`PublicItem`) is bounded by what the query's text and
+the catalog say, never by protected data:
+
+- tied by an equality (`c.code = v.country`, in WHERE or an inner join's ON, or in an outer
+  join's ON to an item of its other side) to items already bounded, on a column with a
+  unique index (a PRIMARY KEY or UNIQUE column, from the catalog): 1 row;
+- a VALUES list tied on one of its columns: the most rows sharing one literal value there;
+- else its rows (a table's, counted up to the limit: public data the analysts may read).
+
+The bounds multiply (each given the items before it); a query whose product exceeds
+`PUBLIC_ROWS_PER_ROW` is refused (54000) before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from pglast import ast
+from pglast.enums import A_Expr_Kind
+
+from dp_core.errors import ProgramLimitExceeded
+from dp_core.query import PublicItem, PublicSource, Relation
+from dp_core.sqlnodes import conjuncts, walk_nodes
+
+PUBLIC_ROWS_PER_ROW = 100
+"""The most public rows one protected row may meet in a DP query's joins (as
+`ownership.JOIN_ROWS_PER_USER` bounds a user's rows in a join of protected tables)."""
+
+
+def values_source(lists: Sequence[Sequence[Any]], names: Sequence[str]) -> PublicSource:
+    """A VALUES list with its columns `names`: its rows, and per column the most rows that
+    share one literal value (a column with another expression is not counted)."""
+    repeats: dict[str, int] = {}
+    for j, name in enumerate(names):
+        seen: dict[str, int] = {}
+        for row in lists:
+            if j >= len(row) or not isinstance(row[j], ast.A_Const):
+                break
+            text = repr(row[j].val)
+            seen[text] = seen.get(text, 0) + 1
+        else:
+            repeats[name] = max(seen.values(), default=0)
+    return PublicSource(rows=len(lists), repeats=repeats)
+
+
+def ties(cond: Any, public: Sequence[str], sides: tuple[set[str], set[str]] | None = None
+         ) -> list[tuple[str, str, frozenset[str]]]:
+    """The equalities among `cond`'s conjuncts between a public item's column (`alias.col`,
+    `alias` in `public`) and an expression of other items' qualified columns (or of none):
+    (alias, col, the aliases the expression reads). `sides`: an outer join's two sides (all
+    their items' aliases), whose ON ties only an item of one side to items of the other."""
+    out = []
+    for conj in conjuncts(cond):
+        if not (isinstance(conj, ast.A_Expr) and conj.kind == A_Expr_Kind.AEXPR_OP
+                and conj.name and conj.name[-1].sval == "="):
+            continue
+        for col, other in ((conj.lexpr, conj.rexpr), (conj.rexpr, conj.lexpr)):
+            name = _qualified(col)
+            reads = _reads(other)
+            if name is None or name[0] not in public or reads is None or name[0] in reads:
+                continue
+            if sides is not None and not any(name[0] in mine and reads <= theirs
+                                             for mine, theirs in (sides, sides[::-1])):
+                continue
+            out.append((name[0], name[1], reads))
+    return out
+
+
+def anchor(public: Mapping[str, PublicSource], bounded: set[str],
+           found: Sequence[tuple[str, str, frozenset[str]]]) -> list[PublicItem]:
+    """Each public item with the columns that tie it to items bounded before it: from the
+    protected items (`bounded`), each item tied to bounded ones is bounded next, with every
+    tie it has to them then (its rows meet them all)."""
+    done = set(bounded)
+    items: list[PublicItem] = []
+    keys: dict[str, tuple[str, ...]] = {}
+    while True:
+        ready: dict[str, list[str]] = {}
+        for alias, col, reads in found:
+            if alias not in done and reads <= done:
+                ready.setdefault(alias, []).append(col)
+        if not ready:
+            break
+        for alias, cols in ready.items():
+            keys[alias] = tuple(dict.fromkeys(cols))
+        done |= ready.keys()
+    for alias, source in public.items():
+        items.append(PublicItem(source, keys.get(alias, ())))
+    return items
+
+
+def row_bound(items: Sequence[PublicItem], unique: Callable[[Relation, str], bool],
+              rows: Callable[[Relation], int]) -> int:
+    """The most public rows one protected row meets: the product of each item's bound (1 on
+    a unique column it is tied by; a VALUES list's repeats of the value it is tied on; else
+    its rows), `unique` and `rows` saying what the catalog and the public tables hold."""
+    total = 1
+    for item in items:
+        total *= _item_bound(item, unique, rows)
+        if total > PUBLIC_ROWS_PER_ROW:
+            break
+    return total
+
+
+def check_row_bound(items: Sequence[PublicItem], unique: Callable[[Relation, str], bool],
+                    rows: Callable[[Relation], int]) -> None:
+    """54000 where the query's joins may give one protected row more than
+    PUBLIC_ROWS_PER_ROW public rows."""
+    bound = row_bound(items, unique, rows)
+    if bound > PUBLIC_ROWS_PER_ROW:
+        raise ProgramLimitExceeded(
+            f"this DP query's joins with public tables can give one protected row more than "
+            f"{PUBLIC_ROWS_PER_ROW} public rows (its time would grow with one user's rows "
+            f"times theirs)", hint="join each public table on a column with a unique index "
+            "(PRIMARY KEY or UNIQUE) by equality, or join smaller ones")
+
+
+def _item_bound(item: PublicItem, unique: Callable[[Relation, str], bool],
+                rows: Callable[[Relation], int]) -> int:
+    source = item.source
+    if source.relation is None:
+        tied = [source.repeats[k] for k in item.keys if k in source.repeats]
+        return min([source.rows, *tied])
+    for key in item.keys:
+        column = source.column(key)
+        if column is not None and unique(source.relation, column):
+            return 1
+    return rows(source.relation)
+
+
+def _qualified(node: Any) -> tuple[str, str] | None:
+    if not isinstance(node, ast.ColumnRef):
+        return None
+    fields = tuple(node.fields or ())
+    if len(fields) != 2 or not all(isinstance(f, ast.String) for f in fields):
+        return None
+    return str(fields[0].sval), str(fields[1].sval)
+
+
+def _reads(node: Any) -> frozenset[str] | None:
+    """The aliases an expression's columns are qualified by; None where it reads a column
+    unqualified (whose item Postgres decides) or has a subquery."""
+    out = set()
+    for n in walk_nodes(node):
+        if isinstance(n, ast.SubLink):
+            return None
+        if isinstance(n, ast.ColumnRef):
+            name = _qualified(n)
+            if name is None:
+                return None
+            out.add(name[0])
+    return frozenset(out)
+
+
+def renamed(source: PublicSource, alias: Any) -> PublicSource:
+    """`source` as a FROM item whose alias may rename its columns by position (a VALUES
+    list's column1, column2 ...; a table's or a subquery's columns are then unknown here:
+    none is taken for a unique one)."""
+    names = [str(c.sval) for c in (alias.colnames or ())] if alias is not None else []
+    if not names:
+        return source
+    if source.relation is None:
+        repeats = {names[j]: n for j, n in enumerate(source.repeats.values()) if j < len(names)}
+        return replace(source, repeats=repeats)
+    return replace(source, columns={})
+
+
+def selected_source(sub: ast.SelectStmt, known: Mapping[Any, PublicSource]) -> PublicSource:
+    """What a public subquery of one table (or none) reads, with the output columns that are
+    that table's columns as they are (`known`: the public WITH queries' sources, by name)."""
+    (item,) = sub.fromClause or (None,)
+    if item is None:
+        return PublicSource()
+    name = str(item.relname)
+    if item.schemaname is None and name in known:
+        inner = known[name]  # (a public WITH query)
+        return replace(inner, columns={}) if inner.relation is not None else inner
+    columns: dict[str, str] = {}
+    for target in sub.targetList or ():
+        last = (target.val.fields or (None,))[-1] if isinstance(target.val, ast.ColumnRef) \
+            else None
+        if isinstance(last, ast.A_Star):
+            if len(sub.targetList or ()) == 1:
+                return PublicSource((str(item.schemaname) if item.schemaname else None, name))
+            break
+        if isinstance(last, ast.String):
+            columns[str(target.name) if target.name else str(last.sval)] = str(last.sval)
+    return PublicSource((str(item.schemaname) if item.schemaname else None, name), columns)
+

@@ -1,0 +1,89 @@
+"""The public rows one protected row can meet in a DP query's joins (dp_core.fanout): the items, how
+joins tie them, and the bound, hand-computed with a catalog given here."""
+
+from __future__ import annotations
+
+import pytest
+
+from dp_core.errors import ProgramLimitExceeded
+from dp_core.fanout import PUBLIC_ROWS_PER_ROW, check_row_bound, row_bound
+from dp_core.query import PublicItem, PublicSource, Relation
+from tests.support.engine import build
+
+COUNTRIES: Relation = (None, "countries")  # (as written: no search_path here)
+ROWS = {COUNTRIES: 120, (None, "regions"): 6}
+"""Public tables' rows (countries: 120, code its PRIMARY KEY; regions: 6, none unique)."""
+UNIQUE = {COUNTRIES: {"code"}}
+
+
+def _bound(from_where: str) -> int:
+    query, _, _ = build("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM " + from_where)
+    return row_bound(query.public_items, lambda r, c: c in UNIQUE.get(r, set()),
+                     lambda r: ROWS[r])
+
+
+@pytest.mark.parametrize(("from_where", "expected"), [
+    # tied by equality on the key: one country per row
+    ("visits v JOIN countries c ON c.code = v.country", 1),
+    ("visits v JOIN countries c ON v.country = c.code", 1),
+    ("visits v, countries c WHERE c.code = v.country", 1),
+    ("visits v LEFT JOIN countries c ON c.code = v.country", 1),
+    ("countries c LEFT JOIN visits v ON c.code = v.country", 1),
+    ("visits v JOIN countries c ON c.code = 'US'", 1),  # (a constant: one row of c)
+    ("visits v JOIN (SELECT code, name FROM countries WHERE region = 'Asia') c "
+     "ON c.code = v.country", 1),
+    ("visits v JOIN (SELECT * FROM countries) c ON c.code = v.country", 1),
+    # then a second table tied to the first one's columns: its own bound
+    ("visits v JOIN countries c ON c.code = v.country JOIN countries d ON d.code = c.code", 1),
+    ("visits v JOIN countries c ON c.code = v.country JOIN regions r ON r.name = c.region", 6),
+    # not tied on a unique column: every row
+    ("visits v CROSS JOIN countries c", 120),
+    ("visits v JOIN countries c ON c.code <> v.country", 120),
+    ("visits v JOIN countries c ON c.region = v.country", 120),
+    ("visits v JOIN countries c ON upper(c.code) = v.country", 120),
+    ("visits v JOIN (SELECT lower(code) AS code FROM countries) c ON c.code = v.country", 120),
+    ("visits v JOIN (SELECT code FROM countries) AS c (k) ON c.k = v.country", 120),
+    ("visits v JOIN countries c ON c.code = country", 120),  # (unqualified: whose?)
+    # an outer join's ON between two items of its preserved side ties nothing
+    ("visits v CROSS JOIN countries c LEFT JOIN purchases p ON c.code = v.country "
+     "AND p.uid = v.uid", 120),
+    # two items tied to each other only: neither is tied to the protected rows
+    ("visits v, countries c, countries d WHERE c.code = d.code", 120 * 120),
+    ("visits v, regions a, regions b", 36),
+    # VALUES: its rows, or the most rows of one value of the column it is tied on
+    ("visits v CROSS JOIN (VALUES (1), (2), (3)) a(x)", 3),
+    ("visits v JOIN (VALUES ('US'), ('DE'), ('US')) a(k) ON a.k = v.country", 2),
+    ("visits v JOIN (VALUES ('US', 1), ('DE', 2)) a ON a.column1 = v.country", 1),
+    ("visits v JOIN (VALUES (1 + 1), (2)) a(k) ON a.k = v.duration", 2),  # (not literals)
+])
+def test_public_rows_per_protected_row(from_where: str, expected: int) -> None:
+    bound = _bound(from_where)
+    assert bound == expected or (expected > PUBLIC_ROWS_PER_ROW < bound), (bound, expected)
+
+
+def test_with_queries_and_using_tie_too() -> None:
+    query, _, _ = build("WITH c AS (SELECT code, region FROM countries) SELECT WITH "
+                        "ANONYMIZATION ANON_COUNT(*) FROM visits v JOIN c ON c.code = v.country")
+    assert [i.source.relation for i in query.public_items] == [COUNTRIES]
+    assert row_bound(query.public_items, lambda r, c: c == "code", ROWS.__getitem__) == 1
+    # a subquery over a WITH query: its columns are not traced to the table's (not unique)
+    query, _, _ = build("WITH c AS (SELECT code FROM countries) SELECT WITH ANONYMIZATION "
+                        "ANON_COUNT(*) FROM visits v JOIN (SELECT code FROM c) d "
+                        "ON d.code = v.country")
+    assert row_bound(query.public_items, lambda r, c: c == "code", ROWS.__getitem__) == 120
+    assert _bound("visits v JOIN countries c USING (code)") == 1
+    assert _bound("visits v JOIN countries c USING (region)") == 120
+
+
+def test_a_subquery_over_protected_rows_multiplies_the_outer_bound() -> None:
+    """Each scope's public items count: a subquery's public join, then the outer query's."""
+    assert _bound("(SELECT v.uid, c.region FROM visits v CROSS JOIN (VALUES (1), (2)) c(x)) s "
+                  "CROSS JOIN (VALUES (1), (2), (3)) d(y)") == 6
+
+
+def test_over_the_limit_is_refused_before_anything_runs() -> None:
+    items = [PublicItem(PublicSource(COUNTRIES)), PublicItem(PublicSource(rows=2))]
+    with pytest.raises(ProgramLimitExceeded, match="more than 100 public rows"):
+        check_row_bound(items, lambda r, c: False, ROWS.__getitem__)
+    check_row_bound(items[1:], lambda r, c: False, ROWS.__getitem__)
+    assert PUBLIC_ROWS_PER_ROW == 100
