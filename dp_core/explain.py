@@ -64,7 +64,8 @@ def explain_lines(query: AnalyzedQuery, plan: DPQueryPlan, sql: Sequence[str],
         f"DP query: epsilon {fmt(float(plan.epsilon))}, delta {fmt(float(plan.delta))}, "
         f"max_groups_contributed {plan.max_groups_contributed}, noise {plan.noise_kind.value}",
         f"Cost charged when run: epsilon {fmt(float(plan.cost.epsilon))}, "
-        f"delta {fmt(float(plan.cost.delta))}",
+        f"delta {fmt(float(plan.cost.delta))}"
+        + ("" if unpaid is None else ", and once the tuned bounds' epsilon (below)"),
     ]
     if plan.groups_per_user < plan.max_groups_contributed:
         lines.append("No GROUP BY: each user is in the one group, so the noise is calibrated "

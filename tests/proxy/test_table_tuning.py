@@ -77,6 +77,8 @@ def test_an_admin_tunes_a_table_and_each_analyst_pays_once(proxy: Proxy, dropped
         assert "when run: max_rows_contributed and the clips from the bounds an admin tuned " \
                "for public.visits" in plan, plan
         assert "chosen per query (below)" in plan and f"T {t_rows};" not in plan
+        assert "Cost charged when run: epsilon 0.3, delta 1e-06, and once the tuned bounds' " \
+               "epsilon (below)" in plan, plan
         notices = _notices(bob)
         bob.execute("SELECT COUNT(*) FROM visits").fetchall()
         assert spent(bob).epsilon == pytest.approx(0.5)  # 0.3 + the tuning's 0.2, once
