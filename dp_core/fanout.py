@@ -20,6 +20,7 @@ The bounds multiply (each given the items before it); a query whose product exce
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -37,18 +38,22 @@ PUBLIC_ROWS_PER_ROW = 100
 
 
 def values_source(lists: Sequence[Sequence[Any]], names: Sequence[str]) -> PublicSource:
-    """A VALUES list with its columns `names`: its rows, and per column the most rows that
-    share one literal value (a column with another expression is not counted)."""
+    """A VALUES list with its columns `names`: its rows, and per column of integer literals
+    alone, or of string literals alone, the most rows that share one value (strings compared
+    case-folded, trailing spaces dropped: as no collation or padded type could tell apart
+    fewer); a column with any other expression is not counted."""
     repeats: dict[str, int] = {}
     for j, name in enumerate(names):
-        seen: dict[str, int] = {}
-        for row in lists:
-            if j >= len(row) or not isinstance(row[j], ast.A_Const):
-                break
-            text = repr(row[j].val)
-            seen[text] = seen.get(text, 0) + 1
+        values = [row[j].val if j < len(row) and isinstance(row[j], ast.A_Const) else None
+                  for row in lists]
+        if all(isinstance(v, ast.Integer) for v in values):
+            seen = Counter(str(v.ival) for v in values if isinstance(v, ast.Integer))
+        elif all(isinstance(v, ast.String) for v in values):
+            seen = Counter(str(v.sval).casefold().rstrip() for v in values
+                           if isinstance(v, ast.String))
         else:
-            repeats[name] = max(seen.values(), default=0)
+            continue
+        repeats[name] = max(seen.values(), default=0)
     return PublicSource(rows=len(lists), repeats=repeats)
 
 
@@ -168,9 +173,9 @@ def renamed(source: PublicSource, alias: Any) -> PublicSource:
     names = [str(c.sval) for c in (alias.colnames or ())] if alias is not None else []
     if not names:
         return source
-    if source.relation is None:
-        repeats = {names[j]: n for j, n in enumerate(source.repeats.values()) if j < len(names)}
-        return replace(source, repeats=repeats)
+    if source.relation is None:  # (a VALUES list's columns are column1, column2 ...)
+        at = {f"column{j + 1}": name for j, name in enumerate(names)}
+        return replace(source, repeats={at[c]: n for c, n in source.repeats.items() if c in at})
     return replace(source, columns={})
 
 

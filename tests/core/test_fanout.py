@@ -55,6 +55,14 @@ def _bound(from_where: str) -> int:
     ("visits v JOIN (VALUES ('US'), ('DE'), ('US')) a(k) ON a.k = v.country", 2),
     ("visits v JOIN (VALUES ('US', 1), ('DE', 2)) a ON a.column1 = v.country", 1),
     ("visits v JOIN (VALUES (1 + 1), (2)) a(k) ON a.k = v.duration", 2),  # (not literals)
+    # numbers written differently may be equal: only integers alone are counted
+    ("visits v JOIN (VALUES (1), (1.0), (1.00), (2)) a(k) ON a.k = v.duration", 4),
+    ("visits v JOIN (VALUES (1), (01), (2)) a(k) ON a.k = v.duration", 2),
+    # strings as no collation or padding could tell apart fewer
+    ("visits v JOIN (VALUES ('us'), ('US '), ('DE')) a(k) ON a.k = v.country", 2),
+    # a partial column alias renames the first columns only
+    ("visits v JOIN (VALUES ('US', 1), ('US', 2)) a(k) ON a.column2 = v.duration", 2),
+    ("visits v JOIN (VALUES (1, 'US'), (2, 'US')) a(n) ON a.n = v.duration", 1),
 ])
 def test_public_rows_per_protected_row(from_where: str, expected: int) -> None:
     bound = _bound(from_where)
