@@ -54,7 +54,7 @@ def values_source(lists: Sequence[Sequence[Any]], names: Sequence[str]) -> Publi
         else:
             continue
         repeats[name] = max(seen.values(), default=0)
-    return PublicSource(rows=len(lists), repeats=repeats)
+    return PublicSource(rows=len(lists), repeats=repeats, order=tuple(names))
 
 
 def ties(cond: Any, public: Sequence[str], sides: tuple[set[str], set[str]] | None = None
@@ -167,37 +167,55 @@ def _reads(node: Any) -> frozenset[str] | None:
 
 
 def renamed(source: PublicSource, alias: Any) -> PublicSource:
-    """`source` as a FROM item whose alias may rename its columns by position (a VALUES
-    list's column1, column2 ...; a table's or a subquery's columns are then unknown here:
-    none is taken for a unique one)."""
+    """`source` as a FROM item whose alias may rename its columns by position (where their
+    order is known: a VALUES list's, a subquery's select list; a table's columns, whose order
+    is not known here, are then none taken for a unique one)."""
     names = [str(c.sval) for c in (alias.colnames or ())] if alias is not None else []
     if not names:
         return source
-    if source.relation is None:  # (a VALUES list's columns are column1, column2 ...)
-        at = {f"column{j + 1}": name for j, name in enumerate(names)}
-        return replace(source, repeats={at[c]: n for c, n in source.repeats.items() if c in at})
-    return replace(source, columns={})
+    if not source.order:
+        return replace(source, columns={} if source.relation is not None else None,
+                       repeats={})
+    new = {old: names[j] if j < len(names) else old for j, old in enumerate(source.order)}
+    twice = {n for n in new.values() if list(new.values()).count(n) > 1}  # (ambiguous)
+    columns = None if source.columns is None else {
+        new[c]: t for c, t in source.columns.items() if c in new and new[c] not in twice}
+    return replace(source, columns=columns,
+                   repeats={new[c]: n for c, n in source.repeats.items()
+                            if c in new and new[c] not in twice},
+                   order=tuple(new.values()))
 
 
 def selected_source(sub: ast.SelectStmt, known: Mapping[Any, PublicSource]) -> PublicSource:
     """What a public subquery of one table (or none) reads, with the output columns that are
-    that table's columns as they are (`known`: the public WITH queries' sources, by name)."""
+    that table's columns as they are, or a VALUES list's (`known`: the public WITH queries'
+    sources, by name)."""
     (item,) = sub.fromClause or (None,)
     if item is None:
         return PublicSource()
     name = str(item.relname)
-    if item.schemaname is None and name in known:
-        inner = known[name]  # (a public WITH query)
-        return replace(inner, columns={}) if inner.relation is not None else inner
+    base = known[name] if item.schemaname is None and name in known \
+        else PublicSource((str(item.schemaname) if item.schemaname else None, name))
+    base = renamed(base, item.alias)
+    targets = sub.targetList or ()
     columns: dict[str, str] = {}
-    for target in sub.targetList or ():
+    repeats: dict[str, int] = {}
+    order: list[str] = []
+    for target in targets:
         last = (target.val.fields or (None,))[-1] if isinstance(target.val, ast.ColumnRef) \
             else None
         if isinstance(last, ast.A_Star):
-            if len(sub.targetList or ()) == 1:
-                return PublicSource((str(item.schemaname) if item.schemaname else None, name))
-            break
-        if isinstance(last, ast.String):
-            columns[str(target.name) if target.name else str(last.sval)] = str(last.sval)
-    return PublicSource((str(item.schemaname) if item.schemaname else None, name), columns)
-
+            if len(targets) == 1:
+                return base
+            return PublicSource(base.relation, {}, base.rows)
+        own = str(last.sval) if isinstance(last, ast.String) else None
+        out = str(target.name) if target.name else own or "?column?"
+        order.append(out)
+        if own is None:
+            continue
+        column = base.column(own)
+        if column is not None:
+            columns[out] = column
+        if own in base.repeats:
+            repeats[out] = base.repeats[own]
+    return PublicSource(base.relation, columns, base.rows, repeats, tuple(order))

@@ -193,6 +193,9 @@ class PublicSource:
     repeats: Mapping[str, int] = field(default_factory=dict)
     """A VALUES list's columns: the most rows with one literal value (a column with any other
     expression is not listed)."""
+    order: tuple[str, ...] = ()
+    """The output columns' names in order, where known (a column alias renames by position;
+    empty: a table's, not known here)."""
 
     def column(self, name: str) -> str | None:
         """The table's column that the item's column `name` is, where it is one."""

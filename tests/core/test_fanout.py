@@ -42,7 +42,10 @@ def _bound(from_where: str) -> int:
     ("visits v JOIN countries c ON c.region = v.country", 120),
     ("visits v JOIN countries c ON upper(c.code) = v.country", 120),
     ("visits v JOIN (SELECT lower(code) AS code FROM countries) c ON c.code = v.country", 120),
-    ("visits v JOIN (SELECT code FROM countries) AS c (k) ON c.k = v.country", 120),
+    ("visits v JOIN (SELECT code FROM countries) AS c (k) ON c.k = v.country", 1),
+    ("visits v JOIN (SELECT name, code FROM countries) AS c (code, name) ON c.code = v.country",
+     120),
+    ("visits v JOIN countries AS c (name) ON c.name = v.country", 120),  # (order unknown)
     ("visits v JOIN countries c ON c.code = country", 120),  # (unqualified: whose?)
     # an outer join's ON between two items of its preserved side ties nothing
     ("visits v CROSS JOIN countries c LEFT JOIN purchases p ON c.code = v.country "
@@ -61,7 +64,8 @@ def _bound(from_where: str) -> int:
     # strings as no collation or padding could tell apart fewer
     ("visits v JOIN (VALUES ('us'), ('US '), ('DE')) a(k) ON a.k = v.country", 2),
     # a partial column alias renames the first columns only
-    ("visits v JOIN (VALUES ('US', 1), ('US', 2)) a(k) ON a.column2 = v.duration", 2),
+    ("visits v JOIN (VALUES ('US', 1), ('US', 2)) a(k) ON a.column2 = v.duration", 1),
+    ("visits v JOIN (VALUES ('US', 1), ('US', 2)) a(k) ON a.k = v.country", 2),
     ("visits v JOIN (VALUES (1, 'US'), (2, 'US')) a(n) ON a.n = v.duration", 1),
 ])
 def test_public_rows_per_protected_row(from_where: str, expected: int) -> None:
@@ -74,11 +78,35 @@ def test_with_queries_and_using_tie_too() -> None:
                         "ANONYMIZATION ANON_COUNT(*) FROM visits v JOIN c ON c.code = v.country")
     assert [i.source.relation for i in query.public_items] == [COUNTRIES]
     assert row_bound(query.public_items, lambda r, c: c == "code", ROWS.__getitem__) == 1
-    # a subquery over a WITH query: its columns are not traced to the table's (not unique)
-    query, _, _ = build("WITH c AS (SELECT code FROM countries) SELECT WITH ANONYMIZATION "
-                        "ANON_COUNT(*) FROM visits v JOIN (SELECT code FROM c) d "
-                        "ON d.code = v.country")
+    # a subquery over a WITH query: its columns traced through both
+    query, _, _ = build("WITH c AS (SELECT code, name AS n FROM countries) SELECT WITH "
+                        "ANONYMIZATION ANON_COUNT(*) FROM visits v JOIN (SELECT n AS code FROM c)"
+                        " d ON d.code = v.country")
     assert row_bound(query.public_items, lambda r, c: c == "code", ROWS.__getitem__) == 120
+    query, _, _ = build("WITH c AS (SELECT code AS k FROM countries) SELECT WITH "
+                        "ANONYMIZATION ANON_COUNT(*) FROM visits v JOIN (SELECT k AS z FROM c) d "
+                        "ON d.z = v.country")
+    assert row_bound(query.public_items, lambda r, c: c == "code", ROWS.__getitem__) == 1
+
+
+def test_a_values_with_query_keeps_its_repeats_through_renaming_subqueries() -> None:
+    """(From the second review) a VALUES WITH query read through a subquery that renames its
+    columns: each join repeats the value 7 of column2 in 100 rows."""
+    values = ", ".join(f"({i}, 7)" for i in range(100))
+    joins = " ".join(f"JOIN (SELECT column2 AS column1 FROM x) {a} ON {a}.column1 = 7"
+                     for a in "abcd")
+    query, _, _ = build(f"WITH x AS (VALUES {values}) SELECT WITH ANONYMIZATION ANON_COUNT(*) "
+                        f"FROM visits v {joins}")
+    assert [i.source.repeats for i in query.public_items] == [{"column1": 100}] * 4
+    assert row_bound(query.public_items, lambda r, c: False, ROWS.__getitem__) > 100
+    query, _, _ = build(f"WITH x AS (VALUES {values}) SELECT WITH ANONYMIZATION ANON_COUNT(*) "
+                        "FROM visits v JOIN (SELECT column2, column1 FROM x) AS a (column1, k) "
+                        "ON a.column1 = 7")
+    assert row_bound(query.public_items, lambda r, c: False, ROWS.__getitem__) == 100
+    query, _, _ = build(f"WITH x AS (VALUES {values}) SELECT WITH ANONYMIZATION ANON_COUNT(*) "
+                        "FROM visits v JOIN (SELECT column2, column1 FROM x) AS a (k, column2) "
+                        "ON a.column2 = 7")
+    assert row_bound(query.public_items, lambda r, c: False, ROWS.__getitem__) == 1
     assert _bound("visits v JOIN countries c USING (code)") == 1
     assert _bound("visits v JOIN countries c USING (region)") == 120
 
