@@ -129,6 +129,14 @@ def check_row_bound(items: Sequence[PublicItem], unique: Callable[[Relation, str
             "(PRIMARY KEY or UNIQUE) by equality, or join smaller ones")
 
 
+def counted(items: Sequence[PublicItem], unique: Callable[[Relation, str], bool]
+            ) -> set[Relation]:
+    """The tables whose rows bound some item (those not tied on a unique column): the only
+    ones whose rows need counting."""
+    return {item.source.relation for item in items if item.source.relation is not None
+            and _item_bound(item, unique, lambda r: 0) == 0}
+
+
 def _item_bound(item: PublicItem, unique: Callable[[Relation, str], bool],
                 rows: Callable[[Relation], int]) -> int:
     source = item.source

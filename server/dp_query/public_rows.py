@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dp_core.fanout import PUBLIC_ROWS_PER_ROW, check_row_bound
+from pglast import ast, parse_sql
+
+from dp_core.fanout import PUBLIC_ROWS_PER_ROW, check_row_bound, counted, selected_source
 from dp_core.query import AnalyzedQuery, Relation
+from dp_core.sqlnodes import func_name, walk_nodes
 from server.backend_setup import quote_ident
 
 _UNIQUE_COLUMNS = (
@@ -19,25 +22,69 @@ _UNIQUE_COLUMNS = (
 with no predicate and no expression: one row per value (not of a table with inheritance
 children, whose rows its index does not cover; a partitioned table's unique index covers its
 partitions)."""
+_VIEW = ("SELECT pg_catalog.pg_get_viewdef(c.oid) FROM pg_catalog.pg_class c "
+         "WHERE c.oid = pg_catalog.to_regclass($1) AND c.relkind = 'v'")
+_RETURNS_SETS = ("SELECT coalesce(bool_or(p.proretset), false) FROM pg_catalog.pg_proc p "
+                 "WHERE p.proname = ANY($1::text[])")
+_VIEW_DEPTH = 3
+"""Views over views are followed this deep to a table's unique columns."""
+
+
+def _qualified(relation: Relation) -> str:
+    schema, name = relation
+    return quote_ident(name) if schema is None else f"{quote_ident(schema)}.{quote_ident(name)}"
+
+
+async def unique_columns(relation: Relation, conn: Any, depth: int = 0) -> set[str]:
+    """The columns of `relation` with one row per value: a table's that a unique index covers
+    alone; a view's that are such columns of the one table (or view) it selects from as they
+    are (no join, grouping, set operation or set-returning function: each of its rows is one
+    of that table's)."""
+    qualified = _qualified(relation)
+    found = {str(r[0]) for r in await conn.fetch(_UNIQUE_COLUMNS, qualified)}
+    definition = await conn.fetchval(_VIEW, qualified)
+    if definition is None or depth >= _VIEW_DEPTH:
+        return found
+    try:
+        (raw,) = parse_sql(definition)
+    except Exception:  # (a definition pglast cannot read: no column is taken for unique)
+        return found
+    stmt = raw.stmt
+    items = tuple(stmt.fromClause or ()) if isinstance(stmt, ast.SelectStmt) else ()
+    if not isinstance(stmt, ast.SelectStmt) or stmt.op or stmt.groupClause \
+            or stmt.distinctClause or stmt.withClause or stmt.valuesLists \
+            or len(items) != 1 or not isinstance(items[0], ast.RangeVar):
+        return found
+    calls = [func_name(n) for n in walk_nodes(stmt.targetList) if isinstance(n, ast.FuncCall)]
+    if calls and await conn.fetchval(_RETURNS_SETS, calls):
+        return found
+    source = selected_source(stmt, {})
+    if source.relation is None:
+        return found
+    below = await unique_columns(source.relation, conn, depth + 1)
+    return found | {out for out in source.order if source.column(out) in below}
 
 
 async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
     """54000 (before any charge) where the query's joins may give one protected row more than
     PUBLIC_ROWS_PER_ROW public rows (`dp_core.fanout`): each public table's unique columns
-    from the catalog and its rows counted up to the limit (public data the analysts may read;
-    nothing of a protected table is read)."""
+    from the catalog, and the rows of those it is not tied to on one, counted up to the limit
+    (public data the analysts may read; nothing of a protected table is read)."""
     tables = {item.source.relation for item in query.public_items
               if item.source.relation is not None}
     unique: dict[Relation, set[str]] = {}
     rows: dict[Relation, int] = {}
     for relation in tables:
-        schema, name = relation
-        qualified = quote_ident(name) if schema is None \
-            else f"{quote_ident(schema)}.{quote_ident(name)}"
-        if await conn.fetchval("SELECT pg_catalog.to_regclass($1) IS NULL", qualified):
+        if await conn.fetchval("SELECT pg_catalog.to_regclass($1) IS NULL", _qualified(relation)):
             unique[relation], rows[relation] = set(), 0  # (Postgres says 42P01 when prepared)
             continue
-        unique[relation] = {str(r[0]) for r in await conn.fetch(_UNIQUE_COLUMNS, qualified)}
+        unique[relation] = await unique_columns(relation, conn)
+
+    def is_unique(relation: Relation, column: str) -> bool:
+        return column in unique[relation]
+
+    for relation in counted(query.public_items, is_unique) - rows.keys():
         rows[relation] = int(await conn.fetchval(
-            f"SELECT count(*) FROM (SELECT FROM {qualified} LIMIT {PUBLIC_ROWS_PER_ROW + 1}) s"))
-    check_row_bound(query.public_items, lambda r, c: c in unique[r], rows.__getitem__)
+            f"SELECT count(*) FROM (SELECT FROM {_qualified(relation)} "
+            f"LIMIT {PUBLIC_ROWS_PER_ROW + 1}) s"))
+    check_row_bound(query.public_items, is_unique, rows.__getitem__)
