@@ -359,7 +359,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         casts=tuple(findings.casts), arithmetic=tuple(findings.arithmetic),
         relations=tuple(dict.fromkeys(findings.relations)),
         sublinks=tuple(findings.sublinks), joins_capped=findings.joins_capped,
-        public_items=tuple(findings.fanout),
+        public_items=tuple(findings.fanout), in_lists=tuple(findings.in_lists),
         grouped_by=tuple(grouped_by),
         # (GROUP BY's names first: HAVING's and ORDER BY's are read against its grouping)
         name_checks=tuple(dict.fromkeys(group_checks or names.missing)),

@@ -20,6 +20,7 @@ The bounds multiply (each given the items before it); a query whose product exce
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -104,11 +105,13 @@ def anchor(public: Mapping[str, PublicSource], bounded: set[str],
 
 
 def row_bound(items: Sequence[PublicItem], unique: Callable[[Relation, str], bool],
-              rows: Callable[[Relation], int]) -> int:
+              rows: Callable[[Relation], int], in_lists: Sequence[int] = ()) -> int:
     """The most public rows one protected row meets: the product of each item's bound (1 on
     a unique column it is tied by; a VALUES list's repeats of the value it is tied on; else
-    its rows), `unique` and `rows` saying what the catalog and the public tables hold."""
-    total = 1
+    its rows), `unique` and `rows` saying what the catalog and the public tables hold; and
+    of the rows of each IN subquery (`in_lists`: Postgres may compare a row with every one,
+    where it does not hash them)."""
+    total = math.prod(in_lists)
     for item in items:
         total *= _item_bound(item, unique, rows)
         if total > PUBLIC_ROWS_PER_ROW:
@@ -117,16 +120,17 @@ def row_bound(items: Sequence[PublicItem], unique: Callable[[Relation, str], boo
 
 
 def check_row_bound(items: Sequence[PublicItem], unique: Callable[[Relation, str], bool],
-                    rows: Callable[[Relation], int]) -> None:
-    """54000 where the query's joins may give one protected row more than
-    PUBLIC_ROWS_PER_ROW public rows."""
-    bound = row_bound(items, unique, rows)
+                    rows: Callable[[Relation], int], in_lists: Sequence[int] = ()) -> None:
+    """54000 where the query's joins (and IN subqueries) may give one protected row more
+    than PUBLIC_ROWS_PER_ROW public rows."""
+    bound = row_bound(items, unique, rows, in_lists)
     if bound > PUBLIC_ROWS_PER_ROW:
         raise ProgramLimitExceeded(
             f"this DP query's joins with public tables can give one protected row more than "
             f"{PUBLIC_ROWS_PER_ROW} public rows (its time would grow with one user's rows "
             f"times theirs)", hint="join each public table on a column with a unique index "
-            "(PRIMARY KEY or UNIQUE) by equality, or join smaller ones")
+            "(PRIMARY KEY or UNIQUE) by equality, join smaller ones, and keep IN (SELECT ...) "
+            f"to at most {PUBLIC_ROWS_PER_ROW} rows (or list the values)")
 
 
 def counted(items: Sequence[PublicItem], unique: Callable[[Relation, str], bool]

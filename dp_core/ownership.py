@@ -327,6 +327,8 @@ def semi_join(link: ast.SubLink, policy: Mapping[str, TablePolicy],
     _public_subquery(sub, totalize.inner(sub), ctes,
                      "a subquery in IN or EXISTS over unprotected tables")
     totalize.findings.sublinks.append(sub)
+    if not exists:
+        totalize.findings.in_lists.append(sub)
     return link
 
 

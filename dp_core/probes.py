@@ -51,16 +51,28 @@ def argument_probe_sql(query: AnalyzedQuery) -> str | None:
     return _probe_sql(query, exprs, inner)
 
 
-def standalone_subqueries(query: AnalyzedQuery) -> list[str]:
+def standalone_subqueries(query: AnalyzedQuery, in_lists: bool = False,
+                          limit: int | None = None) -> list[str]:
     """Each IN or EXISTS subquery of `query` as a statement of its own (with the query's WITH
-    list): it plans only if it reads nothing of the DP query's row, i.e. is not correlated."""
+    list): it plans only if it reads nothing of the DP query's row, i.e. is not correlated.
+    `in_lists`: the IN subqueries only; `limit`: each statement then counts the subquery's
+    rows up to `limit` (public data, once it is known to be uncorrelated)."""
     out = []
-    for sub in query.sublinks:
+    for sub in query.in_lists if in_lists else query.sublinks:
         outer = ast.SelectStmt(
             targetList=(ast.ResTarget(val=ast.A_Const(val=ast.Integer(ival=1))),),
             fromClause=(ast.RangeSubselect(lateral=False, subquery=copy.deepcopy(sub),
                                            alias=ast.Alias(aliasname="dp_s")),),
             limitOption=LimitOption.LIMIT_OPTION_DEFAULT, op=SetOperation.SETOP_NONE)
+        if limit is not None:
+            outer.limitCount = ast.A_Const(val=ast.Integer(ival=limit))
+            outer.limitOption = LimitOption.LIMIT_OPTION_COUNT
+            outer = ast.SelectStmt(
+                targetList=(ast.ResTarget(val=ast.FuncCall(funcname=(ast.String(sval="count"),),
+                                                           agg_star=True)),),
+                fromClause=(ast.RangeSubselect(lateral=False, subquery=outer,
+                                               alias=ast.Alias(aliasname="dp_n")),),
+                limitOption=LimitOption.LIMIT_OPTION_DEFAULT, op=SetOperation.SETOP_NONE)
         if query.ctes:
             outer.withClause = ast.WithClause(ctes=tuple(copy.deepcopy(query.ctes)),
                                               recursive=False)

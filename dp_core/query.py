@@ -249,6 +249,8 @@ class AnalyzedQuery:
     joins_capped: bool = False
     """Two protected FROM items are joined row by row somewhere: each reads at most
     JOIN_ROWS_PER_USER rows of a user."""
+    in_lists: tuple[ast.SelectStmt, ...] = ()
+    """Its IN subqueries (of `sublinks`): the server counts their rows (`fanout`)."""
     public_items: tuple[PublicItem, ...] = ()
     """The public FROM items of its scopes with protected rows, as their joins tie them: the
     server bounds the public rows one protected row meets (`dp_core.fanout`)."""

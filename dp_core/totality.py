@@ -67,6 +67,9 @@ class Findings:
     row_names: set[str] = field(default_factory=set)
     """The names of FROM items in every scope: a bare column reference of one of them is a
     whole row (whose comparisons fail on some values), refused."""
+    in_lists: list[ast.SelectStmt] = field(default_factory=list)
+    """Those of IN (not EXISTS, which runs once): each protected row may be compared with
+    every row of one (`dp_core.fanout`)."""
     sublinks: list[ast.SelectStmt] = field(default_factory=list)
     """Subqueries in IN and EXISTS, which the server prepares alone: they must not read the
     DP query's row (a correlated subquery runs once per row, over a whole public table)."""

@@ -7,6 +7,7 @@ from typing import Any
 from pglast import ast, parse_sql
 
 from dp_core.fanout import PUBLIC_ROWS_PER_ROW, check_row_bound, counted, selected_source
+from dp_core.probes import standalone_subqueries
 from dp_core.query import AnalyzedQuery, Relation
 from dp_core.sqlnodes import func_name, walk_nodes
 from server.backend_setup import quote_ident
@@ -68,8 +69,9 @@ async def unique_columns(relation: Relation, conn: Any, depth: int = 0) -> set[s
 async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
     """54000 (before any charge) where the query's joins may give one protected row more than
     PUBLIC_ROWS_PER_ROW public rows (`dp_core.fanout`): each public table's unique columns
-    from the catalog, and the rows of those it is not tied to on one, counted up to the limit
-    (public data the analysts may read; nothing of a protected table is read)."""
+    from the catalog, and the rows of those it is not tied to on one, and of each IN
+    subquery (uncorrelated: checked before), counted up to the limit (public data the
+    analysts may read; nothing of a protected table is read)."""
     tables = {item.source.relation for item in query.public_items
               if item.source.relation is not None}
     unique: dict[Relation, set[str]] = {}
@@ -87,4 +89,6 @@ async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
         rows[relation] = int(await conn.fetchval(
             f"SELECT count(*) FROM (SELECT FROM {_qualified(relation)} "
             f"LIMIT {PUBLIC_ROWS_PER_ROW + 1}) s"))
-    check_row_bound(query.public_items, is_unique, rows.__getitem__)
+    in_lists = [int(await conn.fetchval(sql)) for sql in
+                standalone_subqueries(query, in_lists=True, limit=PUBLIC_ROWS_PER_ROW + 1)]
+    check_row_bound(query.public_items, is_unique, rows.__getitem__, in_lists)

@@ -123,3 +123,19 @@ def test_over_the_limit_is_refused_before_anything_runs() -> None:
         check_row_bound(items, lambda r, c: False, ROWS.__getitem__)
     check_row_bound(items[1:], lambda r, c: False, ROWS.__getitem__)
     assert PUBLIC_ROWS_PER_ROW == 100
+
+
+def test_in_subqueries_multiply_by_their_rows() -> None:
+    """Where Postgres does not hash an IN subquery's rows, it compares each protected row with
+    every one: their rows (counted up to the limit by the statement below) multiply."""
+    from dp_core.probes import standalone_subqueries
+
+    query, _, _ = build("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE country IN "
+                        "(SELECT code FROM countries WHERE region = 'Asia') AND EXISTS "
+                        "(SELECT 1 FROM countries)")
+    assert len(query.in_lists) == 1 and len(query.sublinks) == 2  # (EXISTS runs once)
+    (sql,) = standalone_subqueries(query, in_lists=True, limit=101)
+    assert sql == ("SELECT count(*) FROM (SELECT 1 FROM (SELECT code FROM countries WHERE "
+                   "region = 'Asia') AS dp_s LIMIT 101) AS dp_n")
+    assert row_bound(query.public_items, lambda r, c: False, ROWS.__getitem__, [38]) == 38
+    assert row_bound((), lambda r, c: False, ROWS.__getitem__, [43, 38]) > 100
