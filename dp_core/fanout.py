@@ -30,7 +30,7 @@ from pglast import ast
 from pglast.enums import A_Expr_Kind
 
 from dp_core.errors import ProgramLimitExceeded
-from dp_core.query import PublicItem, PublicSource, Relation
+from dp_core.query import PublicItem, PublicSource, Relation, TieKey
 from dp_core.sqlnodes import conjuncts, walk_nodes
 
 PUBLIC_ROWS_PER_ROW = 100
@@ -58,12 +58,18 @@ def values_source(lists: Sequence[Sequence[Any]], names: Sequence[str]) -> Publi
     return PublicSource(rows=len(lists), repeats=repeats, order=tuple(names))
 
 
-def ties(cond: Any, public: Sequence[str], sides: tuple[set[str], set[str]] | None = None
-         ) -> list[tuple[str, str, frozenset[str]]]:
+Partners = Callable[[Any], "tuple[Relation, str] | None"]
+"""The table column an expression is as it is (alias.col of a table item), or None."""
+
+
+def ties(cond: Any, public: Sequence[str], partner: Partners,
+         sides: tuple[set[str], set[str]] | None = None
+         ) -> list[tuple[str, TieKey, frozenset[str]]]:
     """The equalities among `cond`'s conjuncts between a public item's column (`alias.col`,
     `alias` in `public`) and an expression of other items' qualified columns (or of none):
-    (alias, col, the aliases the expression reads). `sides`: an outer join's two sides (all
-    their items' aliases), whose ON ties only an item of one side to items of the other."""
+    (alias, the column with what it equals, the aliases the expression reads). `sides`: an
+    outer join's two sides (all their items' aliases), whose ON ties only an item of one side
+    to items of the other."""
     out = []
     for conj in conjuncts(cond):
         if not (isinstance(conj, ast.A_Expr) and conj.kind == A_Expr_Kind.AEXPR_OP
@@ -77,34 +83,43 @@ def ties(cond: Any, public: Sequence[str], sides: tuple[set[str], set[str]] | No
             if sides is not None and not any(name[0] in mine and reads <= theirs
                                              for mine, theirs in (sides, sides[::-1])):
                 continue
-            out.append((name[0], name[1], reads))
+            literal = isinstance(other, ast.A_Const) and isinstance(other.val, (ast.String,
+                                                                                 ast.Integer))
+            out.append((name[0], TieKey(name[1], partner(other), literal), reads))
     return out
 
 
 def anchor(public: Mapping[str, PublicSource], bounded: set[str],
-           found: Sequence[tuple[str, str, frozenset[str]]]) -> list[PublicItem]:
+           found: Sequence[tuple[str, TieKey, frozenset[str]]]) -> list[PublicItem]:
     """Each public item with the columns that tie it to items bounded before it: from the
     protected items (`bounded`), each item tied to bounded ones is bounded next, with every
-    tie it has to them then (its rows meet them all)."""
+    tie it has to them then (its rows meet them all); where none is tied, the first item left
+    is bounded by its rows, and others may then be tied to it."""
     done = set(bounded)
     items: list[PublicItem] = []
-    keys: dict[str, tuple[str, ...]] = {}
-    while True:
-        ready: dict[str, list[str]] = {}
-        for alias, col, reads in found:
+    keys: dict[str, tuple[TieKey, ...]] = {}
+    while len(done - bounded) < len(public):
+        ready: dict[str, list[TieKey]] = {}
+        for alias, key, reads in found:
             if alias not in done and reads <= done:
-                ready.setdefault(alias, []).append(col)
+                ready.setdefault(alias, []).append(key)
         if not ready:
-            break
-        for alias, cols in ready.items():
-            keys[alias] = tuple(dict.fromkeys(cols))
+            done.add(next(a for a in public if a not in done))  # (bounded by its rows)
+            continue
+        for alias, found_keys in ready.items():
+            keys[alias] = tuple(dict.fromkeys(found_keys))
         done |= ready.keys()
     for alias, source in public.items():
         items.append(PublicItem(source, keys.get(alias, ())))
     return items
 
 
-def row_bound(items: Sequence[PublicItem], unique: Callable[[Relation, str], bool],
+Unique = Callable[[Relation, str, TieKey], bool]
+"""Whether a table's column (as the catalog says) has one row per value under the equality
+a tie compares it with."""
+
+
+def row_bound(items: Sequence[PublicItem], unique: Unique,
               rows: Callable[[Relation], int], in_lists: Sequence[int] = ()) -> int:
     """The most public rows one protected row meets: the product of each item's bound (1 on
     a unique column it is tied by; a VALUES list's repeats of the value it is tied on; else
@@ -119,7 +134,7 @@ def row_bound(items: Sequence[PublicItem], unique: Callable[[Relation, str], boo
     return total
 
 
-def check_row_bound(items: Sequence[PublicItem], unique: Callable[[Relation, str], bool],
+def check_row_bound(items: Sequence[PublicItem], unique: Unique,
                     rows: Callable[[Relation], int], in_lists: Sequence[int] = ()) -> None:
     """54000 where the query's joins (and IN subqueries) may give one protected row more
     than PUBLIC_ROWS_PER_ROW public rows."""
@@ -133,7 +148,7 @@ def check_row_bound(items: Sequence[PublicItem], unique: Callable[[Relation, str
             f"to at most {PUBLIC_ROWS_PER_ROW} rows (or list the values)")
 
 
-def counted(items: Sequence[PublicItem], unique: Callable[[Relation, str], bool]
+def counted(items: Sequence[PublicItem], unique: Unique
             ) -> set[Relation]:
     """The tables whose rows bound some item (those not tied on a unique column): the only
     ones whose rows need counting."""
@@ -141,15 +156,15 @@ def counted(items: Sequence[PublicItem], unique: Callable[[Relation, str], bool]
             and _item_bound(item, unique, lambda r: 0) == 0}
 
 
-def _item_bound(item: PublicItem, unique: Callable[[Relation, str], bool],
+def _item_bound(item: PublicItem, unique: Unique,
                 rows: Callable[[Relation], int]) -> int:
     source = item.source
     if source.relation is None:
-        tied = [source.repeats[k] for k in item.keys if k in source.repeats]
+        tied = [source.repeats[k.column] for k in item.keys if k.column in source.repeats]
         return min([source.rows, *tied])
     for key in item.keys:
-        column = source.column(key)
-        if column is not None and unique(source.relation, column):
+        column = source.column(key.column)
+        if column is not None and unique(source.relation, column, key):
             return 1
     return rows(source.relation)
 

@@ -16,7 +16,7 @@ from dp_core.errors import (
     UndefinedTable,
 )
 from dp_core.fanout import anchor, renamed, selected_source, ties, values_source
-from dp_core.query import PublicSource, TablePolicy, TableRef
+from dp_core.query import PublicSource, Relation, TablePolicy, TableRef, TieKey
 from dp_core.sqlnodes import (
     OWNED_CLAUSES,
     PUBLIC_CLAUSES,
@@ -127,7 +127,7 @@ class FromAnalysis:
         """Each protected FROM item's node, by alias (for `capped_joins`)."""
         self.public: dict[str, PublicSource] = {}
         """Each public FROM item's source, by alias (`dp_core.fanout`)."""
-        self.ties: list[tuple[str, str, frozenset[str]]] = []
+        self.ties: list[tuple[str, TieKey, frozenset[str]]] = []
         """Equalities that tie a public item's column to other items (`fanout.ties`)."""
 
     def item(self, node: Any) -> Any:
@@ -155,14 +155,19 @@ class FromAnalysis:
             inner = node.jointype == JoinType.JOIN_INNER
             sides = (from_names(node.larg), from_names(node.rarg))
             for col in (str(c.sval) for c in node.usingClause or ()):
-                # (a public item alone on one side: its column is the other side's)
-                for one, other in ((node.larg, sides[1]), (node.rarg, sides[0])):
-                    alias = from_name(one)
+                # (a public item alone on one side: its column is the other side's, that
+                # item's where the other side is one item too)
+                for one, other, theirs in ((node.larg, sides[1], node.rarg),
+                                           (node.rarg, sides[0], node.larg)):
+                    alias, them = from_name(one), from_name(theirs)
                     if alias in self.public:
-                        self.ties.append((alias, col, frozenset(other)))
+                        partner = None if them is None else self._partner(ast.ColumnRef(
+                            fields=(ast.String(sval=them), ast.String(sval=col))))
+                        self.ties.append((alias, TieKey(col, partner), frozenset(other)))
             if node.quals is not None:
                 self.links.equalities(node.quals, None if inner else (left, right))
-                self.ties += ties(node.quals, list(self.public), None if inner else sides)
+                self.ties += ties(node.quals, list(self.public), self._partner,
+                                  None if inner else sides)
                 node.quals = self.totalize(node.quals, "JOIN condition")
             return node
         if isinstance(node, ast.RangeSubselect):
@@ -190,6 +195,24 @@ class FromAnalysis:
         if isinstance(node, ast.RangeTableSample):
             raise refuse("TABLESAMPLE (a DP query reads every row it selects)", node_sql(node))
         raise refuse(f"FROM item {type(node).__name__}", node_sql(node))
+
+    def _partner(self, node: Any) -> tuple[Relation, str] | None:
+        """The table column `node` is as it is (alias.col of a protected table, or of a
+        public item that reads one as it is), or None (`TieKey.partner`)."""
+        fields = tuple(node.fields or ()) if isinstance(node, ast.ColumnRef) else ()
+        if len(fields) != 2 or not all(isinstance(f, ast.String) for f in fields):
+            return None
+        alias, col = str(fields[0].sval), str(fields[1].sval)
+        if alias in self.public:
+            source = self.public[alias]
+            column = source.column(col)
+            return None if source.relation is None or column is None \
+                else (source.relation, column)
+        for t in self.tables:
+            if t.alias == alias and not t.derived and len(t.bases) == 1:
+                schema, _, name = next(iter(t.bases)).partition(".")
+                return (schema, name), col
+        return None
 
     def _named(self, alias: str) -> None:
         """Every FROM item of a scope has its own name (Postgres checks it too, but not
@@ -288,7 +311,7 @@ class FromAnalysis:
         """All protected tables must be joined on uid equality into one privacy unit
         (`UidLinks`: what ties them for every row kept)."""
         if where is not None:
-            self.ties += ties(where, list(self.public))
+            self.ties += ties(where, list(self.public), self._partner)
         self.totalize.findings.fanout += anchor(self.public, {t.alias for t in self.tables},
                                                 self.ties)
         if len(self.tables) <= 1:

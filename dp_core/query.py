@@ -205,12 +205,26 @@ class PublicSource:
 
 
 @dataclass(frozen=True)
+class TieKey:
+    """A public item's column that an equality ties to items bounded before it, and what it
+    is equated with where the bound may rely on it (a unique column counts one row per value
+    only under its own type's equality: a table column of the same type, or a plain
+    literal, which takes the column's type)."""
+
+    column: str
+    partner: tuple[Relation, str] | None = None
+    """The table column (relation, column) it equals, where the other side is one."""
+    literal: bool = False
+    """It equals a plain string or integer literal."""
+
+
+@dataclass(frozen=True)
 class PublicItem:
     """A public FROM item of a scope with protected rows, with the columns that tie it to the
     items bounded before it (`anchor`; none: it is bounded by its rows)."""
 
     source: PublicSource
-    keys: tuple[str, ...] = ()
+    keys: tuple[TieKey, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from pglast import ast, parse_sql
 
 from dp_core.fanout import PUBLIC_ROWS_PER_ROW, check_row_bound, counted, selected_source
 from dp_core.probes import standalone_subqueries
-from dp_core.query import AnalyzedQuery, Relation
+from dp_core.query import AnalyzedQuery, Relation, TieKey
 from dp_core.sqlnodes import func_name, walk_nodes
 from server.backend_setup import quote_ident
 
@@ -23,6 +23,9 @@ _UNIQUE_COLUMNS = (
 with no predicate and no expression: one row per value (not of a table with inheritance
 children, whose rows its index does not cover; a partitioned table's unique index covers its
 partitions)."""
+_COLUMN_TYPE = ("SELECT a.atttypid::int8, a.attcollation::int8 FROM pg_catalog.pg_attribute a "
+                "WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attname = $2 "
+                "AND a.attnum > 0 AND NOT a.attisdropped")
 _VIEW = ("SELECT pg_catalog.pg_get_viewdef(c.oid) FROM pg_catalog.pg_class c "
          "WHERE c.oid = pg_catalog.to_regclass($1) AND c.relkind = 'v'")
 _RETURNS_SETS = ("SELECT coalesce(bool_or(p.proretset), false) FROM pg_catalog.pg_proc p "
@@ -82,8 +85,30 @@ async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
             continue
         unique[relation] = await unique_columns(relation, conn)
 
-    def is_unique(relation: Relation, column: str) -> bool:
-        return column in unique[relation]
+    types: dict[tuple[Relation, str], tuple[int, int] | None] = {}
+    for item in query.public_items:
+        source = item.source
+        for key in item.keys:
+            column = source.column(key.column)
+            if source.relation is None or column is None or key.partner is None \
+                    or column not in unique.get(source.relation, set()):
+                continue
+            for place in ((source.relation, column), key.partner):
+                if place not in types:
+                    row = await conn.fetchrow(_COLUMN_TYPE, _qualified(place[0]), place[1])
+                    types[place] = None if row is None else (int(row[0]), int(row[1]))
+
+    def is_unique(relation: Relation, column: str, key: TieKey) -> bool:
+        """One row per value of the column under the equality the tie compares it with:
+        its own type's (a literal takes the column's type; a column must have its type and
+        collation), not one that casts it to a type where distinct values compare equal
+        (varchar against char, bigint against float8)."""
+        if column not in unique[relation]:
+            return False
+        if key.literal:
+            return True
+        mine = types.get((relation, column))
+        return key.partner is not None and mine is not None and types.get(key.partner) == mine
 
     for relation in counted(query.public_items, is_unique) - rows.keys():
         rows[relation] = int(await conn.fetchval(

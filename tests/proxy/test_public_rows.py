@@ -10,8 +10,10 @@ import asyncpg
 import psycopg
 import pytest
 
-from server.dp_query.public_rows import unique_columns
+from dp_core.errors import ProgramLimitExceeded
+from server.dp_query.public_rows import check_public_rows, unique_columns
 from tests.support.backend import Backend
+from tests.support.engine import build
 
 SCHEMA = "test_public_rows"
 OBJECTS = [
@@ -30,6 +32,11 @@ OBJECTS = [
     f"CREATE VIEW {SCHEMA}.unioned AS SELECT id FROM {SCHEMA}.keyed UNION ALL "
     f"SELECT id FROM {SCHEMA}.keyed",
     f"CREATE VIEW {SCHEMA}.slept AS SELECT id, pg_sleep(0)::text AS s FROM {SCHEMA}.keyed",
+    # keys of another type than visits.country (char(2)), and of the same
+    f"CREATE TABLE {SCHEMA}.vpub (code varchar PRIMARY KEY)",
+    f"INSERT INTO {SCHEMA}.vpub SELECT 'US' || repeat(' ', i) FROM generate_series(0, 10) i",
+    f"CREATE TABLE {SCHEMA}.cpub (code char(2) PRIMARY KEY)",
+    f"INSERT INTO {SCHEMA}.cpub SELECT chr(65 + i) || 'X' FROM generate_series(0, 10) i",
 ]
 
 
@@ -64,3 +71,33 @@ def test_unique_columns(catalog: str, name: str, expected: set[str]) -> None:
             await conn.close()
 
     assert asyncio.run(read()) == expected
+
+
+@pytest.mark.parametrize(("joins", "refused"), [
+    # varchar = char(2) compares as char(2), blind to trailing spaces: 'US' and 'US  ' are
+    # one value there, though the varchar key holds both (11 rows each: 121 per row)
+    ("JOIN {s}.vpub a ON a.code = v.country JOIN {s}.vpub b ON b.code = v.country", True),
+    ("JOIN {s}.cpub a ON a.code = v.country JOIN {s}.cpub b ON b.code = v.country", False),
+    ("JOIN {s}.cpub a ON v.country = a.code JOIN {s}.vpub b ON b.code = 'US'", False),
+    # a cross join (11 rows) and a table tied to it on its key (1 each): 11
+    ("JOIN {s}.cpub a ON true JOIN {s}.cpub b ON b.code = a.code", False),
+    ("JOIN {s}.cpub a ON true JOIN {s}.vpub b ON b.code = a.code", True),  # (121)
+    ("JOIN {s}.cpub a ON a.code = v.country JOIN {s}.cpub b ON b.code = a.code", False),
+])
+def test_a_unique_key_counts_under_its_own_types_equality(catalog: str, joins: str,
+                                                          refused: bool) -> None:
+    query, _, _ = build("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits v "
+                        + joins.format(s=SCHEMA))
+
+    async def check() -> None:
+        conn = await asyncpg.connect(catalog)
+        try:
+            await check_public_rows(query, conn)
+        finally:
+            await conn.close()
+
+    if refused:
+        with pytest.raises(ProgramLimitExceeded):
+            asyncio.run(check())
+    else:
+        asyncio.run(check())
