@@ -20,7 +20,6 @@ The bounds multiply (each given the items before it); a query whose product exce
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -36,6 +35,10 @@ from dp_core.sqlnodes import conjuncts, walk_nodes
 PUBLIC_ROWS_PER_ROW = 100
 """The most public rows one protected row may meet in a DP query's joins (as
 `ownership.JOIN_ROWS_PER_USER` bounds a user's rows in a join of protected tables)."""
+IN_COMPARISONS_PER_ROW = 10
+"""An IN subquery's row costs a protected row one comparison (where Postgres scans them
+rather than hash them), a joined row its trip through the join and the per-user aggregation:
+about ten comparisons."""
 
 
 def values_source(lists: Sequence[Sequence[Any]], names: Sequence[str]) -> PublicSource:
@@ -120,13 +123,14 @@ a tie compares it with."""
 
 
 def row_bound(items: Sequence[PublicItem], unique: Unique,
-              rows: Callable[[Relation], int], in_lists: Sequence[int] = ()) -> int:
-    """The most public rows one protected row meets: the product of each item's bound (1 on
-    a unique column it is tied by; a VALUES list's repeats of the value it is tied on; else
-    its rows), `unique` and `rows` saying what the catalog and the public tables hold; and
-    of the rows of each IN subquery (`in_lists`: Postgres may compare a row with every one,
-    where it does not hash them)."""
-    total = math.prod(in_lists)
+              rows: Callable[[Relation], int], in_lists: Sequence[int] = ()) -> float:
+    """The most public rows one protected row meets, in joined rows: the product of each
+    item's bound (1 on a unique column it is tied by; a VALUES list's repeats of the value it
+    is tied on; else its rows), `unique` and `rows` saying what the catalog and the public
+    tables hold; times the IN subqueries' comparisons, IN_COMPARISONS_PER_ROW to a joined row
+    (`in_lists`: their rows, each of which Postgres may compare a row with where it does not
+    hash them)."""
+    total = max(1.0, sum(in_lists) / IN_COMPARISONS_PER_ROW)
     for item in items:
         total *= _item_bound(item, unique, rows)
         if total > PUBLIC_ROWS_PER_ROW:
@@ -145,7 +149,8 @@ def check_row_bound(items: Sequence[PublicItem], unique: Unique,
             f"{PUBLIC_ROWS_PER_ROW} public rows (its time would grow with one user's rows "
             f"times theirs)", hint="join each public table on a column with a unique index "
             "(PRIMARY KEY or UNIQUE) by equality, join smaller ones, and keep IN (SELECT ...) "
-            f"to at most {PUBLIC_ROWS_PER_ROW} rows (or list the values)")
+            f"to at most {PUBLIC_ROWS_PER_ROW * IN_COMPARISONS_PER_ROW} rows in all (or list "
+            "the values)")
 
 
 def counted(items: Sequence[PublicItem], unique: Unique
@@ -167,6 +172,16 @@ def _item_bound(item: PublicItem, unique: Unique,
         if column is not None and unique(source.relation, column, key):
             return 1
     return rows(source.relation)
+
+
+def column_of(node: Any, sources: Mapping[str, PublicSource]) -> tuple[Relation, str] | None:
+    """The table column `node` is as it is (alias.col of an item in `sources` that reads it
+    as it is), or None (`TieKey.partner`)."""
+    name = _qualified(node)
+    source = None if name is None else sources.get(name[0])
+    column = None if name is None or source is None else source.column(name[1])
+    return None if source is None or source.relation is None or column is None \
+        else (source.relation, column)
 
 
 def _qualified(node: Any) -> tuple[str, str] | None:

@@ -15,7 +15,7 @@ from dp_core.errors import (
     SyntaxError_,
     UndefinedTable,
 )
-from dp_core.fanout import anchor, renamed, selected_source, ties, values_source
+from dp_core.fanout import anchor, column_of, renamed, selected_source, ties, values_source
 from dp_core.query import PublicSource, Relation, TablePolicy, TableRef, TieKey
 from dp_core.sqlnodes import (
     OWNED_CLAUSES,
@@ -128,6 +128,9 @@ class FromAnalysis:
         self.public: dict[str, PublicSource] = {}
         """Each public FROM item's source, by alias (`dp_core.fanout`)."""
         self.ties: list[tuple[str, TieKey, frozenset[str]]] = []
+        self.columns: dict[str, PublicSource] = {}
+        """Protected tables, and subqueries of one table: the columns they read as they are
+        (a tie's partner, `fanout.column_of`)."""
         """Equalities that tie a public item's column to other items (`fanout.ties`)."""
 
     def item(self, node: Any) -> Any:
@@ -161,12 +164,12 @@ class FromAnalysis:
                                            (node.rarg, sides[0], node.larg)):
                     alias, them = from_name(one), from_name(theirs)
                     if alias in self.public:
-                        partner = None if them is None else self._partner(ast.ColumnRef(
+                        partner = None if them is None else self._partner_of(ast.ColumnRef(
                             fields=(ast.String(sval=them), ast.String(sval=col))))
                         self.ties.append((alias, TieKey(col, partner), frozenset(other)))
             if node.quals is not None:
                 self.links.equalities(node.quals, None if inner else (left, right))
-                self.ties += ties(node.quals, list(self.public), self._partner,
+                self.ties += ties(node.quals, list(self.public), self._partner_of,
                                   None if inner else sides)
                 node.quals = self.totalize(node.quals, "JOIN condition")
             return node
@@ -185,6 +188,9 @@ class FromAnalysis:
             if sub_uid is not None:
                 if node.alias.colnames:
                     raise refuse("column aliases on a subquery that reads protected tables", alias)
+                (first, *more) = node.subquery.fromClause
+                if not more and isinstance(first, ast.RangeVar) and first.schemaname:
+                    self.columns[alias] = selected_source(node.subquery, {})  # (a table's)
                 bases, per_user = self.totalize.findings.shapes[id(node.subquery)]
                 self.tables.append(TableRef(alias, alias, sub_uid, derived=True, bases=bases,
                                             per_user=per_user))
@@ -196,23 +202,8 @@ class FromAnalysis:
             raise refuse("TABLESAMPLE (a DP query reads every row it selects)", node_sql(node))
         raise refuse(f"FROM item {type(node).__name__}", node_sql(node))
 
-    def _partner(self, node: Any) -> tuple[Relation, str] | None:
-        """The table column `node` is as it is (alias.col of a protected table, or of a
-        public item that reads one as it is), or None (`TieKey.partner`)."""
-        fields = tuple(node.fields or ()) if isinstance(node, ast.ColumnRef) else ()
-        if len(fields) != 2 or not all(isinstance(f, ast.String) for f in fields):
-            return None
-        alias, col = str(fields[0].sval), str(fields[1].sval)
-        if alias in self.public:
-            source = self.public[alias]
-            column = source.column(col)
-            return None if source.relation is None or column is None \
-                else (source.relation, column)
-        for t in self.tables:
-            if t.alias == alias and not t.derived and len(t.bases) == 1:
-                schema, _, name = next(iter(t.bases)).partition(".")
-                return (schema, name), col
-        return None
+    def _partner_of(self, node: Any) -> tuple[Relation, str] | None:
+        return column_of(node, {**self.columns, **self.public})
 
     def _named(self, alias: str) -> None:
         """Every FROM item of a scope has its own name (Postgres checks it too, but not
@@ -248,6 +239,7 @@ class FromAnalysis:
             _no_column_aliases(rv)
             self.tables.append(TableRef(name, alias, pol.uid_column,
                                         bases=frozenset({f"{pol.schema}.{name}"})))
+            self.columns[alias] = PublicSource((pol.schema, name))
             self.nodes[alias] = rv
             rv.schemaname = pol.schema  # (the pushdown names the configured table, whatever
             # the pushdown role's search_path finds first)
@@ -311,7 +303,7 @@ class FromAnalysis:
         """All protected tables must be joined on uid equality into one privacy unit
         (`UidLinks`: what ties them for every row kept)."""
         if where is not None:
-            self.ties += ties(where, list(self.public), self._partner)
+            self.ties += ties(where, list(self.public), self._partner_of)
         self.totalize.findings.fanout += anchor(self.public, {t.alias for t in self.tables},
                                                 self.ties)
         if len(self.tables) <= 1:

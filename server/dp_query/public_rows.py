@@ -6,7 +6,13 @@ from typing import Any
 
 from pglast import ast, parse_sql
 
-from dp_core.fanout import PUBLIC_ROWS_PER_ROW, check_row_bound, counted, selected_source
+from dp_core.fanout import (
+    IN_COMPARISONS_PER_ROW,
+    PUBLIC_ROWS_PER_ROW,
+    check_row_bound,
+    counted,
+    selected_source,
+)
 from dp_core.probes import standalone_subqueries
 from dp_core.query import AnalyzedQuery, Relation, TieKey
 from dp_core.sqlnodes import func_name, walk_nodes
@@ -115,5 +121,6 @@ async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
             f"SELECT count(*) FROM (SELECT FROM {_qualified(relation)} "
             f"LIMIT {PUBLIC_ROWS_PER_ROW + 1}) s"))
     in_lists = [int(await conn.fetchval(sql)) for sql in
-                standalone_subqueries(query, in_lists=True, limit=PUBLIC_ROWS_PER_ROW + 1)]
+                standalone_subqueries(query, in_lists=True,
+                                      limit=PUBLIC_ROWS_PER_ROW * IN_COMPARISONS_PER_ROW + 1)]
     check_row_bound(query.public_items, is_unique, rows.__getitem__, in_lists)

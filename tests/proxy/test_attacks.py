@@ -181,13 +181,13 @@ CASES = [
     Case("an uncorrelated IN over a public table", DP_COUNT + " WHERE country IN "
          "(SELECT code FROM countries WHERE region = 'Europe' AND 1 / (length(code) - 2) "
          "IS NULL)", None),
-    Case("IN over a public table of more than 100 rows (compared row by row where not hashed)",
-         DP_COUNT + " WHERE uid = 42 AND NOT (browser IN (SELECT name FROM countries))",
+    Case("IN subqueries over more than 1,000 public rows in all (compared row by row where "
+         "not hashed)", DP_COUNT + " WHERE uid = 42 AND " + " AND ".join(
+             f"NOT (browser || '{i}' IN (SELECT name FROM countries))" for i in range(7)),
          "54000"),
-    Case("IN subqueries that together compare a row with more than 100 public rows",
-         "SELECT count(*) FROM visits WHERE uid = 42 AND country IN (SELECT code FROM "
-         "countries WHERE region = 'Europe') AND browser IN (SELECT code FROM countries "
-         "WHERE region = 'Asia')", "54000"),
+    Case("an IN subquery times a cross join", "SELECT count(*) FROM visits v CROSS JOIN "
+         "(VALUES (1), (2), (3), (4), (5), (6), (7), (8), (9), (10)) t(x) WHERE v.uid = 42 AND "
+         "v.browser IN (SELECT name FROM countries)", "54000"),
     Case("text parsed as a number for one user", DP_COUNT + " WHERE CASE WHEN uid = 42 THEN "
          "abs(browser) END > 0", "0A000"),
     Case("text summed as numbers per user", DP + "ANON_SUM(m, 0, 10) FROM (SELECT uid, "
