@@ -154,7 +154,7 @@ class FromAnalysis:
                 self.nullable |= right
             if node.jointype in (JoinType.JOIN_RIGHT, JoinType.JOIN_FULL):
                 self.nullable |= left
-            self.links.using(node)
+            self.links.join(node, left, right)
             inner = node.jointype == JoinType.JOIN_INNER
             sides = (from_names(node.larg), from_names(node.rarg))
             for col in (str(c.sval) for c in node.usingClause or ()):
@@ -168,7 +168,6 @@ class FromAnalysis:
                             fields=(ast.String(sval=them), ast.String(sval=col))))
                         self.ties.append((alias, TieKey(col, partner), frozenset(other)))
             if node.quals is not None:
-                self.links.equalities(node.quals, None if inner else (left, right))
                 self.ties += ties(node.quals, list(self.public), self._partner_of,
                                   None if inner else sides)
                 node.quals = self.totalize(node.quals, "JOIN condition")
@@ -309,7 +308,7 @@ class FromAnalysis:
         if len(self.tables) <= 1:
             return
         if where is not None:
-            self.links.equalities(where)
+            self.links.where(where)
         if not self.links.connected():
             names = ", ".join(t.alias for t in self.tables)
             raise refuse("joins between protected tables must equate their uid columns, "

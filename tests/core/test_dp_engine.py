@@ -284,6 +284,16 @@ UNLINKED = [
     "JOIN countries d ON true",
     "(SELECT v.uid, p.amount FROM visits v JOIN purchases p ON true LEFT JOIN countries c "
     "ON v.uid = p.uid) s",
+    # (from the review) two items of the preserved side, each equated with a third on the
+    # nullable side: where that one is NULL, every pair of them is kept
+    "visits v JOIN (SELECT uid, max(amount) AS m FROM purchases GROUP BY uid) x ON true LEFT "
+    "JOIN (SELECT uid FROM purchases GROUP BY uid) s ON s.uid = v.uid AND s.uid = x.uid",
+    "visits v JOIN purchases p ON true LEFT JOIN (SELECT uid FROM purchases GROUP BY uid) s "
+    "ON s.uid = v.uid AND s.uid = p.uid",
+    "(SELECT uid FROM purchases GROUP BY uid) s RIGHT JOIN (visits v CROSS JOIN purchases p) "
+    "ON s.uid = v.uid AND s.uid = p.uid",
+    "visits v CROSS JOIN purchases p FULL JOIN (SELECT uid FROM purchases GROUP BY uid) s "
+    "ON s.uid = v.uid AND s.uid = p.uid",
 ]
 """Joins that tie no two protected items to one user (a USING column that is not both sides'
 uid; an outer join's ON between items of one side): refused (`dp_core.uid_links`)."""
@@ -300,6 +310,13 @@ LINKED = [
     "(SELECT uid AS user_id, duration FROM visits) s JOIN purchases p ON s.user_id = p.uid",
     "(SELECT uid, count(*) AS n FROM visits GROUP BY uid) s JOIN purchases p USING (uid)",
     "visits v LEFT JOIN (purchases p JOIN countries c ON true) ON v.uid = p.uid",
+    # an outer join's link through its nullable item, where an inner join or WHERE also
+    # needs that item (its rows then matched)
+    "visits v JOIN purchases p ON true LEFT JOIN (SELECT uid FROM purchases GROUP BY uid) s "
+    "ON s.uid = v.uid AND s.uid = p.uid WHERE v.uid = p.uid",
+    "(visits v LEFT JOIN (SELECT uid FROM purchases GROUP BY uid) s ON s.uid = v.uid) "
+    "LEFT JOIN purchases p ON p.uid = s.uid",
+    "visits v FULL JOIN purchases p ON v.uid = p.uid",
 ]
 """Their sound forms: still answered."""
 

@@ -141,6 +141,10 @@ CASES = [
     Case("an outer join's ON equating two tables of its preserved side",
          DP + "ANON_COUNT(*) FROM visits v JOIN purchases p ON true LEFT JOIN countries c "
          "ON v.uid = p.uid WHERE p.uid = 5 AND p.amount > 10", "0A000"),
+    Case("two items of the preserved side linked only through a nullable one",
+         DP + "ANON_COUNT(*) FROM visits v JOIN (SELECT uid, max(amount) AS m FROM purchases "
+         "GROUP BY uid) x ON true LEFT JOIN (SELECT uid FROM purchases GROUP BY uid) s "
+         "ON s.uid = v.uid AND s.uid = x.uid WHERE x.uid = 42 AND x.m > 10", "0A000"),
     Case("a FULL join's ON equating two tables of one side",
          "SELECT count(*) FROM countries c FULL JOIN (visits v CROSS JOIN purchases p) "
          "ON v.uid = p.uid WHERE p.uid = 5", "0A000"),
