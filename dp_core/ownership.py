@@ -453,6 +453,7 @@ def owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Totali
                                 for g in sel.groupClause)
     targets = []
     uid_out: str | None = None
+    starred = False
     for target in sel.targetList or ():
         val = target.val
         if isinstance(val, ast.ColumnRef) and isinstance(val.fields[-1], ast.A_Star):
@@ -460,8 +461,12 @@ def owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Totali
                 raise refuse("* in a subquery with an outer join of protected tables (name "
                               "the columns)", node_sql(sel))
             targets.append(target)
-            if uid_out is None:
-                uid_out = fa.tables[0].uid_column
+            starred = True
+            qualifier = getattr(val.fields[-2], "sval", "") if len(val.fields) > 1 else None
+            item = next((t for t in owned if t.alias == qualifier), None)
+            if uid_out is None and (qualifier is None or item is not None):
+                # (t.* of a public item gives no uid, whatever its columns' names)
+                uid_out = (item or fa.tables[0]).uid_column
             continue
         if is_uid(val) and uid_out is None:
             uid_out = str(target.name) if target.name else str(val.fields[-1].sval)
@@ -477,7 +482,8 @@ def owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Totali
         targets.append(target)
     if uid_out is None:  # propagate the uid: unambiguous, the first owned table's
         first = owned[0]
-        uid_out = "dp_uid_auto" if any(t.name == first.uid_column for t in targets) else first.uid_column
+        uid_out = "dp_uid_auto" if starred or any(t.name == first.uid_column for t in targets) \
+            else first.uid_column
         targets.append(ast.ResTarget(name=uid_out, val=ast.ColumnRef(fields=(
             ast.String(sval=first.alias), ast.String(sval=first.uid_column)))))
     sel.targetList = tuple(targets)

@@ -321,6 +321,18 @@ LINKED = [
 """Their sound forms: still answered."""
 
 
+@pytest.mark.parametrize("star", ["t.*", "t.*, v.duration"])
+def test_a_public_items_star_is_not_the_uid(star: str) -> None:
+    """(From the review) `t.*` of a public item whose column is named uid: not the subquery's
+    uid (every one of user 42's rows would have 100 owners); the subquery's uid is then the
+    protected item's, under a name of its own."""
+    query, _, _ = build(_ANY + f"(SELECT {star} FROM (VALUES (1), (2)) t(uid) JOIN visits v "
+                        "ON true WHERE v.uid = 42) s")
+    assert str(RawStream()(query.uid)) == "s.dp_uid_auto"
+    query, _, _ = build(_ANY + "(SELECT v.* FROM (VALUES (1), (2)) t(uid) JOIN visits v ON true) s")
+    assert str(RawStream()(query.uid)) == "s.uid"
+
+
 @pytest.mark.parametrize("from_where", UNLINKED)
 def test_joins_that_tie_no_user_are_refused(from_where: str) -> None:
     assert_refused(_ANY + from_where, "must equate their uid columns")
