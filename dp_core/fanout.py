@@ -30,7 +30,7 @@ from pglast.enums import A_Expr_Kind
 
 from dp_core.errors import ProgramLimitExceeded
 from dp_core.query import PublicItem, PublicSource, Relation, TieKey
-from dp_core.sqlnodes import conjuncts, walk_nodes
+from dp_core.sqlnodes import conjuncts, from_name, from_names, walk_nodes
 
 PUBLIC_ROWS_PER_ROW = 100
 """The most public rows one protected row may meet in a DP query's joins (as
@@ -65,14 +65,19 @@ Partners = Callable[[Any], "tuple[Relation, str] | None"]
 """The table column an expression is as it is (alias.col of a table item), or None."""
 
 
+Tie = tuple[str, TieKey, frozenset[str], "frozenset[str] | None"]
+"""(the public item, its column and what it equals, the items the other side reads, and
+where it holds only if every protected item of the scope is among them: those items)."""
+
+
 def ties(cond: Any, public: Sequence[str], partner: Partners,
-         sides: tuple[set[str], set[str]] | None = None
-         ) -> list[tuple[str, TieKey, frozenset[str]]]:
+         outer: tuple[set[str], set[str], set[str]] | None = None) -> list[Tie]:
     """The equalities among `cond`'s conjuncts between a public item's column (`alias.col`,
-    `alias` in `public`) and an expression of other items' qualified columns (or of none):
-    (alias, the column with what it equals, the aliases the expression reads). `sides`: an
-    outer join's two sides (all their items' aliases), whose ON ties only an item of one side
-    to items of the other."""
+    `alias` in `public`) and an expression of other items' qualified columns (or of none).
+    `outer`: an outer join's two sides' items and its nullable side's (none for FULL): its
+    ON bounds the rows of an item on its nullable side that meet each row of the rest, but
+    an item on a preserved side keeps all its rows, and meets only a protected row of the
+    other side once (`outer_tie`)."""
     out = []
     for conj in conjuncts(cond):
         if not (isinstance(conj, ast.A_Expr) and conj.kind == A_Expr_Kind.AEXPR_OP
@@ -83,27 +88,62 @@ def ties(cond: Any, public: Sequence[str], partner: Partners,
             reads = _reads(other)
             if name is None or name[0] not in public or reads is None or name[0] in reads:
                 continue
-            if sides is not None and not any(name[0] in mine and reads <= theirs
-                                             for mine, theirs in (sides, sides[::-1])):
-                continue
             literal = isinstance(other, ast.A_Const) and isinstance(other.val, (ast.String,
                                                                                  ast.Integer))
-            out.append((name[0], TieKey(name[1], partner(other), literal), reads))
+            key = TieKey(name[1], partner(other), literal,
+                         literal or _qualified(other) is not None)
+            tie = (name[0], key, reads, None) if outer is None \
+                else outer_tie(name[0], key, reads, *outer)
+            if tie is not None:
+                out.append(tie)
     return out
 
 
+def using_ties(join: ast.JoinExpr, public: Sequence[str], partner: Partners,
+               outer: tuple[set[str], set[str], set[str]] | None = None) -> list[Tie]:
+    """A join's USING columns where a public item is alone on one side: its column equals
+    the other side's (that item's, where the other side is one item too)."""
+    sides = (from_names(join.larg), from_names(join.rarg))
+    out: list[Tie] = []
+    for col in (str(c.sval) for c in join.usingClause or ()):
+        for one, other, theirs in ((join.larg, sides[1], join.rarg),
+                                   (join.rarg, sides[0], join.larg)):
+            alias, them = from_name(one), from_name(theirs)
+            if alias is None or alias not in public:
+                continue
+            key = TieKey(col, None if them is None else partner(ast.ColumnRef(
+                fields=(ast.String(sval=them), ast.String(sval=col)))))
+            tie = (alias, key, frozenset(other), None) if outer is None \
+                else outer_tie(alias, key, frozenset(other), *outer)
+            out += [] if tie is None else [tie]
+    return out
+
+
+def outer_tie(alias: str, key: TieKey, reads: frozenset[str], left: set[str], right: set[str],
+              nullable: set[str]) -> Tie | None:
+    """A tie in an outer join's ON (or USING): of an item on its nullable side, to items of
+    the join; of an item on a preserved side, to items of the other side, holding only where
+    every protected item is there (`countries c LEFT JOIN visits v ON c.code = v.country`);
+    else none."""
+    if alias in nullable:
+        return (alias, key, reads, None) if reads <= left | right else None
+    other = right if alias in left else left
+    return (alias, key, reads, frozenset(other)) if reads <= other else None
+
+
 def anchor(public: Mapping[str, PublicSource], bounded: set[str],
-           found: Sequence[tuple[str, TieKey, frozenset[str]]]) -> list[PublicItem]:
+           found: Sequence[Tie]) -> list[PublicItem]:
     """Each public item with the columns that tie it to items bounded before it: from the
     protected items (`bounded`), each item tied to bounded ones is bounded next, with every
     tie it has to them then (its rows meet them all); where none is tied, the first item left
     is bounded by its rows, and others may then be tied to it."""
+    found = [t for t in found if t[3] is None or bounded <= t[3]]
     done = set(bounded)
     items: list[PublicItem] = []
     keys: dict[str, tuple[TieKey, ...]] = {}
     while len(done - bounded) < len(public):
         ready: dict[str, list[TieKey]] = {}
-        for alias, key, reads in found:
+        for alias, key, reads, _ in found:
             if alias not in done and reads <= done:
                 ready.setdefault(alias, []).append(key)
         if not ready:
@@ -165,7 +205,8 @@ def _item_bound(item: PublicItem, unique: Unique,
                 rows: Callable[[Relation], int]) -> int:
     source = item.source
     if source.relation is None:
-        tied = [source.repeats[k.column] for k in item.keys if k.column in source.repeats]
+        tied = [source.repeats[k.column] for k in item.keys
+                if k.column in source.repeats and k.bare]  # (a bare column: a join clause)
         return min([source.rows, *tied])
     for key in item.keys:
         column = source.column(key.column)

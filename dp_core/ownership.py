@@ -15,13 +15,21 @@ from dp_core.errors import (
     SyntaxError_,
     UndefinedTable,
 )
-from dp_core.fanout import anchor, column_of, renamed, selected_source, ties, values_source
-from dp_core.query import PublicSource, Relation, TablePolicy, TableRef, TieKey
+from dp_core.fanout import (
+    Tie,
+    anchor,
+    column_of,
+    renamed,
+    selected_source,
+    ties,
+    using_ties,
+    values_source,
+)
+from dp_core.query import PublicSource, Relation, TablePolicy, TableRef
 from dp_core.sqlnodes import (
     OWNED_CLAUSES,
     PUBLIC_CLAUSES,
     const_number,
-    from_name,
     from_names,
     func_name,
     node_sql,
@@ -127,7 +135,7 @@ class FromAnalysis:
         """Each protected FROM item's node, by alias (for `capped_joins`)."""
         self.public: dict[str, PublicSource] = {}
         """Each public FROM item's source, by alias (`dp_core.fanout`)."""
-        self.ties: list[tuple[str, TieKey, frozenset[str]]] = []
+        self.ties: list[Tie] = []
         self.columns: dict[str, PublicSource] = {}
         """Protected tables, and subqueries of one table: the columns they read as they are
         (a tie's partner, `fanout.column_of`)."""
@@ -157,19 +165,12 @@ class FromAnalysis:
             self.links.join(node, left, right)
             inner = node.jointype == JoinType.JOIN_INNER
             sides = (from_names(node.larg), from_names(node.rarg))
-            for col in (str(c.sval) for c in node.usingClause or ()):
-                # (a public item alone on one side: its column is the other side's, that
-                # item's where the other side is one item too)
-                for one, other, theirs in ((node.larg, sides[1], node.rarg),
-                                           (node.rarg, sides[0], node.larg)):
-                    alias, them = from_name(one), from_name(theirs)
-                    if alias in self.public:
-                        partner = None if them is None else self._partner_of(ast.ColumnRef(
-                            fields=(ast.String(sval=them), ast.String(sval=col))))
-                        self.ties.append((alias, TieKey(col, partner), frozenset(other)))
+            outer = None if inner else (sides[0], sides[1], sides[1] if node.jointype ==
+                                        JoinType.JOIN_LEFT else sides[0] if node.jointype ==
+                                        JoinType.JOIN_RIGHT else set())
+            self.ties += using_ties(node, list(self.public), self._partner_of, outer)
             if node.quals is not None:
-                self.ties += ties(node.quals, list(self.public), self._partner_of,
-                                  None if inner else sides)
+                self.ties += ties(node.quals, list(self.public), self._partner_of, outer)
                 node.quals = self.totalize(node.quals, "JOIN condition")
             return node
         if isinstance(node, ast.RangeSubselect):

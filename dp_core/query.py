@@ -216,6 +216,9 @@ class TieKey:
     """The table column (relation, column) it equals, where the other side is one."""
     literal: bool = False
     """It equals a plain string or integer literal."""
+    bare: bool = True
+    """It equals a column as it is, or a literal: Postgres joins on it (an expression of
+    an outer join's nullable item may only filter the rows joined before it)."""
 
 
 @dataclass(frozen=True)

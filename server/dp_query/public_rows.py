@@ -6,6 +6,7 @@ from typing import Any
 
 from pglast import ast, parse_sql
 
+from dp_core.errors import UndefinedTable
 from dp_core.fanout import (
     IN_COMPARISONS_PER_ROW,
     PUBLIC_ROWS_PER_ROW,
@@ -22,13 +23,16 @@ _UNIQUE_COLUMNS = (
     "SELECT a.attname FROM pg_catalog.pg_index i JOIN pg_catalog.pg_attribute a "
     "ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] "
     "JOIN pg_catalog.pg_class c ON c.oid = i.indrelid "
+    "JOIN pg_catalog.pg_opclass o ON o.oid = i.indclass[0] "
     "WHERE i.indrelid = pg_catalog.to_regclass($1) AND i.indisunique AND i.indisvalid "
     "AND i.indnkeyatts = 1 AND i.indpred IS NULL AND i.indexprs IS NULL "
+    "AND i.indcollation[0] = a.attcollation AND o.opcdefault "
     "AND (c.relkind = 'p' OR NOT c.relhassubclass)")
 """The columns of a table that a valid unique index (a PRIMARY KEY, UNIQUE) covers alone,
-with no predicate and no expression: one row per value (not of a table with inheritance
-children, whose rows its index does not cover; a partitioned table's unique index covers its
-partitions)."""
+with no predicate and no expression, under the column's own collation and its type's
+default operator class (the equality `=` means): one row per value (not of a table with
+inheritance children, whose rows its index does not cover; a partitioned table's unique
+index covers its partitions)."""
 _COLUMN_TYPE = ("SELECT a.atttypid::int8, a.attcollation::int8 FROM pg_catalog.pg_attribute a "
                 "WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attname = $2 "
                 "AND a.attnum > 0 AND NOT a.attisdropped")
@@ -65,7 +69,7 @@ async def unique_columns(relation: Relation, conn: Any, depth: int = 0) -> set[s
             or stmt.distinctClause or stmt.withClause or stmt.valuesLists \
             or len(items) != 1 or not isinstance(items[0], ast.RangeVar):
         return found
-    calls = [func_name(n) for n in walk_nodes(stmt.targetList) if isinstance(n, ast.FuncCall)]
+    calls = [func_name(n) for n in walk_nodes(stmt) if isinstance(n, ast.FuncCall)]
     if calls and await conn.fetchval(_RETURNS_SETS, calls):
         return found
     source = selected_source(stmt, {})
@@ -87,8 +91,7 @@ async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
     rows: dict[Relation, int] = {}
     for relation in tables:
         if await conn.fetchval("SELECT pg_catalog.to_regclass($1) IS NULL", _qualified(relation)):
-            unique[relation], rows[relation] = set(), 0  # (Postgres says 42P01 when prepared)
-            continue
+            raise UndefinedTable(f'relation "{relation[1]}" does not exist')
         unique[relation] = await unique_columns(relation, conn)
 
     types: dict[tuple[Relation, str], tuple[int, int] | None] = {}

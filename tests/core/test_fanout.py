@@ -50,6 +50,24 @@ def _bound(from_where: str) -> int:
     # an outer join's ON between two items of its preserved side ties nothing
     ("visits v CROSS JOIN countries c LEFT JOIN purchases p ON c.code = v.country "
      "AND p.uid = v.uid", 120),
+    # (from the review) an outer join's ON does not filter its preserved side: a tie there
+    # holds only toward protected items all on the other side
+    ("visits v CROSS JOIN countries c LEFT JOIN (SELECT 1 AS z) x ON c.code = 'US'", 120),
+    ("visits v CROSS JOIN countries c LEFT JOIN countries x ON x.code = 'US' "
+     "AND c.code = x.code", 120),
+    ("countries c RIGHT JOIN visits v ON c.code = v.country", 1),
+    ("countries c FULL JOIN visits v ON c.code = v.country", 1),
+    ("visits v FULL JOIN countries c ON c.code = v.country", 1),
+    ("(visits v FULL JOIN countries c ON c.code = v.country) JOIN purchases p USING (uid)",
+     120),
+    ("visits v LEFT JOIN countries c USING (code)", 1),
+    ("countries c LEFT JOIN visits v USING (code)", 1),
+    ("visits v CROSS JOIN countries c LEFT JOIN (SELECT 1 AS code) x USING (code)", 120),
+    # a VALUES list's repeats count where it equals a column as it is (a join clause), not an
+    # expression of an outer join's nullable item that only filters the rows joined first
+    ("visits v CROSS JOIN (VALUES ('a'), ('b')) a(k) LEFT JOIN countries x ON x.code = 'US' "
+     "WHERE a.k = coalesce(x.name, v.country)", 2),
+    ("visits v CROSS JOIN (VALUES ('a'), ('b')) a(k) WHERE a.k = v.country", 1),
     # two items tied to each other only: the first bounded by its rows, the second tied to it
     ("visits v, countries c, countries d WHERE c.code = d.code", 120),
     ("visits v, regions r, countries c WHERE c.region = r.name", 120 * 6),

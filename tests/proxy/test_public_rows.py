@@ -32,6 +32,11 @@ OBJECTS = [
     f"CREATE VIEW {SCHEMA}.unioned AS SELECT id FROM {SCHEMA}.keyed UNION ALL "
     f"SELECT id FROM {SCHEMA}.keyed",
     f"CREATE VIEW {SCHEMA}.slept AS SELECT id, pg_sleep(0)::text AS s FROM {SCHEMA}.keyed",
+    f"CREATE VIEW {SCHEMA}.ordered AS SELECT id FROM {SCHEMA}.keyed "
+    "ORDER BY generate_series(1, 3)",  # (a set-returning function outside the select list)
+    f"CREATE TABLE {SCHEMA}.collated (name text COLLATE \"C\", other text)",
+    f"CREATE UNIQUE INDEX ON {SCHEMA}.collated (name COLLATE \"POSIX\")",
+    f"CREATE UNIQUE INDEX ON {SCHEMA}.collated (other text_pattern_ops)",
     # keys of another type than visits.country (char(2)), and of the same
     f"CREATE TABLE {SCHEMA}.vpub (code varchar PRIMARY KEY)",
     f"INSERT INTO {SCHEMA}.vpub SELECT 'US' || repeat(' ', i) FROM generate_series(0, 10) i",
@@ -61,6 +66,8 @@ def catalog(backend: Backend) -> Iterator[str]:
     ("joined", set()),
     ("unioned", set()),
     ("slept", {"id"}),  # (a function that returns one value per row)
+    ("ordered", set()),
+    ("collated", set()),  # (an index under another collation, or operator class)
 ])
 def test_unique_columns(catalog: str, name: str, expected: set[str]) -> None:
     async def read() -> set[str]:
