@@ -40,6 +40,7 @@ from dp_core.errors import (
     StatementTooComplex,
     SyntaxError_,
 )
+from dp_core.fanout import table_columns
 from dp_core.names import InputColumns, Names, column_name
 from dp_core.ownership import FromAnalysis, group_expressions, owned_subquery, semi_join
 from dp_core.query import (
@@ -188,6 +189,9 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
                                                    integer_types), ctes)
             if ctes[name] is not None:
                 findings.shapes[name] = findings.shapes[id(cte.ctequery)]
+                by_table = table_columns(cte.ctequery)
+                if by_table is not None:  # (its columns, for joins on them: `dp_core.fanout`)
+                    findings.cte_columns[name] = by_table
             else:
                 findings.public_sources[name] = findings.public_sources[id(cte.ctequery)]
         cte_nodes = tuple(stmt.withClause.ctes)

@@ -302,3 +302,13 @@ def selected_source(sub: ast.SelectStmt, known: Mapping[Any, PublicSource]) -> P
         if own in base.repeats:
             repeats[out] = base.repeats[own]
     return PublicSource(base.relation, columns, base.rows, repeats, tuple(order))
+
+
+def table_columns(sel: ast.SelectStmt) -> PublicSource | None:
+    """The columns a protected inner query of one table (by name, in its configured schema)
+    selects as they are, where it reads one: a join key's partner (`TieKey.partner`)."""
+    items = tuple(sel.fromClause or ())
+    if len(items) != 1 or not isinstance(items[0], ast.RangeVar) or not items[0].schemaname:
+        return None
+    return selected_source(sel, {})
+

@@ -21,6 +21,7 @@ from dp_core.fanout import (
     column_of,
     renamed,
     selected_source,
+    table_columns,
     ties,
     using_ties,
     values_source,
@@ -188,9 +189,9 @@ class FromAnalysis:
             if sub_uid is not None:
                 if node.alias.colnames:
                     raise refuse("column aliases on a subquery that reads protected tables", alias)
-                (first, *more) = node.subquery.fromClause
-                if not more and isinstance(first, ast.RangeVar) and first.schemaname:
-                    self.columns[alias] = selected_source(node.subquery, {})  # (a table's)
+                columns = table_columns(node.subquery)
+                if columns is not None:
+                    self.columns[alias] = columns
                 bases, per_user = self.totalize.findings.shapes[id(node.subquery)]
                 self.tables.append(TableRef(alias, alias, sub_uid, derived=True, bases=bases,
                                             per_user=per_user))
@@ -227,6 +228,8 @@ class FromAnalysis:
                 bases, per_user = self.totalize.findings.shapes[name]
                 self.tables.append(TableRef(name, alias, cte_uid, derived=True, bases=bases,
                                             per_user=per_user))
+                if name in self.totalize.findings.cte_columns:  # (a table's columns)
+                    self.columns[alias] = self.totalize.findings.cte_columns[name]
                 self.nodes[alias] = rv
             else:
                 self.public[alias] = renamed(self.totalize.findings.public_sources[name],

@@ -81,6 +81,8 @@ class Findings:
     public_sources: dict[Any, PublicSource] = field(default_factory=dict)
     """What each public subquery (by id of its node) and public WITH query (by name) reads
     (`dp_core.fanout`)."""
+    cte_columns: dict[str, PublicSource] = field(default_factory=dict)
+    """Protected WITH queries of one table: the columns they select as they are."""
     fanout: list[PublicItem] = field(default_factory=list)
     """The public FROM items of every scope with protected rows, tied as they are
     (`fanout.anchor`): their product bounds the public rows one protected row meets."""

@@ -36,6 +36,11 @@ index covers its partitions)."""
 _COLUMN_TYPE = ("SELECT a.atttypid::int8, a.attcollation::int8 FROM pg_catalog.pg_attribute a "
                 "WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attname = $2 "
                 "AND a.attnum > 0 AND NOT a.attisdropped")
+_EXACT = {20: 0, 21: 0, 23: 0, 1700: 0, 25: 1, 1043: 1, 700: 2, 701: 2}
+"""Types whose equality across one another compares exactly what each holds (a cast of one to
+the other that keeps distinct values distinct): int2, int4, int8 and numeric; text and
+varchar (under one collation); float4 and float8. Not char(n) against text (padding), nor a
+float against an integer or numeric (rounding)."""
 _VIEW = ("SELECT pg_catalog.pg_get_viewdef(c.oid) FROM pg_catalog.pg_class c "
          "WHERE c.oid = pg_catalog.to_regclass($1) AND c.relkind = 'v'")
 _RETURNS_SETS = ("SELECT coalesce(bool_or(p.proretset), false) FROM pg_catalog.pg_proc p "
@@ -117,7 +122,9 @@ async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
         if key.literal:
             return True
         mine = types.get((relation, column))
-        return key.partner is not None and mine is not None and types.get(key.partner) == mine
+        theirs = None if key.partner is None else types.get(key.partner)
+        return mine is not None and theirs is not None and (mine == theirs or (
+            mine[1] == theirs[1] and _EXACT.get(mine[0], -1) == _EXACT.get(theirs[0], -2)))
 
     for relation in counted(query.public_items, is_unique) - rows.keys():
         rows[relation] = int(await conn.fetchval(

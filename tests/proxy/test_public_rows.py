@@ -40,6 +40,8 @@ OBJECTS = [
     # keys of another type than visits.country (char(2)), and of the same
     f"CREATE TABLE {SCHEMA}.vpub (code varchar PRIMARY KEY)",
     f"INSERT INTO {SCHEMA}.vpub SELECT 'US' || repeat(' ', i) FROM generate_series(0, 10) i",
+    f"CREATE TABLE {SCHEMA}.ipub (id int4 PRIMARY KEY, f float8 UNIQUE)",
+    f"INSERT INTO {SCHEMA}.ipub SELECT i, i FROM generate_series(1, 11) i",
     f"CREATE TABLE {SCHEMA}.cpub (code char(2) PRIMARY KEY)",
     f"INSERT INTO {SCHEMA}.cpub SELECT chr(65 + i) || 'X' FROM generate_series(0, 10) i",
 ]
@@ -90,16 +92,22 @@ def test_unique_columns(catalog: str, name: str, expected: set[str]) -> None:
     ("JOIN {s}.cpub a ON true JOIN {s}.cpub b ON b.code = a.code", False),
     ("JOIN {s}.cpub a ON true JOIN {s}.vpub b ON b.code = a.code", True),  # (121)
     ("JOIN {s}.cpub a ON a.code = v.country JOIN {s}.cpub b ON b.code = a.code", False),
+    # integers of other widths compare exactly (visits.uid is int8); a float does not
+    ("JOIN {s}.ipub a ON a.id = v.uid JOIN {s}.ipub b ON b.id = v.uid", False),
+    ("JOIN {s}.ipub a ON a.f = v.uid JOIN {s}.ipub b ON b.f = v.uid", True),
     # through a protected subquery of one table's columns (and not of a computed one)
     ("JOIN {s}.cpub a ON a.code = w.country JOIN {s}.cpub b ON b.code = w.country", False),
     ("JOIN {s}.cpub a ON a.code = w.c JOIN {s}.cpub b ON b.code = w.c", True),
+    # through a protected WITH query of one table's columns
+    ("w JOIN {s}.cpub a ON a.code = w.country JOIN {s}.cpub b ON b.code = w.country", False),
+    ("w JOIN {s}.cpub a ON a.code = w.c JOIN {s}.cpub b ON b.code = w.c", True),
 ])
 def test_a_unique_key_counts_under_its_own_types_equality(catalog: str, joins: str,
                                                           refused: bool) -> None:
-    outer = "(SELECT uid, country, lower(country) AS c FROM visits WHERE duration > 60) w" \
-        if "w." in joins else "visits v"
-    query, _, _ = build(f"SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM {outer} "
-                        + joins.format(s=SCHEMA))
+    inner = "SELECT uid, country, lower(country) AS c FROM visits WHERE duration > 60"
+    outer = "w" if joins.startswith("w ") else f"({inner}) w" if "w." in joins else "visits v"
+    query, _, _ = build(f"WITH w AS ({inner}) SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM "
+                        f"{outer} " + joins.removeprefix("w ").format(s=SCHEMA))
 
     async def check() -> None:
         conn = await asyncpg.connect(catalog)
