@@ -42,7 +42,8 @@ from dp_core.errors import (
 )
 from dp_core.fanout import table_columns
 from dp_core.names import InputColumns, Names, column_name
-from dp_core.ownership import FromAnalysis, group_expressions, owned_subquery, semi_join
+from dp_core.ownership import FromAnalysis, group_expressions, owned_subquery
+from dp_core.public_reads import semi_join
 from dp_core.query import (
     Aggregate,
     AnalyzedQuery,

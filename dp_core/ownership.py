@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from pglast import ast, parse_sql
-from pglast.enums import JoinType, SubLinkType
+from pglast.enums import JoinType
 
-from dp_core.catalogue import SYSTEM_SCHEMAS, is_dp_aggregate
+from dp_core.catalogue import SYSTEM_SCHEMAS
 from dp_core.errors import (
     FeatureNotSupported,
     SyntaxError_,
@@ -20,16 +20,19 @@ from dp_core.fanout import (
     anchor,
     column_of,
     renamed,
-    selected_source,
     table_columns,
     ties,
     using_ties,
-    values_source,
+)
+from dp_core.public_reads import (
+    no_aggregates_inside,
+    public_relation,
+    public_subquery,
+    reads_protected,
 )
 from dp_core.query import PublicSource, Relation, TablePolicy, TableRef
 from dp_core.sqlnodes import (
     OWNED_CLAUSES,
-    PUBLIC_CLAUSES,
     const_number,
     from_names,
     func_name,
@@ -73,28 +76,6 @@ def _no_column_aliases(rv: ast.RangeVar) -> None:
     if rv.alias is not None and rv.alias.colnames:
         raise refuse("column aliases on a table with user rows (they would rename its uid)",
                       node_sql(rv))
-
-
-def _public_relation(rv: ast.RangeVar, ctes: Mapping[str, str | None],
-                     totalize: Totalizer) -> None:
-    """An unprotected table (or a WITH query) read by name in a DP query: never a system
-    catalog; recorded for the server, which refuses it unless the analysts may read it."""
-    name = str(rv.relname)
-    schema = str(rv.schemaname) if rv.schemaname else None
-    if schema in SYSTEM_SCHEMAS or name.startswith("pg_") or rv.catalogname:
-        raise refuse("system catalogs", name)
-    if schema is None and name in ctes:
-        return
-    schemas = totalize.findings.schemas
-    if schema is None and schemas is not None:
-        # the table the session's search_path finds: the pushdown names it
-        schema = schemas.get(name)
-        if schema is None:
-            raise UndefinedTable(f'relation "{name}" does not exist')
-        if schema in SYSTEM_SCHEMAS:
-            raise refuse("system catalogs", f"{schema}.{name}")
-        rv.schemaname = schema
-    totalize.relations.append((schema, name))
 
 
 def _session_table(name: str, configured: str, schemas: Mapping[str, str | None] | None) -> None:
@@ -247,7 +228,7 @@ class FromAnalysis:
             rv.schemaname = pol.schema  # (the pushdown names the configured table, whatever
             # the pushdown role's search_path finds first)
         else:
-            _public_relation(rv, self.ctes, self.totalize)
+            public_relation(rv, self.ctes, self.totalize)
             self.public[alias] = renamed(PublicSource(
                 (str(rv.schemaname) if rv.schemaname else None, name)), rv.alias)
         return rv
@@ -322,70 +303,6 @@ class FromAnalysis:
 _PER_USER_AGGREGATES = frozenset({"count", "sum", "avg", "min", "max"})
 
 
-def semi_join(link: ast.SubLink, policy: Mapping[str, TablePolicy],
-               ctes: Mapping[str, str | None], totalize: Totalizer) -> ast.SubLink:
-    """`x IN (SELECT ...)` or `EXISTS (SELECT ...)` in a DP query's WHERE, checked and made
-    total in place: over unprotected tables only, a plain SELECT [WHERE] of their rows
-    (public data), total.
-
-    Subqueries in WHERE that read protected tables, correlated or not, are refused (DESIGN
-    §3.1, the paper's Table 2), even the semi-join on the uid (`uid IN (SELECT uid FROM
-    purchases ...)`), which would be safe: a join on the uid in FROM says the same."""
-    sub = link.subselect
-    exists = link.subLinkType == SubLinkType.EXISTS_SUBLINK
-    if not exists and (link.subLinkType != SubLinkType.ANY_SUBLINK or
-                       (link.operName and str(link.operName[-1].sval) != "=")):
-        raise refuse("subqueries inside a DP query (but IN or EXISTS over unprotected tables "
-                      "in WHERE)", node_sql(link))
-    if not isinstance(sub, ast.SelectStmt):
-        raise refuse("this kind of subquery", node_sql(link))
-    if _reads_protected(sub, policy, ctes):
-        raise refuse("correlated or WHERE subqueries that read protected tables (join the "
-                      "table on the uid in FROM instead)", node_sql(link))
-    _public_subquery(sub, totalize.inner(sub), ctes,
-                     "a subquery in IN or EXISTS over unprotected tables")
-    totalize.findings.sublinks.append(sub)
-    if not exists:
-        totalize.findings.in_lists.append(sub)
-    return link
-
-
-def _public_subquery(sub: ast.SelectStmt, totalize: Totalizer,
-                     ctes: Mapping[str, str | None], scope: str) -> None:
-    """A subquery of unprotected tables inside a DP query (in FROM, WITH, IN or EXISTS): a
-    plain SELECT of their rows, filtered, made total (it may read the DP query's row too), or
-    a VALUES list; its tables are recorded for the server's check (`_public_relation`)."""
-    if sub.valuesLists:
-        only_clauses(sub, ("valuesLists",), scope)
-        totalize.findings.public_sources[id(sub)] = values_source(
-            sub.valuesLists, [f"column{j + 1}" for j in range(len(sub.valuesLists[0]))])
-        sub.valuesLists = tuple(tuple(totalize(v, "VALUES list") for v in row)
-                                for row in sub.valuesLists)
-        return
-    try:
-        only_clauses(sub, PUBLIC_CLAUSES, scope)
-    except FeatureNotSupported:
-        raise refuse(f"{scope} but as SELECT ... FROM ... [WHERE]", node_sql(sub)) from None
-    if len(sub.fromClause or ()) > 1:
-        raise refuse(f"{scope} reads one table (no joins: work per row of the DP query)",
-                      node_sql(sub))
-    for item in sub.fromClause or ():
-        if not isinstance(item, ast.RangeVar):
-            raise refuse(f"{scope} reads tables by name only (no joins, functions or "
-                          "subqueries)", node_sql(item))
-        _public_relation(item, ctes, totalize)
-        totalize.findings.row_names.add(str(item.alias.aliasname) if item.alias
-                                        else str(item.relname))
-    totalize.findings.public_sources[id(sub)] = selected_source(sub, totalize.findings.public_sources)
-    for target in sub.targetList or ():
-        if isinstance(target.val, ast.ColumnRef) and isinstance(target.val.fields[-1], ast.A_Star):
-            continue
-        _no_aggregates_inside(target.val)
-        target.val = totalize(target.val, "subquery select list")
-    if sub.whereClause is not None:
-        sub.whereClause = totalize(sub.whereClause, "WHERE")
-
-
 def owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Totalizer,
                     ctes: Mapping[str, str | None]) -> str | None:
     """Check an inner query (subquery in FROM or WITH) against the ownership rules.
@@ -399,11 +316,11 @@ def owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Totali
     if not isinstance(sel, ast.SelectStmt):
         raise refuse("this kind of subquery", node_sql(sel))
     if sel.op and sel.larg is not None:
-        if _reads_protected(sel, policy, ctes):
+        if reads_protected(sel, policy, ctes):
             raise refuse("set operations (UNION, INTERSECT, EXCEPT) over protected tables", node_sql(sel))
         raise refuse("set operations (UNION, INTERSECT, EXCEPT) in a DP query", node_sql(sel))
-    if not _reads_protected(sel, policy, ctes):
-        _public_subquery(sel, totalize, ctes, "a subquery over unprotected tables")
+    if not reads_protected(sel, policy, ctes):
+        public_subquery(sel, totalize, ctes, "a subquery over unprotected tables")
         return None
     if sel.withClause is not None:
         raise refuse("WITH inside a subquery", node_sql(sel))
@@ -557,21 +474,8 @@ def _per_user_expression(val: Any, grouped: bool, totalize: Totalizer) -> Any:
         if isinstance(node, ast.FuncCall) and func_name(node) in _PER_USER_AGGREGATES:
             raise refuse("expressions over per-user aggregates (select the aggregate itself)",
                           node_sql(val))
-    _no_aggregates_inside(val)
+    no_aggregates_inside(val)
     return totalize(val, "subquery select list")
-
-
-def _reads_protected(sel: Any, policy: Mapping[str, TablePolicy], ctes: Mapping[str, str | None]) -> bool:
-    for node in walk_nodes(sel):
-        if isinstance(node, ast.RangeVar):
-            name = str(node.relname)
-            schema = str(node.schemaname) if node.schemaname else None
-            pol = policy.get(name)
-            if pol is not None and schema in (None, pol.schema):
-                return True
-            if schema is None and ctes.get(name) is not None:
-                return True
-    return False
 
 
 def group_expressions(stmt: ast.SelectStmt) -> list[Any]:
@@ -590,11 +494,3 @@ def group_expressions(stmt: ast.SelectStmt) -> list[Any]:
         else:
             out.append(g)
     return out
-
-
-def _no_aggregates_inside(val: Any) -> None:
-    for node in walk_nodes(val):
-        if isinstance(node, ast.FuncCall) and is_dp_aggregate(func_name(node)):
-            raise refuse("expressions over DP aggregates are not supported yet "
-                          "(select the aggregate itself)", node_sql(val))
-
