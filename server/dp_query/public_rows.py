@@ -113,10 +113,10 @@ async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
                     types[place] = None if row is None else (int(row[0]), int(row[1]))
 
     def is_unique(relation: Relation, column: str, key: TieKey) -> bool:
-        """One row per value of the column under the equality the tie compares it with:
-        its own type's (a literal takes the column's type; a column must have its type and
-        collation), not one that casts it to a type where distinct values compare equal
-        (varchar against char, bigint against float8)."""
+        """One row per value of the column under the equality the tie compares it with: a
+        literal takes the column's type; a column must have its type and collation, or an
+        exactly comparable one (`_EXACT`), not one that casts it to a type where distinct
+        values compare equal (varchar against char, bigint against float8)."""
         if column not in unique[relation]:
             return False
         if key.literal:
