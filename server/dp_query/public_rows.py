@@ -43,8 +43,11 @@ varchar (under one collation); float4 and float8. Not char(n) against text (padd
 float against an integer or numeric (rounding)."""
 _VIEW = ("SELECT pg_catalog.pg_get_viewdef(c.oid) FROM pg_catalog.pg_class c "
          "WHERE c.oid = pg_catalog.to_regclass($1) AND c.relkind = 'v'")
-_RETURNS_SETS = ("SELECT coalesce(bool_or(p.proretset), false) FROM pg_catalog.pg_proc p "
-                 "WHERE p.proname = ANY($1::text[])")
+_RETURNS_SETS = ("SELECT coalesce(bool_or(p.proretset OR p.provolatile = 'v'), false) "
+                 "FROM pg_catalog.pg_proc p WHERE p.proname = ANY($1::text[])")
+"""Whether a function of one of the names returns sets (repeating a row) or is volatile
+(Postgres then keeps the view a subquery of its own, whose rows a nested loop may scan
+for each protected row, rather than inline it over its table's index)."""
 _VIEW_DEPTH = 3
 """Views over views are followed this deep to a table's unique columns."""
 
@@ -58,7 +61,8 @@ async def unique_columns(relation: Relation, conn: Any, depth: int = 0) -> set[s
     """The columns of `relation` with one row per value: a table's that a unique index covers
     alone; a view's that are such columns of the one table (or view) it selects from as they
     are (no join, grouping, set operation or set-returning function: each of its rows is one
-    of that table's)."""
+    of that table's; no volatile function: Postgres inlines it, and joins it on that table's
+    index or a hash)."""
     qualified = _qualified(relation)
     found = {str(r[0]) for r in await conn.fetch(_UNIQUE_COLUMNS, qualified)}
     definition = await conn.fetchval(_VIEW, qualified)

@@ -32,6 +32,7 @@ OBJECTS = [
     f"CREATE VIEW {SCHEMA}.unioned AS SELECT id FROM {SCHEMA}.keyed UNION ALL "
     f"SELECT id FROM {SCHEMA}.keyed",
     f"CREATE VIEW {SCHEMA}.slept AS SELECT id, pg_sleep(0)::text AS s FROM {SCHEMA}.keyed",
+    f"CREATE VIEW {SCHEMA}.lowered AS SELECT id, lower(code) AS s FROM {SCHEMA}.keyed",
     f"CREATE VIEW {SCHEMA}.ordered AS SELECT id FROM {SCHEMA}.keyed "
     "ORDER BY generate_series(1, 3)",  # (a set-returning function outside the select list)
     f"CREATE TABLE {SCHEMA}.collated (name text COLLATE \"C\", other text)",
@@ -67,7 +68,8 @@ def catalog(backend: Backend) -> Iterator[str]:
     ("sets", set()),  # (a set-returning function repeats each row)
     ("joined", set()),
     ("unioned", set()),
-    ("slept", {"id"}),  # (a function that returns one value per row)
+    ("slept", set()),  # (volatile: not inlined, its rows maybe scanned for each row)
+    ("lowered", {"id"}),  # (a function that returns one value per row, inlined)
     ("ordered", set()),
     ("collated", set()),  # (an index under another collation, or operator class)
 ])
