@@ -198,7 +198,15 @@ def counted(items: Sequence[PublicItem], unique: Unique
     """The tables whose rows bound some item (those not tied on a unique column): the only
     ones whose rows need counting."""
     return {item.source.relation for item in items if item.source.relation is not None
-            and _item_bound(item, unique, lambda r: 0) == 0}
+            and not _on_unique(item, unique)}
+
+
+def _on_unique(item: PublicItem, unique: Unique) -> bool:
+    """Whether a table item is tied on a column with one row per value."""
+    source = item.source
+    assert source.relation is not None
+    return any((column := source.column(key.column)) is not None
+               and unique(source.relation, column, key) for key in item.keys)
 
 
 def _item_bound(item: PublicItem, unique: Unique,
@@ -208,11 +216,7 @@ def _item_bound(item: PublicItem, unique: Unique,
         tied = [source.repeats[k.column] for k in item.keys
                 if k.column in source.repeats and k.bare]  # (a bare column: a join clause)
         return min([source.rows, *tied])
-    for key in item.keys:
-        column = source.column(key.column)
-        if column is not None and unique(source.relation, column, key):
-            return 1
-    return rows(source.relation)
+    return 1 if _on_unique(item, unique) else rows(source.relation)
 
 
 def column_of(node: Any, sources: Mapping[str, PublicSource]) -> tuple[Relation, str] | None:

@@ -118,10 +118,10 @@ class FromAnalysis:
         self.public: dict[str, PublicSource] = {}
         """Each public FROM item's source, by alias (`dp_core.fanout`)."""
         self.ties: list[Tie] = []
+        """Equalities that tie a public item's column to other items (`fanout.ties`)."""
         self.columns: dict[str, PublicSource] = {}
         """Protected tables, and subqueries of one table: the columns they read as they are
         (a tie's partner, `fanout.column_of`)."""
-        """Equalities that tie a public item's column to other items (`fanout.ties`)."""
 
     def item(self, node: Any) -> Any:
         if isinstance(node, ast.RangeVar):
@@ -145,11 +145,11 @@ class FromAnalysis:
             if node.jointype in (JoinType.JOIN_RIGHT, JoinType.JOIN_FULL):
                 self.nullable |= left
             self.links.join(node, left, right)
-            inner = node.jointype == JoinType.JOIN_INNER
+            # (an outer join's two sides' items, and those of its nullable side: none for FULL)
             sides = (from_names(node.larg), from_names(node.rarg))
-            outer = None if inner else (sides[0], sides[1], sides[1] if node.jointype ==
-                                        JoinType.JOIN_LEFT else sides[0] if node.jointype ==
-                                        JoinType.JOIN_RIGHT else set())
+            nullable = {JoinType.JOIN_LEFT: sides[1], JoinType.JOIN_RIGHT: sides[0]}
+            outer = None if node.jointype == JoinType.JOIN_INNER \
+                else (*sides, nullable.get(node.jointype, set()))
             self.ties += using_ties(node, list(self.public), self._partner_of, outer)
             if node.quals is not None:
                 self.ties += ties(node.quals, list(self.public), self._partner_of, outer)
@@ -167,7 +167,7 @@ class FromAnalysis:
             if sub_uid is None:
                 self.public[alias] = renamed(
                     self.totalize.findings.public_sources[id(node.subquery)], node.alias)
-            if sub_uid is not None:
+            else:
                 if node.alias.colnames:
                     raise refuse("column aliases on a subquery that reads protected tables", alias)
                 columns = table_columns(node.subquery)

@@ -22,7 +22,7 @@ from pglast import ast
 from pglast.enums import A_Expr_Kind, JoinType
 
 from dp_core.query import TableRef
-from dp_core.sqlnodes import conjuncts
+from dp_core.sqlnodes import conjuncts, from_name
 
 
 class UidLinks:
@@ -109,12 +109,7 @@ class UidLinks:
         sides have, or with USING both sides', equal where neither is NULL)."""
         if isinstance(node, ast.JoinExpr):
             return self._uid_named(node.larg, col) | self._uid_named(node.rarg, col)
-        if isinstance(node, ast.RangeVar):
-            alias = str(node.alias.aliasname) if node.alias else str(node.relname)
-        elif isinstance(node, ast.RangeSubselect) and node.alias is not None:
-            alias = str(node.alias.aliasname)
-        else:
-            return set()
+        alias = from_name(node)
         return {t.alias for t in self.tables if t.alias == alias and t.uid_column == col}
 
     def _uid_alias(self, node: Any) -> str | None:
