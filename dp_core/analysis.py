@@ -237,6 +237,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         semi = totalize.with_semi_joins(lambda link: semi_join(link, policy, ctes, totalize))
         where = ast.BoolExpr(boolop=BoolExprType.AND_EXPR,
                              args=(semi(stmt.whereClause, "WHERE"), owned))
+    from_clause, where = fa.fence(from_clause, where)
 
     group_exprs = group_expressions(stmt)
     group_checks, inputs = _group_names(stmt, columns)
@@ -357,7 +358,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     for clause, what in ((stmt.limitCount, "LIMIT"), (stmt.limitOffset, "OFFSET")):
         _constant_count(clause, what)
     return AnalyzedQuery(
-        from_clause=from_clause, where=where, uid=uid, tables=tuple(fa.tables), keys=tuple(keys),
+        from_clause=from_clause, where=where, fence_refs=fa.fence_refs, uid=uid,
+        tables=tuple(fa.tables), keys=tuple(keys),
         aggregates=tuple(aggregates), outputs=tuple(outputs), having=having,
         order_by=order_by, limit=stmt.limitCount, offset=stmt.limitOffset,
         plain_form=plain_form, ctes=cte_nodes, select=tuple(select),

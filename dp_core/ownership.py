@@ -24,6 +24,7 @@ from dp_core.fanout import (
     ties,
     using_ties,
 )
+from dp_core.join_fence import Scope, fence
 from dp_core.public_reads import (
     no_aggregates_inside,
     public_relation,
@@ -119,6 +120,7 @@ class FromAnalysis:
         """Each public FROM item's source, by alias (`dp_core.fanout`)."""
         self.ties: list[Tie] = []
         """Equalities that tie a public item's column to other items (`fanout.ties`)."""
+        self.fence_refs: tuple[Any, ...] = ()
         self.columns: dict[str, PublicSource] = {}
         """Protected tables, and subqueries of one table: the columns they read as they are
         (a tie's partner, `fanout.column_of`)."""
@@ -283,6 +285,16 @@ class FromAnalysis:
 
         return tuple(swap(item) for item in items)
 
+    def fence(self, items: tuple[Any, ...], where: Any) -> tuple[tuple[Any, ...], Any]:
+        """`items` and `where` rewritten so that no join's input is filtered by protected rows
+        (`dp_core.join_fence`); `self.fence_refs` then holds the fence's columns (none where
+        the scope does not join)."""
+        scope = Scope({t.alias: t.uid_column for t in self.tables},
+                      frozenset(t.alias for t in self.tables if t.derived))
+        out = fence(items, where, scope)
+        self.fence_refs = scope.refs
+        return out
+
     def check_connected(self, where: Any) -> None:
         """All protected tables must be joined on uid equality into one privacy unit
         (`UidLinks`: what ties them for every row kept)."""
@@ -345,6 +357,7 @@ def owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Totali
     sel.fromClause = fa.capped_joins(sel.fromClause)
     if sel.whereClause is not None:
         sel.whereClause = totalize(sel.whereClause, "WHERE")
+    sel.fromClause, sel.whereClause = fa.fence(sel.fromClause, sel.whereClause)
     # a uid that an outer join can null is not a user: only the owned tables' uids bound a
     # contribution (per-user groups and windows); an unqualified one only where no nullable
     # table has a uid of that name

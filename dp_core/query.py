@@ -250,6 +250,9 @@ class AnalyzedQuery:
     offset: ast.Node | None
     plain_form: bool
     """True for `SELECT k, COUNT(*) ...` without WITH ANONYMIZATION."""
+    fence_refs: tuple[Any, ...] = ()
+    """A column of each FROM item where the query's scope joins (`dp_core.join_fence`): the
+    pushdown's own conditions on its rows are evaluated after the joins, as WHERE's are."""
     ctes: tuple[Any, ...] = ()
     """The query's (validated) WITH list, kept ahead of the pushdown's own."""
     select: tuple[SelectItem, ...] = ()

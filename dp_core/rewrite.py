@@ -30,6 +30,7 @@ from pglast.stream import RawStream
 from dp_core.binned import binned_plan, value_bin_columns
 from dp_core.bounding import Prefilter, kept_rows
 from dp_core.errors import InternalError
+from dp_core.join_fence import fenced
 from dp_core.partials import (
     check_number,
     clamp,
@@ -405,7 +406,11 @@ def _build(template: str, query: AnalyzedQuery, token: str | None = None) -> str
     if token is not None:
         where = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(where, uid_in(query, token)))
     if query.public_groups:
-        where = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(where, *_in_domains(query)))
+        # (a key's domain keeps rows by what they hold: after the joins, as WHERE's conditions)
+        domains = _in_domains(query)
+        if query.fence_refs:
+            domains = [fenced(domains, query.fence_refs)]
+        where = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(where, *domains))
     nodes: dict[str, Any] = {f"{PH}uid": query.uid, f"{PH}where": where}
     for i, key in enumerate(query.keys):
         nodes[f"{PH}k{i}"] = key.expr
