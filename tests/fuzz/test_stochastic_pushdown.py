@@ -89,6 +89,18 @@ SHAPES = {
                      "(PARTITION BY uid) AS t FROM visits) s",
     "per-user subquery": f"{DP}) ANON_SUM(d, 0, 10) FROM (SELECT uid, max(duration) AS d FROM visits "
                          "GROUP BY uid) s",
+    # joins as dp_core.join_fence rewrites them: outward from a protected table (LEFT), FULL
+    # between subqueries or where a subquery is kept, the filters after the joins
+    "three-item join, filters after it": f"{DP}) ANON_SUM(v.duration, 0, 10) FROM visits v "
+                                         "JOIN purchases p ON p.uid = v.uid JOIN countries c "
+                                         "ON c.code = v.browser WHERE v.duration > 2",
+    "per-user subqueries joined (full join)": f"{DP}) ANON_SUM(s.d, 0, 10) FROM (SELECT uid, "
+                                              "max(duration) AS d FROM visits GROUP BY uid) s "
+                                              "JOIN (SELECT uid, sum(amount) AS a FROM purchases "
+                                              "GROUP BY uid) q USING (uid) WHERE q.a > 1",
+    "subquery kept by a left join": f"{DP}) ANON_COUNT(*) FROM (SELECT uid, max(duration) AS d "
+                                    "FROM visits WHERE duration > 2 GROUP BY uid) s "
+                                    "LEFT JOIN purchases p ON p.uid = s.uid",
     "rows counted, U = 3": f"{DP}) ANON_COUNT(*, 3) FROM visits",
     "distinct values, k = 2": f"{DP}) ANON_COUNT(DISTINCT browser, 2) FROM visits",
     "gaussian": f"{DP}, delta=1e-5, noise='gaussian') ANON_SUM(duration, 0, 10) FROM visits",
