@@ -85,7 +85,7 @@ def fence(items: tuple[Any, ...], where: Any | None, scope: Scope) -> tuple[tupl
         reads = _reads(c)
         if reads == frozenset():
             kept.append(c)  # a constant (a one-time filter, evaluated before anything)
-        elif not convert and len(done) > 1 and _is_key(c, *_sides(done, c)):
+        elif not convert and len(done) > 1 and (_is_key(c, *_sides(done, c)) or _unnamed_key(c)):
             kept.append(c)  # a join key of items listed with commas
         elif not convert and reads is not None and not reads & set(scope.uids) and \
                 not any(isinstance(n, ast.SubLink) for n in _outside(c)):
@@ -204,7 +204,8 @@ def _region(node: Any, conds: list[Any], convert: bool, scope: Scope) -> Any:
         left, right = from_names(node.larg), from_names(node.rarg)
         keys: list[Any] = []
         for c in conjuncts(node.quals) if node.quals is not None else ():
-            (keys if _is_key(c, left, right) else conds).append(c)
+            key = _is_key(c, left, right) or (not convert and _unnamed_key(c))
+            (keys if key else conds).append(c)
         node.quals = _and(keys)
         if convert and (keys or node.usingClause):
             core = _core(_members(node), scope)
@@ -350,6 +351,24 @@ def _is_key(cond: Any, left: set[str], right: set[str]) -> bool:
         return False
     x, y = str(a.fields[0].sval), str(b.fields[0].sval)
     return (x in left and y in right) or (x in right and y in left)
+
+
+def _unnamed_key(cond: Any) -> bool:
+    """`x = y` of two columns, one named without its item (`ON code = country`): Postgres
+    says whose they are; in a join of two items (whose output feeds no other join) it stays
+    where it is written, a key to hash on where the columns are of both items. (Two columns
+    of one item would filter it where it is read, by an equality no literal is in.)"""
+    if not (isinstance(cond, ast.A_Expr) and cond.kind == A_Expr_Kind.AEXPR_OP
+            and cond.name and str(cond.name[-1].sval) == "=" and len(cond.name) == 1):
+        return False
+    sides = [cond.lexpr, cond.rexpr]
+    for i, side in enumerate(sides):
+        while isinstance(side, ast.TypeCast):
+            side = side.arg
+        sides[i] = side
+    fields = [tuple(s.fields or ()) if isinstance(s, ast.ColumnRef) else () for s in sides]
+    return all(f and all(isinstance(x, ast.String) for x in f) and len(f) <= 2 for f in fields) \
+        and any(len(f) == 1 for f in fields)
 
 
 def _outside(node: Any) -> list[Any]:

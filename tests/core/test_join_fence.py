@@ -44,6 +44,13 @@ def test_two_tables_keep_their_inner_join_and_filter_after_it() -> None:
         "c.code = v.country AND c.name = 'x' AND " + fence("v.uid, c.*", "v.uid IS NOT NULL"))
     assert rewritten("visits v JOIN countries c ON true WHERE c.code = v.country")[0] == \
         "public.visits AS v INNER JOIN countries AS c ON c.code = v.country"
+    # columns named without their item: Postgres says whose they are (a key, left in place)
+    assert rewritten("visits JOIN countries ON code = country WHERE duration > 3") == (
+        "public.visits INNER JOIN countries ON code = country",
+        fence("visits.uid, countries.*", "duration > 3 AND visits.uid IS NOT NULL"))
+    # two columns of one item are a filter of it
+    assert rewritten("visits v JOIN countries c ON c.code = v.country AND v.browser = v.country"
+                     )[1] == fence("v.uid, c.*", "v.browser = v.country AND v.uid IS NOT NULL")
 
 
 def test_three_items_join_from_the_protected_table_outward() -> None:
