@@ -10,7 +10,8 @@ the catalog say, never by protected data:
 
 - tied by an equality (`c.code = v.country`, in WHERE or an inner join's ON, or in an outer
   join's ON to an item of its other side) to items already bounded, on a column with a
-  unique index (a PRIMARY KEY or UNIQUE column, from the catalog): 1 row;
+  unique index (a PRIMARY KEY or UNIQUE column, from the catalog), against a column or an
+  expression cast to a type its equality compares exactly: 1 row;
 - a VALUES list tied on one of its columns: the most rows sharing one literal value there;
 - else its rows (a table's, counted up to the limit: public data the analysts may read).
 
@@ -30,7 +31,7 @@ from pglast.enums import A_Expr_Kind
 
 from dp_core.errors import ProgramLimitExceeded
 from dp_core.query import PublicItem, PublicSource, Relation, TieKey
-from dp_core.sqlnodes import conjuncts, from_name, from_names, walk_nodes
+from dp_core.sqlnodes import conjuncts, from_name, from_names, node_sql, walk_nodes
 
 PUBLIC_ROWS_PER_ROW = 100
 """The most public rows one protected row may meet in a DP query's joins (as
@@ -90,8 +91,9 @@ def ties(cond: Any, public: Sequence[str], partner: Partners,
                 continue
             literal = isinstance(other, ast.A_Const) and isinstance(other.val, (ast.String,
                                                                                  ast.Integer))
+            cast = node_sql(other.typeName) if isinstance(other, ast.TypeCast) else None
             key = TieKey(name[1], partner(other), literal,
-                         literal or _qualified(other) is not None)
+                         literal or _qualified(other) is not None, cast)
             tie = (name[0], key, reads, None) if outer is None \
                 else outer_tie(name[0], key, reads, *outer)
             if tie is not None:

@@ -219,6 +219,9 @@ class TieKey:
     bare: bool = True
     """It equals a column as it is, or a literal: Postgres joins on it (an expression of
     an outer join's nullable item may only filter the rows joined before it)."""
+    cast: str | None = None
+    """It equals an expression cast to this type, as written (`d.day = CAST(v.ts AS date)`):
+    the comparison is that type's equality, whatever the expression reads."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ index covers its partitions)."""
 _COLUMN_TYPE = ("SELECT a.atttypid::int8, a.attcollation::int8 FROM pg_catalog.pg_attribute a "
                 "WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attname = $2 "
                 "AND a.attnum > 0 AND NOT a.attisdropped")
+_CAST_TYPE = ("SELECT t.oid::int8 FROM pg_catalog.pg_type t "
+              "WHERE t.oid = pg_catalog.to_regtype($1) AND t.typcollation = 0")
 _EXACT = {20: 0, 21: 0, 23: 0, 1700: 0, 25: 1, 1043: 1, 700: 2, 701: 2}
 """Types whose equality across one another compares exactly what each holds (a cast of one to
 the other that keeps distinct values distinct): int2, int4, int8 and numeric; text and
@@ -108,25 +110,35 @@ async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
         source = item.source
         for key in item.keys:
             column = source.column(key.column)
-            if source.relation is None or column is None or key.partner is None \
+            if source.relation is None or column is None or \
+                    (key.partner is None and key.cast is None) \
                     or column not in unique.get(source.relation, set()):
                 continue
             for place in ((source.relation, column), key.partner):
+                if place is None:
+                    continue
                 if place not in types:
                     row = await conn.fetchrow(_COLUMN_TYPE, _qualified(place[0]), place[1])
                     types[place] = None if row is None else (int(row[0]), int(row[1]))
+
+    casts: dict[str, tuple[int, int] | None] = {}
+    for cast in {k.cast for item in query.public_items for k in item.keys if k.cast}:
+        row = await conn.fetchrow(_CAST_TYPE, cast)
+        casts[cast] = None if row is None else (int(row[0]), 0)
 
     def is_unique(relation: Relation, column: str, key: TieKey) -> bool:
         """One row per value of the column under the equality the tie compares it with: a
         literal takes the column's type; a column must have its type and collation, or an
         exactly comparable one (`_EXACT`), not one that casts it to a type where distinct
-        values compare equal (varchar against char, bigint against float8)."""
+        values compare equal (varchar against char, bigint against float8); so must an
+        expression cast to a type that has no collation (`CAST(v.ts AS date)`)."""
         if column not in unique[relation]:
             return False
         if key.literal:
             return True
         mine = types.get((relation, column))
-        theirs = None if key.partner is None else types.get(key.partner)
+        theirs = casts.get(key.cast) if key.cast is not None else \
+            None if key.partner is None else types.get(key.partner)
         return mine is not None and theirs is not None and (mine == theirs or (
             mine[1] == theirs[1] and _EXACT.get(mine[0], -1) == _EXACT.get(theirs[0], -2)))
 

@@ -97,6 +97,15 @@ def test_unique_columns(catalog: str, name: str, expected: set[str]) -> None:
     # integers of other widths compare exactly (visits.uid is int8); a float does not
     ("JOIN {s}.ipub a ON a.id = v.uid JOIN {s}.ipub b ON b.id = v.uid", False),
     ("JOIN {s}.ipub a ON a.f = v.uid JOIN {s}.ipub b ON b.f = v.uid", True),
+    # an expression cast to a type without a collation compares under that type's equality
+    ("JOIN {s}.ipub a ON a.id = CAST(v.duration AS int8) JOIN {s}.ipub b ON b.id = "
+     "v.duration::int4", False),
+    ("JOIN {s}.ipub a ON a.f = CAST(v.uid AS float8) JOIN {s}.ipub b ON b.f = v.uid::float8",
+     False),
+    ("JOIN {s}.ipub a ON a.id = CAST(v.uid AS float8) JOIN {s}.ipub b ON b.id = "
+     "v.uid::float8", True),  # (an integer key compared as a float)
+    ("JOIN {s}.vpub a ON a.code = CAST(v.country AS varchar) JOIN {s}.vpub b ON b.code = "
+     "v.country::varchar", True),  # (a collation: the expression's, not the key's)
     # through a protected subquery of one table's columns (and not of a computed one)
     ("JOIN {s}.cpub a ON a.code = w.country JOIN {s}.cpub b ON b.code = w.country", False),
     ("JOIN {s}.cpub a ON a.code = w.c JOIN {s}.cpub b ON b.code = w.c", True),
