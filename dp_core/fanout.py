@@ -162,29 +162,38 @@ def anchor(public: Mapping[str, PublicSource], bounded: set[str],
 Unique = Callable[[Relation, str, TieKey], bool]
 """Whether a table's column (as the catalog says) has one row per value under the equality
 a tie compares it with."""
+Composite = Callable[[Relation, Sequence[tuple[str, TieKey]]], bool]
+"""Whether a table's columns tied as listed include all the columns of a unique index of
+several (as the catalog says), each under the equality its tie compares it with."""
+
+
+def _none(relation: Relation, tied: Sequence[tuple[str, TieKey]]) -> bool:
+    return False
 
 
 def row_bound(items: Sequence[PublicItem], unique: Unique,
-              rows: Callable[[Relation], int], in_lists: Sequence[int] = ()) -> float:
+              rows: Callable[[Relation], int], in_lists: Sequence[int] = (),
+              composite: Composite = _none) -> float:
     """The most public rows one protected row meets, in joined rows: the product of each
     item's bound (1 on a unique column it is tied by; a VALUES list's repeats of the value it
     is tied on; else its rows), `unique` and `rows` saying what the catalog and the public
     tables hold; times the IN subqueries' comparisons, IN_COMPARISONS_PER_ROW to a joined row
     (`in_lists`: their rows, each of which Postgres may compare a row with where it does not
-    hash them)."""
+    hash them); `composite`: tied on all the columns of a unique index of several, 1 too."""
     total = max(1.0, sum(in_lists) / IN_COMPARISONS_PER_ROW)
     for item in items:
-        total *= _item_bound(item, unique, rows)
+        total *= _item_bound(item, unique, rows, composite)
         if total > PUBLIC_ROWS_PER_ROW:
             break
     return total
 
 
 def check_row_bound(items: Sequence[PublicItem], unique: Unique,
-                    rows: Callable[[Relation], int], in_lists: Sequence[int] = ()) -> None:
+                    rows: Callable[[Relation], int], in_lists: Sequence[int] = (),
+                    composite: Composite = _none) -> None:
     """54000 where the query's joins (and IN subqueries) may give one protected row more
     than PUBLIC_ROWS_PER_ROW public rows."""
-    bound = row_bound(items, unique, rows, in_lists)
+    bound = row_bound(items, unique, rows, in_lists, composite)
     if bound > PUBLIC_ROWS_PER_ROW:
         raise ProgramLimitExceeded(
             f"this DP query's joins with public tables can give one protected row more than "
@@ -195,30 +204,33 @@ def check_row_bound(items: Sequence[PublicItem], unique: Unique,
             "the values)")
 
 
-def counted(items: Sequence[PublicItem], unique: Unique
+def counted(items: Sequence[PublicItem], unique: Unique, composite: Composite = _none
             ) -> set[Relation]:
-    """The tables whose rows bound some item (those not tied on a unique column): the only
-    ones whose rows need counting."""
+    """The tables whose rows bound some item (those not tied on a unique column, or on all
+    the columns of a unique index): the only ones whose rows need counting."""
     return {item.source.relation for item in items if item.source.relation is not None
-            and not _on_unique(item, unique)}
+            and not _on_unique(item, unique, composite)}
 
 
-def _on_unique(item: PublicItem, unique: Unique) -> bool:
-    """Whether a table item is tied on a column with one row per value."""
+def _on_unique(item: PublicItem, unique: Unique, composite: Composite) -> bool:
+    """Whether a table item is tied on a column with one row per value, or on all the columns
+    of a unique index."""
     source = item.source
     assert source.relation is not None
-    return any((column := source.column(key.column)) is not None
-               and unique(source.relation, column, key) for key in item.keys)
+    tied = [(column, key) for key in item.keys
+            if (column := source.column(key.column)) is not None]
+    return any(unique(source.relation, column, key) for column, key in tied) or \
+        (len(tied) > 1 and composite(source.relation, tied))
 
 
 def _item_bound(item: PublicItem, unique: Unique,
-                rows: Callable[[Relation], int]) -> int:
+                rows: Callable[[Relation], int], composite: Composite) -> int:
     source = item.source
     if source.relation is None:
         tied = [source.repeats[k.column] for k in item.keys
                 if k.column in source.repeats and k.bare]  # (a bare column: a join clause)
         return min([source.rows, *tied])
-    return 1 if _on_unique(item, unique) else rows(source.relation)
+    return 1 if _on_unique(item, unique, composite) else rows(source.relation)
 
 
 def column_of(node: Any, sources: Mapping[str, PublicSource]) -> tuple[Relation, str] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pglast import ast, parse_sql
@@ -33,6 +34,19 @@ with no predicate and no expression, under the column's own collation and its ty
 default operator class (the equality `=` means): one row per value (not of a table with
 inheritance children, whose rows its index does not cover; a partitioned table's unique
 index covers its partitions)."""
+_UNIQUE_SETS = (
+    "SELECT array_agg(a.attname::text ORDER BY k.n) FROM pg_catalog.pg_index i "
+    "CROSS JOIN LATERAL unnest(i.indkey::int2[], i.indclass::oid[], i.indcollation::oid[]) "
+    "WITH ORDINALITY AS k(attnum, opclass, coll, n) "
+    "JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
+    "JOIN pg_catalog.pg_opclass o ON o.oid = k.opclass "
+    "JOIN pg_catalog.pg_class c ON c.oid = i.indrelid "
+    "WHERE i.indrelid = pg_catalog.to_regclass($1) AND i.indisunique AND i.indisvalid "
+    "AND i.indnkeyatts > 1 AND k.n <= i.indnkeyatts AND i.indpred IS NULL "
+    "AND i.indexprs IS NULL AND (c.relkind = 'p' OR NOT c.relhassubclass) "
+    "GROUP BY i.indexrelid HAVING bool_and(o.opcdefault AND k.coll = a.attcollation)")
+"""The column sets of a table's unique indexes of several columns, as `_UNIQUE_COLUMNS`
+takes single ones (a composite PRIMARY KEY): one row per combination of values."""
 _COLUMN_TYPE = ("SELECT a.atttypid::int8, a.attcollation::int8 FROM pg_catalog.pg_attribute a "
                 "WHERE a.attrelid = pg_catalog.to_regclass($1) AND a.attname = $2 "
                 "AND a.attnum > 0 AND NOT a.attisdropped")
@@ -99,20 +113,24 @@ async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
     tables = {item.source.relation for item in query.public_items
               if item.source.relation is not None}
     unique: dict[Relation, set[str]] = {}
+    sets: dict[Relation, list[frozenset[str]]] = {}
     rows: dict[Relation, int] = {}
     for relation in tables:
         if await conn.fetchval("SELECT pg_catalog.to_regclass($1) IS NULL", _qualified(relation)):
             raise UndefinedTable(f'relation "{relation[1]}" does not exist')
         unique[relation] = await unique_columns(relation, conn)
+        sets[relation] = [frozenset(r[0]) for r in
+                          await conn.fetch(_UNIQUE_SETS, _qualified(relation))]
 
     types: dict[tuple[Relation, str], tuple[int, int] | None] = {}
     for item in query.public_items:
         source = item.source
         for key in item.keys:
             column = source.column(key.column)
+            keyed = set().union(unique.get(source.relation, set()),
+                                *sets.get(source.relation, ())) if source.relation else set()
             if source.relation is None or column is None or \
-                    (key.partner is None and key.cast is None) \
-                    or column not in unique.get(source.relation, set()):
+                    (key.partner is None and key.cast is None) or column not in keyed:
                 continue
             for place in ((source.relation, column), key.partner):
                 if place is None:
@@ -132,8 +150,14 @@ async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
         exactly comparable one (`_EXACT`), not one that casts it to a type where distinct
         values compare equal (varchar against char, bigint against float8); so must an
         expression cast to a type that has no collation (`CAST(v.ts AS date)`)."""
-        if column not in unique[relation]:
-            return False
+        return column in unique[relation] and exact(relation, column, key)
+
+    def on_composite(relation: Relation, tied: Sequence[tuple[str, TieKey]]) -> bool:
+        """All the columns of a unique index of several tied, each as `is_unique` asks."""
+        cols = {column for column, key in tied if exact(relation, column, key)}
+        return any(s <= cols for s in sets[relation])
+
+    def exact(relation: Relation, column: str, key: TieKey) -> bool:
         if key.literal:
             return True
         mine = types.get((relation, column))
@@ -142,11 +166,11 @@ async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
         return mine is not None and theirs is not None and (mine == theirs or (
             mine[1] == theirs[1] and _EXACT.get(mine[0], -1) == _EXACT.get(theirs[0], -2)))
 
-    for relation in counted(query.public_items, is_unique) - rows.keys():
+    for relation in counted(query.public_items, is_unique, on_composite) - rows.keys():
         rows[relation] = int(await conn.fetchval(
             f"SELECT count(*) FROM (SELECT FROM {_qualified(relation)} "
             f"LIMIT {PUBLIC_ROWS_PER_ROW + 1}) s"))
     in_lists = [int(await conn.fetchval(sql)) for sql in
                 standalone_subqueries(query, in_lists=True,
                                       limit=PUBLIC_ROWS_PER_ROW * IN_COMPARISONS_PER_ROW + 1)]
-    check_row_bound(query.public_items, is_unique, rows.__getitem__, in_lists)
+    check_row_bound(query.public_items, is_unique, rows.__getitem__, in_lists, on_composite)

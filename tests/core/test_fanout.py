@@ -163,3 +163,20 @@ def test_in_subqueries_multiply_by_their_rows() -> None:
     assert row_bound((), lambda r, c, k: False, ROWS.__getitem__, [5]) == 1  # (at least 1)
     items = [PublicItem(PublicSource(rows=10))]
     assert row_bound(items, lambda r, c, k: False, ROWS.__getitem__, [152]) > 100
+
+
+def test_a_composite_unique_key_counts_one_row_when_all_its_columns_are_tied() -> None:
+    """regions' (name, country) is unique together: tied on both, one row; on one, its 6."""
+    def composite(relation: Relation, tied: object) -> bool:
+        return relation == (None, "regions") and {"name", "country"} <= {c for c, _ in tied}  # type: ignore[attr-defined]
+
+    def bound(on: str) -> float:
+        query, _, _ = build("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits v JOIN regions r "
+                            f"ON {on}")
+        return row_bound(query.public_items, lambda r, c, k: False, ROWS.__getitem__,
+                         composite=composite)
+
+    assert bound("r.name = v.browser AND r.country = v.country") == 1
+    assert bound("r.name = v.browser AND r.country = 'FR'") == 1
+    assert bound("r.name = v.browser") == 6
+    assert bound("r.name = v.browser AND r.other = v.country") == 6

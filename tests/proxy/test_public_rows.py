@@ -43,6 +43,8 @@ OBJECTS = [
     f"INSERT INTO {SCHEMA}.vpub SELECT 'US' || repeat(' ', i) FROM generate_series(0, 10) i",
     f"CREATE TABLE {SCHEMA}.ipub (id int4 PRIMARY KEY, f float8 UNIQUE)",
     f"INSERT INTO {SCHEMA}.ipub SELECT i, i FROM generate_series(1, 11) i",
+    f"CREATE TABLE {SCHEMA}.comp (a int4, b text, PRIMARY KEY (a, b))",
+    f"INSERT INTO {SCHEMA}.comp SELECT i % 3, 'x' || i FROM generate_series(0, 10) i",
     f"CREATE TABLE {SCHEMA}.cpub (code char(2) PRIMARY KEY)",
     f"INSERT INTO {SCHEMA}.cpub SELECT chr(65 + i) || 'X' FROM generate_series(0, 10) i",
 ]
@@ -106,6 +108,12 @@ def test_unique_columns(catalog: str, name: str, expected: set[str]) -> None:
      "v.uid::float8", True),  # (an integer key compared as a float)
     ("JOIN {s}.vpub a ON a.code = CAST(v.country AS varchar) JOIN {s}.vpub b ON b.code = "
      "v.country::varchar", True),  # (a collation: the expression's, not the key's)
+    # a composite PRIMARY KEY: tied on all its columns, one row; on some, its rows (11)
+    ("JOIN {s}.comp a ON a.a = v.duration AND a.b = v.browser JOIN {s}.comp b "
+     "ON b.b = v.browser AND b.a = 2", False),
+    ("JOIN {s}.comp a ON a.a = v.duration JOIN {s}.comp b ON b.a = v.duration", True),
+    ("JOIN {s}.comp a ON a.a = v.uid::float8 AND a.b = v.browser JOIN {s}.comp b "
+     "ON b.b = v.browser AND b.a = v.uid::float8", True),  # (one compared as a float)
     # through a protected subquery of one table's columns (and not of a computed one)
     ("JOIN {s}.cpub a ON a.code = w.country JOIN {s}.cpub b ON b.code = w.country", False),
     ("JOIN {s}.cpub a ON a.code = w.c JOIN {s}.cpub b ON b.code = w.c", True),
