@@ -358,7 +358,8 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     for clause, what in ((stmt.limitCount, "LIMIT"), (stmt.limitOffset, "OFFSET")):
         _constant_count(clause, what)
     return AnalyzedQuery(
-        from_clause=from_clause, where=where, fence_refs=fa.fence_refs, uid=uid,
+        from_clause=from_clause, where=where, fence_refs=fa.fence_refs,
+        ranges_after_joins=fa.fence_converted, uid=uid,
         tables=tuple(fa.tables), keys=tuple(keys),
         aggregates=tuple(aggregates), outputs=tuple(outputs), having=having,
         order_by=order_by, limit=stmt.limitCount, offset=stmt.limitOffset,

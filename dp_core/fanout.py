@@ -36,6 +36,11 @@ from dp_core.sqlnodes import conjuncts, from_name, from_names, node_sql, walk_no
 PUBLIC_ROWS_PER_ROW = 100
 """The most public rows one protected row may meet in a DP query's joins (as
 `ownership.JOIN_ROWS_PER_USER` bounds a user's rows in a join of protected tables)."""
+SUBLINK_READ_ROWS = 10_000
+"""The rows an IN or EXISTS subquery may read (its table's, its WHERE aside). Postgres runs
+one once, and only where a row of the query reaches it: whether it runs at all can depend on
+one user's rows, so what it reads must be small (10,000 rows: about a millisecond, within
+the release quantum; `dp_core.join_fence`)."""
 IN_COMPARISONS_PER_ROW = 10
 """An IN subquery's row costs a protected row one comparison (where Postgres scans them
 rather than hash them), a joined row its trip through the join and the per-user aggregation:

@@ -12,29 +12,40 @@ or an IN / EXISTS subquery) so that no input of a join is filtered by protected 
 
 - **Filters after the joins.** Every condition of WHERE, and of an inner join's ON, other
   than a join key (`a.x = b.y`, columns of items on either side: what Postgres hashes or
-  merges on), a constant (an uncorrelated EXISTS too: run once, before anything) or, in a
-  join of two items, a condition on public rows alone, is evaluated only where every FROM
-  item of the scope is joined:
+  merges on) or a constant (an uncorrelated EXISTS too: run once, before anything), is
+  evaluated only where every FROM item of the scope is joined:
   `CASE WHEN num_nulls(<a column of each item>) >= 0 THEN <conditions> END`, which reads
   every item (so Postgres cannot evaluate it before they are all joined), is true exactly
   where the conditions are, and is not strict (so no outer join is reduced around it). IN and
-  EXISTS subqueries come first in it, so that the first joined row evaluates them.
+  EXISTS subqueries come first in it, so that the first joined row evaluates them. Conditions
+  on public rows alone too: `c.code = 'VU'` with the key `c.code = v.country` would become
+  `v.country = 'VU'` where visits is read.
 - **Outer-join chains.** Where a group of items joined by inner joins has three or more
-  members (the items, and an outer join's nullable side, count one each), the join of two of
-  them could be empty through a key joined to a public item of a few chosen rows (`JOIN
-  (VALUES (42)) t(u) ON t.u = p.uid`) and so skip the rest: each inner join there becomes a
-  LEFT JOIN on its keys, the scope's conditions asking that its right side matched (a key
-  column of it is not NULL). Every join's left input is then all of the first item's rows.
+  members (the items, and an outer join's nullable side, count one each), or holds a
+  subquery over protected rows, the join of two of them could be empty (through a key to a
+  public item of a few chosen rows, `JOIN (VALUES (42)) t(u) ON t.u = p.uid`, or a subquery's
+  own WHERE) and so skip the rest: each inner join there becomes an outer join on its keys
+  that keeps the side holding the group's core (a protected table, else a public item;
+  between subqueries alone, a FULL JOIN), the scope's conditions asking that the other side
+  matched (a key column of it is not NULL). The pushdown runs with `PLANNER_SETTINGS`, so
+  that Postgres joins in this order (it would nest one outer join inside another).
 - **Nullable sides.** Conditions inside an outer join's nullable side (its inner joins', and
   the outer join's own ON on that side) are fenced into that ON over the side's items alone:
-  an empty nullable side never cuts the preserved side's work.
-- **Sentinel rows.** A subquery or WITH query over protected rows, joined to other items, may
-  be empty by its own WHERE: it gets one row of NULLs when it has none (a row no uid equals,
-  whose owner is NULL: no answer counts it), so a join with it always reads the other side.
+  an empty nullable side never cuts the preserved side's work. Its joins keep the one item
+  the outer join's keys touch (keys on its other items join the fence): a key strict on an
+  item they could null would make Postgres turn that join inner again.
+- **Sentinel rows.** A subquery or WITH query over protected rows that a join keeps (a
+  nullable side's core, a FULL JOIN's side, an outer join's preserved side without a key)
+  gets one row of NULLs when it has none (a row no uid equals, whose owner is NULL: no answer
+  counts it), so a join with it always reads the other side.
+- **Public subqueries kept apart** (OFFSET 0): merged into the scope, their constants would
+  reach the protected item through the join key, as above.
 
 What is left: join keys filter (an equality of two items' columns keeps the pairs that are
 equal), where no literal names a user; a merge join stops at the last key of a side (which
-the largest uid of a table decides); a table with no rows at all. docs/privacy.md (Timing).
+the largest uid of a table decides); a table with no rows at all; an IN or EXISTS subquery
+runs once where a row reaches it (what it reads is bounded: `fanout.SUBLINK_READ_ROWS`).
+docs/privacy.md (Timing).
 """
 
 from __future__ import annotations
@@ -57,8 +68,22 @@ class Scope:
 
     uids: Mapping[str, str]
     derived: frozenset[str] = frozenset()
+    public_ctes: frozenset[str] = frozenset()
+    """The names of WITH queries over public rows (`_kept_apart`)."""
     refs: tuple[Any, ...] = field(default=())
     """The fence's columns (one per FROM item), once `fence` has found the scope joins."""
+    converted: bool = False
+    """Some inner join became an outer one: a strict condition on the uid added later (a
+    split's uid range) would turn it back, and goes in the fence too."""
+    whole: set[str] = field(default_factory=set)
+    """Subqueries given sentinel rows: never empty, they keep a join's rows as a table does."""
+
+
+PLANNER_SETTINGS = {"join_collapse_limit": "1", "from_collapse_limit": "1"}
+"""Settings of the pushdown's transaction: Postgres joins the FROM items in the order the
+rewrite writes them. (It would otherwise move a join inside another one where the
+conditions allow: `(p LEFT JOIN v ON ...) LEFT JOIN s ON s.uid = v.uid` as `p LEFT JOIN (v
+LEFT JOIN s ...)`, where an empty filtered `v` would skip `s`.)"""
 
 
 def fence(items: tuple[Any, ...], where: Any | None, scope: Scope) -> tuple[tuple[Any, ...], Any | None]:
@@ -75,11 +100,13 @@ def fence(items: tuple[Any, ...], where: Any | None, scope: Scope) -> tuple[tupl
             if not _into_join(c, items)]
     members = [n for i in items for n in _members(i)]
     convert = sum(_units(i) for i in items) >= 3 or any(n in scope.derived for n in members)
-    done = [_region(i, conds, convert, scope) for i in items]
+    scope.converted = convert
+    done = [_kept_apart(i, scope) for i in items]
     if len(done) > 1 and convert:
-        done = [_chain(done, rest, conds, scope)]
-    elif len(done) == 1 and convert and from_name(done[0]) in scope.derived:
-        done = [_sentinel(done[0])]
+        done = [_chain(done, rest, scope)]
+    done = [_region(i, conds, convert, scope) for i in done]
+    if len(done) == 1 and convert and from_name(done[0]) in scope.derived:
+        done = [_whole(done[0], scope)]
     kept = []
     for c in rest:
         reads = _reads(c)
@@ -87,9 +114,6 @@ def fence(items: tuple[Any, ...], where: Any | None, scope: Scope) -> tuple[tupl
             kept.append(c)  # a constant (a one-time filter, evaluated before anything)
         elif not convert and len(done) > 1 and (_is_key(c, *_sides(done, c)) or _unnamed_key(c)):
             kept.append(c)  # a join key of items listed with commas
-        elif not convert and reads is not None and not reads & set(scope.uids) and \
-                not any(isinstance(n, ast.SubLink) for n in _outside(c)):
-            kept.append(c)  # public rows only (the join of two items feeds no other join)
         else:
             conds.append(c)
     if conds:
@@ -188,59 +212,139 @@ def _core(names: list[str], scope: Scope) -> str | None:
     the query asks of them), else a public item (public rows), else a subquery (which gets
     sentinel rows)."""
     def rank(name: str) -> int:
+        if name in scope.whole:
+            return 0
         return 2 if name in scope.derived else 0 if name in scope.uids else 1
     return min(names, key=rank, default=None)
 
 
-def _region(node: Any, conds: list[Any], convert: bool, scope: Scope) -> Any:
+def _region(node: Any, conds: list[Any], convert: bool, scope: Scope,
+            prefer: str | None = None) -> Any:
     """`node` with its joins rewritten; conditions to evaluate after the group's joins go to
     `conds`. `convert`: each inner join with keys becomes an outer join that keeps the side
-    holding the group's core (`_core`)."""
+    holding the group's core (`_core`, or `prefer` where it is one of the group's items)."""
     if not isinstance(node, ast.JoinExpr):
         return node
     if node.jointype == JoinType.JOIN_INNER:
-        node.larg = _region(node.larg, conds, convert, scope)
-        node.rarg = _region(node.rarg, conds, convert, scope)
         left, right = from_names(node.larg), from_names(node.rarg)
-        keys: list[Any] = []
-        for c in conjuncts(node.quals) if node.quals is not None else ():
-            key = _is_key(c, left, right) or (not convert and _unnamed_key(c))
-            (keys if key else conds).append(c)
+        quals = list(conjuncts(node.quals)) if node.quals is not None else []
+        keys = [c for c in quals if _is_key(c, left, right) or (not convert and _unnamed_key(c))]
+        conds += [c for c in quals if not any(c is k for k in keys)]
         node.quals = _and(keys)
-        if convert and (keys or node.usingClause):
-            core = _core(_members(node), scope)
-            if core in scope.derived:  # (subqueries alone: a FULL JOIN reads both sides)
-                node.jointype = JoinType.JOIN_FULL
-                conds += [_matched(node.larg, keys, node.usingClause, scope),
-                          _matched(node.rarg, keys, node.usingClause, scope)]
-                return node
-            keep_left = core in left
-            conds.append(_matched(node.rarg if keep_left else node.larg, keys, node.usingClause,
-                                  scope))
-            node.jointype = JoinType.JOIN_LEFT if keep_left else JoinType.JOIN_RIGHT
+        if not convert or not (keys or node.usingClause):  # (or a cross join: both as they are)
+            node.larg = _region(node.larg, conds, convert, scope, prefer)
+            node.rarg = _region(node.rarg, conds, convert, scope, prefer)
+            return node
+        members = _members(node)
+        core = prefer if prefer in members else _core(members, scope)
+        if core in scope.derived and core not in scope.whole:
+            # (subqueries alone, outside any nullable side: a FULL JOIN reads both sides)
+            node.larg = _region(node.larg, conds, True, scope)
+            node.rarg = _region(node.rarg, conds, True, scope)
+            node.jointype = JoinType.JOIN_FULL
+            conds += [_matched(node.larg, keys, node.usingClause, scope),
+                      _matched(node.rarg, keys, node.usingClause, scope)]
+            return node
+        keep_left = core in left
+        kept, other = (node.larg, node.rarg) if keep_left else (node.rarg, node.larg)
+        kept = _region(kept, conds, True, scope, core)
+        other, keys = _nullable_side(other, keys, conds, scope)
+        conds.append(_matched(other, keys, node.usingClause, scope))
+        node.quals = _and(keys)
+        node.larg, node.rarg = (kept, other) if keep_left else (other, kept)
+        node.jointype = JoinType.JOIN_LEFT if keep_left else JoinType.JOIN_RIGHT
         return node
-    if node.jointype == JoinType.JOIN_FULL:  # (it reads both sides whatever they hold)
+    if node.jointype == JoinType.JOIN_FULL:
+        # (it reads both sides whatever they hold, unless a strict condition above turns it
+        # into an outer join that keeps one: a subquery there gets sentinel rows)
         for side in (node.larg, node.rarg):
             if isinstance(side, ast.JoinExpr):
                 raise refuse("a FULL JOIN of a join (join its items to the FULL JOIN one by one)",
                               node_sql(node))
+        node.larg, node.rarg = (_whole(side, scope) for side in (node.larg, node.rarg))
         return node
     left_kept = node.jointype == JoinType.JOIN_LEFT
     kept, nullable = (node.larg, node.rarg) if left_kept else (node.rarg, node.larg)
-    kept = _region(kept, conds, convert, scope)
-    inner: list[Any] = []
-    nullable = _region(nullable, inner, True, scope)
-    node.larg, node.rarg = (kept, nullable) if left_kept else (nullable, kept)
+    kept = _region(kept, conds, convert, scope, prefer)
     names = _leaf_names(nullable)
     if len(names) >= 2:
-        keys = []
-        for c in conjuncts(node.quals) if node.quals is not None else ():
-            (keys if _is_key(c, from_names(kept), set(names)) else inner).append(c)
+        # its ON's conditions but its keys to one item, and those of the nullable side's own
+        # joins, after those joins (over the nullable side's items only)
+        inner: list[Any] = []
+        quals = list(conjuncts(node.quals)) if node.quals is not None else []
+        keys = [c for c in quals if _is_key(c, from_names(kept), set(names))]
+        inner += [c for c in quals if not any(c is k for k in keys)]
+        nullable, keys = _nullable_side(nullable, keys, inner, scope)
         if inner:
             keys.append(fenced(inner, tuple(_ref(n, scope) for n in names)))
         node.quals = _and(keys)
+    node.larg, node.rarg = (kept, nullable) if left_kept else (nullable, kept)
     if from_name(kept) in scope.derived:
         _kept_whole(node, kept, conds, scope)
+    return node
+
+
+def _nullable_side(side: Any, keys: list[Any], conds: list[Any],
+                   scope: Scope) -> tuple[Any, list[Any]]:
+    """The nullable side of an outer join (or of an inner one made outer), rewritten, and the
+    join's keys left to it. Its own joins keep the item the keys touch (a key on another item
+    would be strict on a side they may null: Postgres would make that join inner again, and
+    an empty input of it would skip the rest), with sentinel rows where that is a subquery;
+    keys on its other items go to `conds` with the rest."""
+    names = _leaf_names(side)
+    if len(names) < 2:
+        return side, keys
+    touched = [n for n in names if any(n in (_reads(k) or ()) for k in keys)]
+    core = touched[0] if touched else _core(_members(side), scope)
+    kept = [k for k in keys if core in (_reads(k) or ())]
+    conds += [k for k in keys if not any(k is c for c in kept)]
+    side = _whole_core(side, core, scope)
+    return _region(side, conds, True, scope, core), kept
+
+
+def _whole(node: Any, scope: Scope) -> Any:
+    """`node` with sentinel rows where it is a subquery over protected rows."""
+    name = from_name(node)
+    if name is None or name not in scope.derived or isinstance(node, ast.JoinExpr):
+        return node
+    scope.whole.add(name)
+    return _sentinel(node)
+
+
+def _whole_core(node: Any, core: str | None, scope: Scope) -> Any:
+    """`node` (a nullable side) with sentinel rows on its core where that is a subquery: its
+    joins keep the core's rows, so it must have some."""
+    if core is None or core not in scope.derived:
+        return node
+    if not isinstance(node, ast.JoinExpr):
+        return _whole(node, scope) if from_name(node) == core else node
+    node.larg = _whole_core(node.larg, core, scope)
+    node.rarg = _whole_core(node.rarg, core, scope)
+    return node
+
+
+def _kept_apart(node: Any, scope: Scope) -> Any:
+    """A public subquery or WITH query not merged into the scope (OFFSET 0): merged, a
+    condition of its own on a join key (`WHERE code = 'VU'`) would become one on the
+    protected item joined to it (`v.country = 'VU'`), filtering it where it is read."""
+    if isinstance(node, ast.JoinExpr):
+        node.larg, node.rarg = _kept_apart(node.larg, scope), _kept_apart(node.rarg, scope)
+        return node
+    name = from_name(node)
+    if name is None or name in scope.uids:
+        return node
+    if isinstance(node, ast.RangeVar) and node.schemaname is None and \
+            str(node.relname) in scope.public_ctes:
+        sub: Any = parse_sql("SELECT * FROM dp_cte OFFSET 0")[0].stmt
+        rv = copy.copy(node)
+        rv.alias = None
+        sub.fromClause = (rv,)
+        return ast.RangeSubselect(lateral=False, subquery=sub,
+                                  alias=node.alias or ast.Alias(aliasname=name))
+    if isinstance(node, ast.RangeSubselect) and isinstance(node.subquery, ast.SelectStmt) \
+            and node.subquery.limitCount is None and node.subquery.limitOffset is None \
+            and not node.subquery.valuesLists:
+        node.subquery.limitOffset = ast.A_Const(val=ast.Integer(ival=0))
     return node
 
 
@@ -264,10 +368,11 @@ def _kept_whole(join: ast.JoinExpr, kept: Any, conds: list[Any], scope: Scope) -
         join.rarg = _sentinel(kept)
 
 
-def _chain(items: list[Any], rest: list[Any], conds: list[Any], scope: Scope) -> Any:
-    """FROM items listed with commas, in a group that converts, as one chain of LEFT JOINs on
+def _chain(items: list[Any], rest: list[Any], scope: Scope) -> Any:
+    """FROM items listed with commas, in a group that converts, as one chain of inner joins on
     the keys of `rest` (WHERE's conditions; those used are taken out), from the item holding
-    the group's core; an item no key ties to those before it is cross joined."""
+    the group's core (`_region` then makes them outer); an item no key ties to those before
+    it is cross joined."""
     core = _core([n for i in items for n in _members(i)], scope)
     first = next(i for i in items if core in _members(i))
     chain, names = first, from_names(first)
@@ -280,17 +385,11 @@ def _chain(items: list[Any], rest: list[Any], conds: list[Any], scope: Scope) ->
         else:
             item, keys = todo[0], []
         todo.remove(item)
-        join = ast.JoinExpr(jointype=JoinType.JOIN_INNER, larg=chain, rarg=item,
-                            quals=_and(keys), isNatural=False)
-        if keys:
-            for k in keys:
-                rest.remove(k)
-            conds.append(_matched(item, keys, None, scope))
-            join.jointype = JoinType.JOIN_LEFT
-            if core in scope.derived:  # (subqueries alone: a FULL JOIN reads both sides)
-                conds.append(_matched(join.larg, keys, None, scope))
-                join.jointype = JoinType.JOIN_FULL
-        chain, names = join, names | from_names(item)
+        for k in keys:
+            rest.remove(k)
+        chain = ast.JoinExpr(jointype=JoinType.JOIN_INNER, larg=chain, rarg=item,
+                             quals=_and(keys), isNatural=False)
+        names = names | from_names(item)
     return chain
 
 

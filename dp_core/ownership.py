@@ -121,6 +121,8 @@ class FromAnalysis:
         self.ties: list[Tie] = []
         """Equalities that tie a public item's column to other items (`fanout.ties`)."""
         self.fence_refs: tuple[Any, ...] = ()
+        self.fence_converted = False
+        """(`fence`: a column of each FROM item, and whether an inner join became outer.)"""
         self.columns: dict[str, PublicSource] = {}
         """Protected tables, and subqueries of one table: the columns they read as they are
         (a tie's partner, `fanout.column_of`)."""
@@ -290,9 +292,10 @@ class FromAnalysis:
         (`dp_core.join_fence`); `self.fence_refs` then holds the fence's columns (none where
         the scope does not join)."""
         scope = Scope({t.alias: t.uid_column for t in self.tables},
-                      frozenset(t.alias for t in self.tables if t.derived))
+                      frozenset(t.alias for t in self.tables if t.derived),
+                      frozenset(n for n, uid in self.ctes.items() if uid is None))
         out = fence(items, where, scope)
-        self.fence_refs = scope.refs
+        self.fence_refs, self.fence_converted = scope.refs, scope.converted
         return out
 
     def check_connected(self, where: Any) -> None:

@@ -80,6 +80,25 @@ def standalone_subqueries(query: AnalyzedQuery, in_lists: bool = False,
     return out
 
 
+def sublink_read_counts(query: AnalyzedQuery, limit: int) -> list[str]:
+    """For each IN or EXISTS subquery of `query`, a statement counting (up to `limit`) the rows
+    of what it reads, its WHERE aside: the rows it may scan when it runs (public data)."""
+    out = []
+    for sub in query.sublinks:
+        if not sub.fromClause:
+            continue  # (VALUES, or a SELECT of constants: nothing to scan)
+        inner: Any = parse_sql(f"SELECT 1 FROM dp_x LIMIT {int(limit)}")[0].stmt
+        inner.fromClause = copy.deepcopy(sub.fromClause)
+        outer: Any = parse_sql("SELECT count(*) FROM dp_x AS dp_n")[0].stmt
+        outer.fromClause = (ast.RangeSubselect(lateral=False, subquery=inner,
+                                               alias=ast.Alias(aliasname="dp_n")),)
+        if query.ctes:
+            outer.withClause = ast.WithClause(ctes=tuple(copy.deepcopy(query.ctes)),
+                                              recursive=False)
+        out.append(str(RawStream()(outer)))
+    return out
+
+
 def column_probe_sql(query: AnalyzedQuery, name: tuple[str, ...]) -> str:
     """`SELECT name FROM <the query's FROM> WHERE FALSE GROUP BY <its GROUP BY>`: prepared, never
     run, so that Postgres says what a name of HAVING or ORDER BY is (`names.InputColumns`): it

@@ -256,6 +256,9 @@ class AnalyzedQuery:
     fence_refs: tuple[Any, ...] = ()
     """A column of each FROM item where the query's scope joins (`dp_core.join_fence`): the
     pushdown's own conditions on its rows are evaluated after the joins, as WHERE's are."""
+    ranges_after_joins: bool = False
+    """Some inner join of the query became an outer one (`join_fence`): a split's uid range,
+    strict, would turn it back, so it is tested after the joins too."""
     ctes: tuple[Any, ...] = ()
     """The query's (validated) WITH list, kept ahead of the pushdown's own."""
     select: tuple[SelectItem, ...] = ()

@@ -404,7 +404,10 @@ def _build(template: str, query: AnalyzedQuery, token: str | None = None) -> str
     stmt = parse_sql(template)[0].stmt
     where = query.where or ast.A_Const(val=ast.Boolean(boolval=True))
     if token is not None:
-        where = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(where, uid_in(query, token)))
+        within = uid_in(query, token)
+        if query.ranges_after_joins:
+            within = fenced([within], query.fence_refs)
+        where = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(where, within))
     if query.public_groups:
         # (a key's domain keeps rows by what they hold: after the joins, as WHERE's conditions)
         domains = _in_domains(query)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import asyncpg
@@ -194,7 +195,14 @@ class Preparer:
             cache_key: tuple[Any, ...] = (st.sql, bind.param_formats if bind else None,
                          bind.params if bind else None, tuple(param_types), *meaning)
             # the groups a query of public groups releases (read now, as the analysts could)
-            public_keys = await self._public_keys(query, conn) if query.public_groups else None
+            public_keys = None
+            if query.public_groups:
+                domains = await self._domains(query, conn)
+                public_keys = _combinations(domains)
+                # a table's keys written into the pushdown as a list, as listed keys are: its
+                # IN subquery would run only where a row reaches it (`dp_core.join_fence`)
+                query = _listed(query, domains)
+                cache_key = (*cache_key, tuple(tuple(d) for d in domains))
             tuned = None
             if settings.max_rows is None and tunings is not None and may_use_tuning(query):
                 tuned = applied(query, self.policy, await tunings())
@@ -277,9 +285,8 @@ class Preparer:
         return plan
 
     @staticmethod
-    async def _public_keys(query: AnalyzedQuery, conn: Any) -> list[tuple[str, ...]]:
-        """Every combination of the keys' public domains (a public table's keys read now, as
-        the analysts could): the groups a query of public groups releases."""
+    async def _domains(query: AnalyzedQuery, conn: Any) -> list[list[str]]:
+        """Each key's public domain (a public table's keys read now, as the analysts could)."""
         domains: list[list[str]] = []
         for key in query.keys:
             d = key.domain
@@ -292,13 +299,7 @@ class Preparer:
             rows = await conn.fetch(f"SELECT DISTINCT ({column})::text AS k FROM {schema}.{table} "
                                     f"WHERE {column} IS NOT NULL LIMIT {MAX_PUBLIC_KEYS + 1}")
             domains.append([str(r["k"]) for r in rows])
-        total = math.prod(len(d) for d in domains)
-        if total > MAX_PUBLIC_KEYS or total == 0:
-            raise ProgramLimitExceeded(
-                f"the public keys of this GROUP BY make {total} groups (a query of public groups "
-                f"releases 1 to {MAX_PUBLIC_KEYS} of them)",
-                hint="filter in a subquery, or group by fewer columns with public keys")
-        return list(itertools.product(*domains))
+        return domains
 
     async def _check_relations(self, query: AnalyzedQuery, conn: Any) -> None:
         """Refuse (42501) a DP query that reads by name a table the analysts may not read
@@ -389,3 +390,24 @@ class Preparer:
                     names=(ast.String(sval=schema), ast.String(sval=name))))
             out[i + 1] = const
         return out
+
+
+def _combinations(domains: list[list[str]]) -> list[tuple[str, ...]]:
+    """Every combination of the keys' public domains: the groups a query of public groups
+    releases."""
+    total = math.prod(len(d) for d in domains)
+    if total > MAX_PUBLIC_KEYS or total == 0:
+        raise ProgramLimitExceeded(
+            f"the public keys of this GROUP BY make {total} groups (a query of public groups "
+            f"releases 1 to {MAX_PUBLIC_KEYS} of them)",
+            hint="filter in a subquery, or group by fewer columns with public keys")
+    return list(itertools.product(*domains))
+
+
+def _listed(query: AnalyzedQuery, domains: list[list[str]]) -> AnalyzedQuery:
+    """`query` with each key's domain read from a public table listed instead."""
+    keys = tuple(k if k.domain is None or k.domain.keys is not None
+                 else replace(k, domain=KeyDomain(tuple(d)))
+                 for k, d in zip(query.keys, domains, strict=True))
+    return replace(query, keys=keys)
+

@@ -7,15 +7,16 @@ from typing import Any
 
 from pglast import ast, parse_sql
 
-from dp_core.errors import UndefinedTable
+from dp_core.errors import ProgramLimitExceeded, UndefinedTable
 from dp_core.fanout import (
     IN_COMPARISONS_PER_ROW,
     PUBLIC_ROWS_PER_ROW,
+    SUBLINK_READ_ROWS,
     check_row_bound,
     counted,
     selected_source,
 )
-from dp_core.probes import standalone_subqueries
+from dp_core.probes import standalone_subqueries, sublink_read_counts
 from dp_core.query import AnalyzedQuery, Relation, TieKey
 from dp_core.sqlnodes import func_name, walk_nodes
 from server.backend_setup import quote_ident
@@ -170,6 +171,13 @@ async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
         rows[relation] = int(await conn.fetchval(
             f"SELECT count(*) FROM (SELECT FROM {_qualified(relation)} "
             f"LIMIT {PUBLIC_ROWS_PER_ROW + 1}) s"))
+    for sql in sublink_read_counts(query, SUBLINK_READ_ROWS + 1):
+        if int(await conn.fetchval(sql)) > SUBLINK_READ_ROWS:
+            raise ProgramLimitExceeded(
+                f"an IN or EXISTS subquery of this DP query reads a table of more than "
+                f"{SUBLINK_READ_ROWS} rows (it runs only where a row reaches it: its time "
+                f"could tell one user's rows)", hint="join the table on its key instead, or "
+                "list the values")
     in_lists = [int(await conn.fetchval(sql)) for sql in
                 standalone_subqueries(query, in_lists=True,
                                       limit=PUBLIC_ROWS_PER_ROW * IN_COMPARISONS_PER_ROW + 1)]

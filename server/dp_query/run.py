@@ -15,6 +15,7 @@ import asyncpg
 from config import Config
 from dp_core.binned import Binned, TuningStats, binned_plan, binned_row, resolve, value_bin_columns
 from dp_core.errors import InternalError
+from dp_core.join_fence import PLANNER_SETTINGS
 from dp_core.mechanisms import secure_rng
 from dp_core.plan import DPQueryPlan, replan_with_bounds
 from dp_core.quantiles import FoundBounds, choose_bounds
@@ -319,6 +320,9 @@ class PushdownRunner:
         # enforced by Postgres for each statement (the ledger's have none)
         timeout = self.config.backend.statement_timeout
         await conn.execute(f"SET LOCAL statement_timeout = {int(timeout * 1000)}")
+        # the joins in the order the rewrite writes them (`join_fence.PLANNER_SETTINGS`)
+        for name, value in PLANNER_SETTINGS.items():
+            await conn.execute(f"SET LOCAL {name} = {value}")
         if per_bin:
             await conn.execute(f"SET LOCAL hash_mem_multiplier = {_BINNED_HASH_MEM}")
         if timezone is not None:

@@ -41,7 +41,7 @@ def test_two_tables_keep_their_inner_join_and_filter_after_it() -> None:
     # a key written in WHERE stays a key, of the comma join or of the join it belongs to
     assert rewritten("visits v, countries c WHERE c.code = v.country AND c.name = 'x'") == (
         "public.visits AS v, countries AS c",
-        "c.code = v.country AND c.name = 'x' AND " + fence("v.uid, c.*", "v.uid IS NOT NULL"))
+        "c.code = v.country AND " + fence("v.uid, c.*", "c.name = 'x' AND v.uid IS NOT NULL"))
     assert rewritten("visits v JOIN countries c ON true WHERE c.code = v.country")[0] == \
         "public.visits AS v INNER JOIN countries AS c ON c.code = v.country"
     # columns named without their item: Postgres says whose they are (a key, left in place)
@@ -93,8 +93,22 @@ def test_a_nullable_side_of_several_items_is_filtered_after_its_joins() -> None:
                            "AND c.name = 'x') ON v.uid = p.uid AND v.duration = 4")
     assert frm == (f"{P} LEFT JOIN ({V} LEFT JOIN countries AS c ON c.code = v.country) "
                    "ON v.uid = p.uid AND " + fence(
-                       "v.uid, c.*", "c.name = 'x' AND c.code IS NOT NULL AND v.duration = 4"))
+                       "v.uid, c.*", "v.duration = 4 AND c.name = 'x' AND c.code IS NOT NULL"))
     assert where == fence("p.uid, v.uid, c.*", "p.uid IS NOT NULL")
+
+
+def test_public_subqueries_are_kept_apart_and_their_keys_on_the_nullable_side_one_item() -> None:
+    """A public subquery is not merged (OFFSET 0: its constants would become conditions on
+    the protected item joined to it); a nullable side's joins keep the item its outer join's
+    keys touch, keys on its other items go after the joins."""
+    frm, _ = rewritten("visits v JOIN (SELECT code FROM countries WHERE code = 'VU') c "
+                       "ON c.code = v.country")
+    assert frm.endswith("(SELECT code FROM countries WHERE code = 'VU' OFFSET 0) AS c "
+                        "ON c.code = v.country")
+    frm, _ = rewritten("purchases p LEFT JOIN (visits v JOIN (VALUES (7)) t(u) ON t.u = v.uid) "
+                       "ON v.uid = p.uid AND t.u = p.uid")
+    assert frm == (f"{P} LEFT JOIN ({V} LEFT JOIN ((VALUES (7))) AS t (u) ON t.u = v.uid) "
+                   "ON v.uid = p.uid AND " + fence("v.uid, t.*", "t.u = p.uid AND t.u IS NOT NULL"))
 
 
 def test_in_and_exists_are_evaluated_first_on_every_row() -> None:

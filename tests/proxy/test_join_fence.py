@@ -14,7 +14,7 @@ import pytest
 from pglast import parse_sql
 from pglast.stream import RawStream
 
-from dp_core.join_fence import Scope, fence
+from dp_core.join_fence import PLANNER_SETTINGS, Scope, fence
 from dp_core.rewrite import pushdown
 from tests.support.backend import Backend
 from tests.support.engine import build
@@ -38,13 +38,19 @@ OBJECTS = [
     "(u * 7 + r) % 600 FROM generate_series(1, 2000) u, generate_series(1, 1 + u % 12) r",
     f"INSERT INTO {SCHEMA}.purchases SELECT u, 'k' || (r % 4), (u % 90) + r FROM "
     "generate_series(1, 2000, 3) u, generate_series(1, 1 + u % 5) r",
-    f"INSERT INTO {SCHEMA}.visits VALUES ({TARGET}, 'b0', 'c7', 3333)",
+    f"INSERT INTO {SCHEMA}.visits VALUES ({TARGET}, 'b0', 'c7', 3333), ({TARGET}, 'b1', 'c49', 5)",
+    f"DELETE FROM {SCHEMA}.visits WHERE country = 'c49' AND uid <> {TARGET}",
     f"INSERT INTO {SCHEMA}.purchases VALUES ({TARGET}, 'rare', 12)",
     f"ANALYZE {SCHEMA}.visits", f"ANALYZE {SCHEMA}.purchases", f"ANALYZE {SCHEMA}.dims",
     f"ANALYZE {SCHEMA}.big",
 ]
 
 D, B = f"{SCHEMA}.dims", f"{SCHEMA}.big"
+_S = "(SELECT uid, count(DISTINCT browser) AS m FROM visits GROUP BY uid)"
+"""A subquery of every user's rows: the work a join skips where an input is empty."""
+_MINE = (f"(SELECT uid, count(*) AS n FROM visits WHERE uid + 0 = {TARGET} AND duration = 3333 "
+         "GROUP BY uid)")
+"""A subquery of the target's one row, or empty."""
 _WHO = f"v.uid + 0 = {TARGET} AND v.duration = 3333"
 """A condition only the target's one visit meets (the uid in an expression: no index)."""
 ATTACKS = [
@@ -76,6 +82,31 @@ ATTACKS = [
     f"JOIN (SELECT uid, sum(amount) AS a FROM purchases GROUP BY uid) q USING (uid)",
     f"FROM (SELECT uid, max(country) AS c FROM visits WHERE uid + 0 = {TARGET} AND "
     f"duration = 3333 GROUP BY uid) s LEFT JOIN {B} b ON b.code > s.c AND b.id < 50",
+    # a nullable item filtered in its ON, then a join keyed on it (Postgres would nest the
+    # second join inside the first: the rewrite's order is kept)
+    f"FROM purchases p LEFT JOIN visits v ON v.uid = p.uid AND {_WHO} "
+    f"LEFT JOIN {_S} s ON s.uid = v.uid",
+    f"FROM visits v RIGHT JOIN purchases p ON v.uid = p.uid AND {_WHO} "
+    f"LEFT JOIN {_S} s ON s.uid = v.uid",
+    f"FROM purchases p LEFT JOIN visits v ON v.uid = p.uid AND {_WHO} JOIN {D} d "
+    "ON d.code = v.country",
+    # a subquery of the target's rows in the middle of a chain, a later item keyed on it
+    f"FROM purchases p JOIN {_MINE} s ON s.uid = p.uid JOIN {_S} s2 ON s2.uid = s.uid",
+    f"FROM purchases p, {_MINE} s, {_S} s2 WHERE s.uid = p.uid AND s2.uid = s.uid",
+    f"FROM purchases p JOIN (SELECT uid, country FROM visits WHERE uid + 0 = {TARGET} AND "
+    f"duration = 3333) s ON s.uid = p.uid JOIN {_S} s2 ON s2.uid = s.uid",
+    f"FROM purchases p JOIN (SELECT uid, country FROM visits WHERE uid + 0 = {TARGET} AND "
+    f"duration = 3333) s ON s.uid = p.uid JOIN {D} d ON d.code = s.country",
+    # a nullable side of several items whose joins a strict key of the ON would reduce
+    f"FROM purchases p LEFT JOIN ({_MINE} s JOIN {_S} s2 ON s2.uid = s.uid) ON s.uid = p.uid",
+    f"FROM purchases p JOIN ({_MINE} s JOIN {_S} s2 ON s2.uid = s.uid) ON s.uid = p.uid",
+    f"FROM purchases p LEFT JOIN (visits v JOIN (VALUES ({TARGET}::int8)) t(u) ON t.u = v.uid "
+    f"JOIN {_S} s2 ON s2.uid = v.uid) ON v.uid = p.uid AND t.u = p.uid",
+    # a public condition on a join key, or a public subquery of chosen rows: Postgres would
+    # carry its constant to the protected item (v.country = 'c49', which only the target has)
+    f"FROM visits v, {D} d WHERE d.code = v.country AND d.code = 'c49'",
+    f"FROM visits v JOIN (SELECT code FROM {D} WHERE code = 'c49') d ON d.code = v.country",
+    "FROM visits v JOIN (SELECT 'c49'::text AS code) d ON d.code = v.country",
     # IN and EXISTS subqueries over public tables
     f"FROM visits v WHERE {_WHO} AND v.country IN (SELECT code FROM {B} WHERE id < 900)",
     f"FROM visits v WHERE {_WHO} AND EXISTS (SELECT 1 FROM {B} WHERE code = 'c1')",
@@ -109,6 +140,8 @@ def _executed(plan: dict[str, Any], path: str = "") -> list[tuple[str, bool]]:
 
 
 def _runs(conn: psycopg.Connection, statement: str) -> list[tuple[str, bool]]:
+    for name, value in PLANNER_SETTINGS.items():  # (as the proxy runs a pushdown)
+        conn.execute(f"SET LOCAL {name} = {value}")
     (row,) = conn.execute(f"EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) {statement}").fetchall()
     doc = row[0] if not isinstance(row[0], str) else json.loads(row[0])
     return _executed(doc[0]["Plan"])

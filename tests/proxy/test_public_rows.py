@@ -45,6 +45,8 @@ OBJECTS = [
     f"INSERT INTO {SCHEMA}.ipub SELECT i, i FROM generate_series(1, 11) i",
     f"CREATE TABLE {SCHEMA}.comp (a int4, b text, PRIMARY KEY (a, b))",
     f"INSERT INTO {SCHEMA}.comp SELECT i % 3, 'x' || i FROM generate_series(0, 10) i",
+    f"CREATE TABLE {SCHEMA}.large (code char(2))",
+    f"INSERT INTO {SCHEMA}.large SELECT 'US' FROM generate_series(1, 10001)",
     f"CREATE TABLE {SCHEMA}.cpub (code char(2) PRIMARY KEY)",
     f"INSERT INTO {SCHEMA}.cpub SELECT chr(65 + i) || 'X' FROM generate_series(0, 10) i",
 ]
@@ -140,3 +142,30 @@ def test_a_unique_key_counts_under_its_own_types_equality(catalog: str, joins: s
             asyncio.run(check())
     else:
         asyncio.run(check())
+
+
+@pytest.mark.parametrize(("where", "refused"), [
+    ("v.country IN (SELECT code FROM {s}.cpub)", False),
+    ("v.country IN (SELECT code FROM {s}.large WHERE code = 'FR')", True),
+    ("EXISTS (SELECT 1 FROM {s}.large WHERE code = 'FR')", True),
+    ("v.country IN (VALUES ('US'), ('FR'))", False),
+])
+def test_in_and_exists_subqueries_read_few_rows(catalog: str, where: str, refused: bool) -> None:
+    """An IN or EXISTS subquery runs once, and only where a row reaches it: what it reads (its
+    table's rows, its WHERE aside) is at most SUBLINK_READ_ROWS (10,000), else 54000."""
+    query, _, _ = build("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits v WHERE "
+                        + where.format(s=SCHEMA))
+
+    async def check() -> None:
+        conn = await asyncpg.connect(catalog)
+        try:
+            await check_public_rows(query, conn)
+        finally:
+            await conn.close()
+
+    if refused:
+        with pytest.raises(ProgramLimitExceeded, match="IN or EXISTS"):
+            asyncio.run(check())
+    else:
+        asyncio.run(check())
+
