@@ -98,3 +98,11 @@ def test_the_rule_allows_what_citus_pushes_down() -> None:
           "dp_t AS (SELECT dp_k0, count(*) AS n FROM dp_per_user GROUP BY dp_k0) "
           "SELECT sum(n) FROM dp_t UNION ALL SELECT max(n) FROM dp_t UNION ALL SELECT 1 FROM dp_t")
     assert problems(ok) == []
+    # an OFFSET 0 over public rows alone (a reference table's: gathered and sent to each shard)
+    public = ("SELECT count(*) FROM public.visits AS v JOIN (SELECT code FROM countries "
+              "WHERE code <> 'x' OFFSET 0) AS c ON c.code = v.country GROUP BY v.uid")
+    assert problems(public) == []
+    sentinel = ("SELECT count(*) FROM (SELECT dp_s.* FROM (VALUES (0)) AS dp_one (dp_x) LEFT JOIN "
+                "(SELECT uid, max(country) AS c FROM public.visits GROUP BY uid) AS dp_s ON TRUE "
+                "OFFSET 0) AS s GROUP BY s.uid")
+    assert problems(sentinel) == ["an OFFSET"]

@@ -6,8 +6,10 @@ the stages above return: per-group partial aggregates. A pushdown keeps its per-
 (the per-user stage, the window that picks each user's groups, the user's own subqueries)
 on the workers when:
 
-1. no SELECT has an OFFSET, and only a scalar subquery of one row's values has a LIMIT
-   (an OFFSET 0 fence, or a LIMIT, makes Citus gather the rows below it to apply it);
+1. no SELECT of users' rows has an OFFSET, and only a scalar subquery of one row's values
+   has a LIMIT (an OFFSET 0 fence, or a LIMIT, makes Citus gather the rows below it to apply
+   it; a subquery of public rows alone, no uid anywhere in it, may have one: those rows are
+   a reference table's, gathered and sent to each shard);
 2. every window is partitioned by the uid;
 3. a CTE of per-user rows (one not aggregated by something other than the uid) is read at
    most once (Citus gathers a CTE read twice, every row of it, on the coordinator);
@@ -59,6 +61,17 @@ def _name(node: Any) -> str | None:
     return None
 
 
+def _reads_users(node: Any, ctes: dict[str, Any], uids: frozenset[str], depth: int = 0) -> bool:
+    """Whether a SELECT reads a uid: names one, or reads a CTE that does."""
+    for n in _walk(node):
+        if isinstance(n, ast.ColumnRef) and _name(n) in uids:
+            return True
+        if isinstance(n, ast.RangeVar) and n.schemaname is None and str(n.relname) in ctes \
+                and depth < 8 and _reads_users(ctes[str(n.relname)], ctes, uids, depth + 1):
+            return True
+    return False
+
+
 def _group_names(select: ast.SelectStmt) -> list[str | None]:
     """The names of a SELECT's GROUP BY items (positions resolved to their target's name or
     column)."""
@@ -105,8 +118,10 @@ def problems(sql: str, uid_names: frozenset[str] | set[str] = frozenset({"uid"})
     selects = [n for n in _walk(root) if isinstance(n, ast.SelectStmt)]
     in_sublinks = {id(s) for link in _walk(root) if isinstance(link, ast.SubLink)
                    for s in _walk(link.subselect) if isinstance(s, ast.SelectStmt)}
+    ctes = {str(c.ctename): c.ctequery for sel in selects
+            for c in (sel.withClause.ctes if sel.withClause else ())}
     for s in selects:
-        if s.limitOffset is not None:
+        if s.limitOffset is not None and _reads_users(s, ctes, uids):
             out.append("an OFFSET")
         if s.limitCount is not None and id(s) not in in_sublinks:
             out.append("a LIMIT outside a scalar subquery")
