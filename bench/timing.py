@@ -3,14 +3,14 @@
     .venv/bin/python bench/timing.py [--scale 0.1] [--runs 15] [--quanta 0,50]
 
 Generates the bench dataset, starts dp-proxy (once per release quantum), finds the user with
-the most visits, and times each DP query shape through the proxy as an attacker would aim it:
-restricted to that user (`WHERE uid = heavy`) against a uid no row has (`WHERE uid = absent`),
-run in turn, medians of `--runs`. Prints per shape and quantum the two medians, their
-difference, the run-to-run spread (median absolute deviation of the absent runs) and the share
-of runs of the heavy user slower than every absent run: that share is how often one query
-tells the two apart by its time alone. With a release quantum every answer is sent on a
-multiple of it after the query arrived, which hides differences smaller than a quantum
-unless they straddle a boundary. Appends the figures to bench/RESULTS.md.
+the most visits among those with purchases, and times each DP query shape through the proxy as
+an attacker would aim it: restricted to that user (`WHERE uid = heavy`) against a uid no row
+has (`WHERE uid = absent`), run in turn, medians of `--runs`. Prints per shape and quantum the
+two medians, their difference, the run-to-run spread (median absolute deviation of the absent
+runs) and the share of runs of the heavy user slower than every absent run: that share is how
+often one query tells the two apart by its time alone. With a release quantum every answer is
+sent on a multiple of it after the query arrived, which hides differences smaller than a
+quantum unless they straddle a boundary. Appends the figures to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ SHAPES = {
                           "ANON_AVG(duration, 0, 3600) FROM visits WHERE uid = {u} GROUP BY browser",
     "join on uid": "SELECT WITH ANONYMIZATION v.browser, ANON_SUM(p.amount, 0, 500) FROM visits v "
                    "JOIN purchases p USING (uid) WHERE v.uid = {u} GROUP BY v.browser",
+    "join, filter on one side": "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM purchases p JOIN "
+                                "visits v USING (uid) WHERE p.uid + 0 = {u}",
+    "join via a subquery of the user": "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM (SELECT uid "
+                                       "FROM visits WHERE uid + 0 = {u} GROUP BY uid) s JOIN "
+                                       "purchases p USING (uid)",
     "median": "SELECT WITH ANONYMIZATION ANON_MEDIAN(duration, 0, 3600) FROM visits WHERE uid = {u}",
     "largest allowed expression": "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE "
                                   "uid = {u} AND length(lpad(browser, 100, 'C')) > 0",
@@ -51,7 +56,8 @@ async def run(scale: float, runs: int, quanta: list[float]) -> list[str]:
                     "defaults.min_epsilon": "1e-3"}
         async with dataset_and_proxy(scale, settings=settings) as env:
             heavy, rows = await env.admin.fetchrow(
-                "SELECT uid, count(*) FROM visits GROUP BY uid ORDER BY 2 DESC LIMIT 1")
+                "SELECT uid, count(*) FROM visits WHERE uid IN (SELECT uid FROM purchases) "
+                "GROUP BY uid ORDER BY 2 DESC LIMIT 1")  # (with purchases: the join shapes)
             absent = await env.admin.fetchval("SELECT max(uid) + 1 FROM visits")
             if not lines:
                 lines += [f"### Timing residual, scale {scale:g}: {env.rows} visits, "
