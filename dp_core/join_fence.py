@@ -79,11 +79,14 @@ class Scope:
     """Subqueries given sentinel rows: never empty, they keep a join's rows as a table does."""
 
 
-PLANNER_SETTINGS = {"join_collapse_limit": "1", "from_collapse_limit": "1"}
+PLANNER_SETTINGS = {"join_collapse_limit": "1", "from_collapse_limit": "1",
+                    "enable_mergejoin": "off"}
 """Settings of the pushdown's transaction: Postgres joins the FROM items in the order the
-rewrite writes them. (It would otherwise move a join inside another one where the
-conditions allow: `(p LEFT JOIN v ON ...) LEFT JOIN s ON s.uid = v.uid` as `p LEFT JOIN (v
-LEFT JOIN s ...)`, where an empty filtered `v` would skip `s`.)"""
+rewrite writes them (it would otherwise move a join inside another one where the conditions
+allow: `(p LEFT JOIN v ON ...) LEFT JOIN s ON s.uid = v.uid` as `p LEFT JOIN (v LEFT JOIN s
+...)`, where an empty filtered `v` would skip `s`), and not by merging sorted inputs (a merge
+join stops reading one input where the other ends, or at its NULL keys: how far it reads a
+table would follow the last uid of a filtered one)."""
 
 
 def fence(items: tuple[Any, ...], where: Any | None, scope: Scope) -> tuple[tuple[Any, ...], Any | None]:
@@ -239,17 +242,24 @@ def _region(node: Any, conds: list[Any], convert: bool, scope: Scope,
         core = prefer if prefer in members else _core(members, scope)
         if core in scope.derived and core not in scope.whole:
             # (subqueries alone, outside any nullable side: a FULL JOIN reads both sides)
+            if node.usingClause and (isinstance(node.larg, ast.JoinExpr)
+                                     or isinstance(node.rarg, ast.JoinExpr)):
+                _using_leaves(node)
             node.larg = _region(node.larg, conds, True, scope)
             node.rarg = _region(node.rarg, conds, True, scope)
             node.jointype = JoinType.JOIN_FULL
             conds += [_matched(node.larg, keys, node.usingClause, scope),
                       _matched(node.rarg, keys, node.usingClause, scope)]
+            node.quals = _and(_lenient(keys, left | right))
             return node
         keep_left = core in left
         kept, other = (node.larg, node.rarg) if keep_left else (node.rarg, node.larg)
+        if node.usingClause and isinstance(other, ast.JoinExpr):
+            _using_leaves(node)
         kept = _region(kept, conds, True, scope, core)
         other, keys = _nullable_side(other, keys, conds, scope)
         conds.append(_matched(other, keys, node.usingClause, scope))
+        keys = _lenient(keys, from_names(other))
         node.quals = _and(keys)
         node.larg, node.rarg = (kept, other) if keep_left else (other, kept)
         node.jointype = JoinType.JOIN_LEFT if keep_left else JoinType.JOIN_RIGHT
@@ -265,8 +275,14 @@ def _region(node: Any, conds: list[Any], convert: bool, scope: Scope,
         return node
     left_kept = node.jointype == JoinType.JOIN_LEFT
     kept, nullable = (node.larg, node.rarg) if left_kept else (node.rarg, node.larg)
+    if node.usingClause and isinstance(nullable, ast.JoinExpr):
+        _using_leaves(node)
     kept = _region(kept, conds, convert, scope, prefer)
     names = _leaf_names(nullable)
+    if len(names) < 2 and node.quals is not None:
+        quals = list(conjuncts(node.quals))
+        node.quals = _and([_lenient([c], set(names))[0] if _is_key(c, from_names(kept), set(names))
+                           else c for c in quals])
     if len(names) >= 2:
         # its ON's conditions but its keys to one item, and those of the nullable side's own
         # joins, after those joins (over the nullable side's items only)
@@ -275,6 +291,7 @@ def _region(node: Any, conds: list[Any], convert: bool, scope: Scope,
         keys = [c for c in quals if _is_key(c, from_names(kept), set(names))]
         inner += [c for c in quals if not any(c is k for k in keys)]
         nullable, keys = _nullable_side(nullable, keys, inner, scope)
+        keys = _lenient(keys, set(names))
         if inner:
             keys.append(fenced(inner, tuple(_ref(n, scope) for n in names)))
         node.quals = _and(keys)
@@ -282,6 +299,22 @@ def _region(node: Any, conds: list[Any], convert: bool, scope: Scope,
     if from_name(kept) in scope.derived:
         _kept_whole(node, kept, conds, scope)
     return node
+
+
+def _lenient(keys: list[Any], nullable: set[str]) -> list[Any]:
+    """Keys of an outer join with their nullable side's columns as `COALESCE(x, x)`: the same
+    equality (Postgres hashes on it), but not strict, so Postgres does not turn an outer
+    join inside that side into an inner one (whose empty input would skip the rest)."""
+    out = []
+    for k in keys:
+        k = copy.deepcopy(k)
+        for side in ("lexpr", "rexpr"):
+            ref = _column(getattr(k, side))
+            if ref is not None and str(ref.fields[0].sval) in nullable:
+                expr = getattr(k, side)
+                setattr(k, side, ast.CoalesceExpr(args=(expr, copy.deepcopy(expr))))
+        out.append(k)
+    return out
 
 
 def _nullable_side(side: Any, keys: list[Any], conds: list[Any],
@@ -300,6 +333,13 @@ def _nullable_side(side: Any, keys: list[Any], conds: list[Any],
     conds += [k for k in keys if not any(k is c for c in kept)]
     side = _whole_core(side, core, scope)
     return _region(side, conds, True, scope, core), kept
+
+
+def _using_leaves(join: ast.JoinExpr) -> None:
+    """USING equates the merged column strictly (a side's outer joins would turn inner):
+    refused where a side it may null is itself a join."""
+    raise refuse("USING where a side the join may null is itself a join, in a join of "
+                  "several FROM items (write the join columns with ON)", node_sql(join))
 
 
 def _whole(node: Any, scope: Scope) -> Any:
@@ -342,8 +382,7 @@ def _kept_apart(node: Any, scope: Scope) -> Any:
         return ast.RangeSubselect(lateral=False, subquery=sub,
                                   alias=node.alias or ast.Alias(aliasname=name))
     if isinstance(node, ast.RangeSubselect) and isinstance(node.subquery, ast.SelectStmt) \
-            and node.subquery.limitCount is None and node.subquery.limitOffset is None \
-            and not node.subquery.valuesLists:
+            and node.subquery.limitCount is None and node.subquery.limitOffset is None:
         node.subquery.limitOffset = ast.A_Const(val=ast.Integer(ival=0))
     return node
 
@@ -431,9 +470,15 @@ def _sides(items: list[Any], cond: Any) -> tuple[set[str], set[str]]:
 
 
 def _column(node: Any) -> Any:
-    """`alias.column`, maybe cast."""
-    while isinstance(node, ast.TypeCast):
-        node = node.arg
+    """`alias.column`, maybe cast (or as `_lenient` writes it)."""
+    while True:
+        if isinstance(node, ast.TypeCast):
+            node = node.arg
+            continue
+        args: Any = node.args if isinstance(node, ast.CoalesceExpr) else None
+        if args is None or len(args) != 2 or args[0] != args[1]:
+            break
+        node = args[0]
     fields = tuple(node.fields or ()) if isinstance(node, ast.ColumnRef) else ()
     if len(fields) == 2 and all(isinstance(f, ast.String) for f in fields):
         return node

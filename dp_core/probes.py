@@ -88,7 +88,7 @@ def sublink_read_counts(query: AnalyzedQuery, limit: int) -> list[str]:
         if not sub.fromClause:
             continue  # (VALUES, or a SELECT of constants: nothing to scan)
         inner: Any = parse_sql(f"SELECT 1 FROM dp_x LIMIT {int(limit)}")[0].stmt
-        inner.fromClause = copy.deepcopy(sub.fromClause)
+        inner.fromClause = _read_from(tuple(sub.fromClause), query.ctes)
         outer: Any = parse_sql("SELECT count(*) FROM dp_x AS dp_n")[0].stmt
         outer.fromClause = (ast.RangeSubselect(lateral=False, subquery=inner,
                                                alias=ast.Alias(aliasname="dp_n")),)
@@ -97,6 +97,22 @@ def sublink_read_counts(query: AnalyzedQuery, limit: int) -> list[str]:
                                               recursive=False)
         out.append(str(RawStream()(outer)))
     return out
+
+
+def _read_from(items: tuple[Any, ...], ctes: tuple[Any, ...], depth: int = 0) -> tuple[Any, ...]:
+    """`items` with each WITH query named there replaced by what it reads (its own FROM, its
+    WHERE aside): a WITH query's rows are not what scanning it costs."""
+    named = {str(c.ctename): c.ctequery for c in ctes}
+    out: list[Any] = []
+    for item in items:
+        query = named.get(str(item.relname)) if isinstance(item, ast.RangeVar) and \
+            item.schemaname is None else None
+        if query is not None and depth < 8 and isinstance(query, ast.SelectStmt) and \
+                query.fromClause:
+            out += _read_from(tuple(query.fromClause), ctes, depth + 1)
+        else:
+            out.append(copy.deepcopy(item))
+    return tuple(out)
 
 
 def column_probe_sql(query: AnalyzedQuery, name: tuple[str, ...]) -> str:

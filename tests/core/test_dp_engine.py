@@ -178,8 +178,12 @@ CLAUSE_REFUSALS = [
      "null every protected table of a subquery"),
     (_ANY + "(SELECT c.code, v.duration FROM countries c LEFT JOIN visits v ON v.country = c.code) t",
      "null every protected table of a subquery"),
+    # (USING to a join an outer join may null: refused before its window, dp_core.join_fence)
     (_ANY + "(SELECT uid, sum(duration) OVER (PARTITION BY uid) AS s FROM countries c LEFT JOIN "
-     "visits v ON v.country = c.code JOIN purchases p USING (uid)) t", "partitioned by the uid"),
+     "visits v ON v.country = c.code JOIN purchases p USING (uid)) t", "USING where a side"),
+    (_ANY + "(SELECT p.uid, sum(duration) OVER (PARTITION BY v.uid) AS s FROM countries c LEFT "
+     "JOIN visits v ON v.country = c.code JOIN purchases p ON p.uid = v.uid) t",
+     "partitioned by the uid"),
     (_ANY + "(SELECT * FROM visits v LEFT JOIN purchases p USING (uid)) t", "name the columns"),
     # numbers that could overflow numeric
     (_ANY + "visits WHERE CASE WHEN uid = 42 AND duration > 700 THEN 1e100000 ELSE 0 END * 1e100000 > 0",

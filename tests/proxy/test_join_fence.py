@@ -102,6 +102,23 @@ ATTACKS = [
     f"FROM purchases p JOIN ({_MINE} s JOIN {_S} s2 ON s2.uid = s.uid) ON s.uid = p.uid",
     f"FROM purchases p LEFT JOIN (visits v JOIN (VALUES ({TARGET}::int8)) t(u) ON t.u = v.uid "
     f"JOIN {_S} s2 ON s2.uid = v.uid) ON v.uid = p.uid AND t.u = p.uid",
+    # a later key on a filtered item or a subquery's sentinel row: a merge join would stop
+    # reading the other table at the target's uid (merge joins are off in the pushdown)
+    f"FROM purchases p JOIN {_MINE} s ON s.uid = p.uid JOIN visits v ON v.uid = s.uid",
+    f"FROM purchases p LEFT JOIN ({_MINE} s JOIN visits v ON v.uid = s.uid) ON s.uid = p.uid",
+    f"FROM purchases p, {_MINE} s, visits v WHERE s.uid = p.uid AND v.uid = s.uid",
+    f"FROM {D} d LEFT JOIN ((SELECT uid, country FROM visits WHERE uid + 0 = {TARGET} AND "
+    "duration = 3333) s JOIN purchases p ON p.uid = s.uid) ON s.country = d.code",
+    # an outer join the user wrote inside a nullable side, which a strict key above would
+    # turn inner (keys there are written COALESCE(x, x): equal, not strict)
+    f"FROM purchases p LEFT JOIN (visits v LEFT JOIN {_MINE} s ON s.uid = v.uid) "
+    "ON s.uid = p.uid",
+    f"FROM purchases p JOIN (visits v LEFT JOIN {_MINE} s ON s.uid = v.uid) ON s.uid = p.uid",
+    f"FROM {D} d LEFT JOIN (purchases p LEFT JOIN (SELECT uid, country, count(*) AS n FROM visits "
+    f"GROUP BY uid, country) s ON s.uid = p.uid AND p.uid + 0 = {TARGET} AND "
+    "p.category = 'rare') ON s.country = d.code",
+    f"FROM {D} d LEFT JOIN (purchases p LEFT JOIN visits v ON v.uid = p.uid AND "
+    f"p.uid + 0 = {TARGET} AND p.category = 'rare') ON v.country = d.code",
     # a public condition on a join key, or a public subquery of chosen rows: Postgres would
     # carry its constant to the protected item (v.country = 'c49', which only the target has)
     f"FROM visits v, {D} d WHERE d.code = v.country AND d.code = 'c49'",

@@ -149,11 +149,14 @@ def test_a_unique_key_counts_under_its_own_types_equality(catalog: str, joins: s
     ("v.country IN (SELECT code FROM {s}.large WHERE code = 'FR')", True),
     ("EXISTS (SELECT 1 FROM {s}.large WHERE code = 'FR')", True),
     ("v.country IN (VALUES ('US'), ('FR'))", False),
+    # through a WITH query: what it reads, its own WHERE aside
+    ("v.country IN (SELECT code FROM w)", True),
 ])
 def test_in_and_exists_subqueries_read_few_rows(catalog: str, where: str, refused: bool) -> None:
     """An IN or EXISTS subquery runs once, and only where a row reaches it: what it reads (its
     table's rows, its WHERE aside) is at most SUBLINK_READ_ROWS (10,000), else 54000."""
-    query, _, _ = build("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits v WHERE "
+    query, _, _ = build(f"WITH w AS (SELECT code FROM {SCHEMA}.large WHERE code = 'FR') "
+                        "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits v WHERE "
                         + where.format(s=SCHEMA))
 
     async def check() -> None:
