@@ -31,7 +31,8 @@ def uid_ranges(histogram: Sequence[str], n: int) -> list[UidRange]:
     return [(bounds[i], bounds[i + 1]) for i in range(len(cuts) + 1)]
 
 
-def _has_outer_join(query: AnalyzedQuery) -> bool:
+def has_outer_join(query: AnalyzedQuery) -> bool:
+    """Whether the query's FROM has an outer join (as written)."""
     def outer(node: Any) -> bool:
         if isinstance(node, ast.JoinExpr):
             return node.jointype is not JoinType.JOIN_INNER or outer(node.larg) or outer(node.rarg)
@@ -46,7 +47,7 @@ def _range_uids(query: AnalyzedQuery) -> list[Any]:
     analysis requires; Postgres infers equalities from `a.uid = b.uid` but not ranges, so each
     table is read for its range alone instead of whole in every range)."""
     uids = [query.uid]
-    if _has_outer_join(query):
+    if has_outer_join(query):
         return uids
     for t in query.tables:
         ref = ast.ColumnRef(fields=(ast.String(sval=t.alias), ast.String(sval=t.uid_column)))
@@ -109,4 +110,4 @@ def fill_range(sql: str, token: str, uid_range: UidRange, null_uids: bool = True
 
 def null_uids(query: AnalyzedQuery, uid_not_null: bool) -> bool:
     """Whether the query's uid can be NULL: its column allows it, or an outer join makes it."""
-    return not uid_not_null or _has_outer_join(query)
+    return not uid_not_null or has_outer_join(query)

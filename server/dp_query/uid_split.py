@@ -16,7 +16,7 @@ from dp_core.bounding import Prefilter, groups_per_user, prefilter_types, prefil
 from dp_core.pushdown_cache import PushdownCache
 from dp_core.query import AggKind, AnalyzedQuery, TablePolicy, TableRef
 from dp_core.rewrite import groups_sql
-from dp_core.uid_ranges import uid_ranges
+from dp_core.uid_ranges import has_outer_join, uid_ranges
 from server.backend_setup import quote_ident
 from server.dp_query.prepare import ONE_TEXT_KEY_OIDS, TEXT_KEY_OIDS
 from server.dp_query.prepared import Prepared, UidColumn
@@ -83,6 +83,12 @@ class UidSplitter:
             return None
         if any(a.kind is AggKind.COUNT_DISTINCT for a in prepared.query.aggregates):
             return None  # (distinct values do not add up over ranges of users: one value, many)
+        if prepared.query.ranges_after_joins or has_outer_join(prepared.query):
+            # a range tests the rows' owner alone there (`uid_ranges._range_uids`), or after
+            # the joins (`join_fence`): a side it does not filter would be read whole in each
+            # range, and whether it is read at all would follow whether the range's filtered
+            # side has a row (a range of one heavy user's rows)
+            return None
         if prepared.key_oids and conn.get_settings().server_encoding not in _CODE_POINT_ORDER:
             return None
         try:

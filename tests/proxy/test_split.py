@@ -262,6 +262,19 @@ def test_large_queries_run_split_through_the_proxy(loop_thread: LoopThread, demo
                  "ANON_AVG(duration) FROM visits GROUP BY browser")
             plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + q).fetchall())
             assert "Split: up to 3 pushdowns at once over ranges of visits.uid" in plan
+            # not where a range cannot filter every side of the joins (an outer join, or the
+            # join rewrite's: each range would read a side whole, and only where its own
+            # filtered side has a row: dp_core.join_fence)
+            for joined in ("visits v LEFT JOIN purchases p ON p.uid = v.uid",
+                           "visits v JOIN (SELECT uid FROM purchases GROUP BY uid) s USING (uid)"):
+                plan = "\n".join(r[0] for r in conn.execute(
+                    "EXPLAIN SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.3) v.browser, "
+                    f"ANON_COUNT(*) FROM {joined} GROUP BY v.browser").fetchall())
+                assert "Split:" not in plan, joined
+            plan = "\n".join(r[0] for r in conn.execute(
+                "EXPLAIN SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.3) v.browser, ANON_COUNT(*) "
+                "FROM visits v JOIN purchases p USING (uid) GROUP BY v.browser").fetchall())
+            assert "Split:" in plan
             before = _split_counter(metrics.exposition().decode())
             rows = conn.execute(q).fetchall()
             assert {r[0] for r in rows} >= {"Chrome", "Safari"}
