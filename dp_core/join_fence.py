@@ -280,9 +280,17 @@ def _region(node: Any, conds: list[Any], convert: bool, scope: Scope,
     kept = _region(kept, conds, convert, scope, prefer)
     names = _leaf_names(nullable)
     if len(names) < 2 and node.quals is not None:
+        # keys not strict; the other conditions as join filters (over both sides' items), not
+        # filters of the nullable item where it is read: a nested loop would rescan a
+        # filtered item per row of the other side, more often where the target's row is in it
         quals = list(conjuncts(node.quals))
-        node.quals = _and([_lenient([c], set(names))[0] if _is_key(c, from_names(kept), set(names))
-                           else c for c in quals])
+        keys = [c for c in quals if _is_key(c, from_names(kept), set(names))]
+        own = [c for c in quals if not any(c is k for k in keys)
+               and ((reads := _reads(c)) is None or reads <= set(names))]
+        rest = [c for c in quals if not any(c is k for k in keys) and not any(c is o for o in own)]
+        refs = tuple(_ref(n, scope) for n in [*_leaf_names(kept), *names])
+        node.quals = _and([*_lenient(keys, set(names)), *rest,
+                           *([fenced(own, refs)] if own else [])])
     if len(names) >= 2:
         # its ON's conditions but its keys to one item, and those of the nullable side's own
         # joins, after those joins (over the nullable side's items only)

@@ -82,7 +82,7 @@ def test_a_subquery_joins_as_the_nullable_side_or_gets_sentinel_rows() -> None:
     assert where == fence("s.uid, q.uid", "s.uid IS NOT NULL AND q.uid IS NOT NULL")
     frm, where = rewritten(f"{sub} s LEFT JOIN countries c ON c.code = s.c AND c.name = 'x'")
     assert frm.endswith(" AS s FULL JOIN countries AS c ON COALESCE(c.code, c.code) = s.c "
-                        "AND c.name = 'x'")
+                        "AND " + fence("s.uid, c.*", "c.name = 'x'"))
     assert where == fence("s.uid, c.*", "s.uid IS NOT NULL")
     # no key for a FULL JOIN: the subquery gets a row of NULLs where it has none
     frm, _ = rewritten(f"{sub} s LEFT JOIN countries c ON c.code > s.c")
