@@ -39,7 +39,9 @@ or an IN / EXISTS subquery) so that no input of a join is filtered by protected 
   gets one row of NULLs when it has none (a row no uid equals, whose owner is NULL: no answer
   counts it), so a join with it always reads the other side.
 - **Public subqueries kept apart** (OFFSET 0): merged into the scope, their constants would
-  reach the protected item through the join key, as above.
+  reach the protected item through the join key, as above. So is a protected subquery that
+  itself joins (`ownership.owned_subquery`): merged into the query around it, or given its
+  conditions, Postgres would filter one of its tables where it is read.
 
 What is left: join keys filter (an equality of two items' columns keeps the pairs that are
 equal), where no literal names a user; a merge join stops at the last key of a side (which

@@ -361,6 +361,10 @@ def owned_subquery(sel: Any, policy: Mapping[str, TablePolicy], totalize: Totali
     if sel.whereClause is not None:
         sel.whereClause = totalize(sel.whereClause, "WHERE")
     sel.fromClause, sel.whereClause = fa.fence(sel.fromClause, sel.whereClause)
+    if fa.fence_refs:
+        # kept apart (OFFSET 0): merged into the query around it, or given its conditions,
+        # Postgres would filter one of its items where it is read (`dp_core.join_fence`)
+        sel.limitOffset = ast.A_Const(val=ast.Integer(ival=0))
     # a uid that an outer join can null is not a user: only the owned tables' uids bound a
     # contribution (per-user groups and windows); an unqualified one only where no nullable
     # table has a uid of that name

@@ -127,6 +127,19 @@ ATTACKS = [
     f"FROM visits v, {D} d WHERE d.code = v.country AND d.code = 'c49'",
     f"FROM visits v JOIN (SELECT code FROM {D} WHERE code = 'c49') d ON d.code = v.country",
     "FROM visits v JOIN (SELECT 'c49'::text AS code) d ON d.code = v.country",
+    # one subquery (or WITH query) that joins, filtered around it: merged, or given the
+    # filter, Postgres would filter one of its tables where it is read
+    "FROM (SELECT p.uid, v.duration, p.category FROM purchases p LEFT JOIN visits v "
+    f"ON p.uid = v.uid) s WHERE s.uid + 0 = {TARGET} AND s.category = 'rare'",
+    "FROM (SELECT p.uid, p.category, count(*) AS n FROM purchases p JOIN visits v ON p.uid = v.uid "
+    f"GROUP BY p.uid, p.category) s WHERE s.uid + 0 = {TARGET} AND s.category = 'rare'",
+    "FROM (SELECT v.uid, v.duration, p.category FROM visits v JOIN purchases p ON p.uid = v.uid) s "
+    f"WHERE s.uid + 0 = {TARGET} AND s.duration = 3333",
+    "FROM (SELECT v.uid, v.duration FROM visits v, purchases p WHERE p.uid = v.uid) s "
+    f"WHERE s.uid + 0 = {TARGET} AND s.duration = 3333",
+    "FROM purchases p JOIN (SELECT s1.uid, count(*) AS n FROM (SELECT v.uid, v.duration FROM "
+    "visits v JOIN purchases p2 ON p2.uid = v.uid) s1 WHERE s1.uid + 0 = "
+    f"{TARGET} AND s1.duration = 3333 GROUP BY s1.uid) s ON s.uid = p.uid",
     # IN and EXISTS subqueries over public tables
     f"FROM visits v WHERE {_WHO} AND v.country IN (SELECT code FROM {B} WHERE id < 900)",
     f"FROM visits v WHERE {_WHO} AND EXISTS (SELECT 1 FROM {B} WHERE code = 'c1')",
