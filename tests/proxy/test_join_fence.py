@@ -16,7 +16,7 @@ from pglast.stream import RawStream
 
 from dp_core.join_fence import PLANNER_SETTINGS, Scope, fence
 from dp_core.rewrite import pushdown
-from tests.support.backend import Backend
+from tests.support.backend import Backend, scratch_schema
 from tests.support.engine import build
 
 SCHEMA = "test_join_fence"
@@ -153,14 +153,8 @@ ATTACKS = [
 
 @pytest.fixture(scope="module")
 def dsn(backend: Backend) -> Iterator[str]:
-    with psycopg.connect(backend.admin_dsn, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
-        for stmt in OBJECTS:
-            conn.execute(stmt)
-        try:
-            yield backend.admin_dsn
-        finally:
-            conn.execute(f"DROP SCHEMA {SCHEMA} CASCADE")
+    with scratch_schema(backend.admin_dsn, SCHEMA, OBJECTS) as dsn:
+        yield dsn
 
 
 def _executed(plan: dict[str, Any], path: str = "") -> list[tuple[str, bool, float]]:

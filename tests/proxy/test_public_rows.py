@@ -7,12 +7,12 @@ import asyncio
 from collections.abc import Iterator
 
 import asyncpg
-import psycopg
 import pytest
 
 from dp_core.errors import ProgramLimitExceeded
+from dp_core.query import AnalyzedQuery
 from server.dp_query.public_rows import check_public_rows, unique_columns
-from tests.support.backend import Backend
+from tests.support.backend import Backend, scratch_schema
 from tests.support.engine import build
 
 SCHEMA = "test_public_rows"
@@ -54,14 +54,8 @@ OBJECTS = [
 
 @pytest.fixture(scope="module")
 def catalog(backend: Backend) -> Iterator[str]:
-    with psycopg.connect(backend.admin_dsn, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
-        for stmt in OBJECTS:
-            conn.execute(stmt)
-        try:
-            yield backend.admin_dsn
-        finally:
-            conn.execute(f"DROP SCHEMA {SCHEMA} CASCADE")
+    with scratch_schema(backend.admin_dsn, SCHEMA, OBJECTS) as dsn:
+        yield dsn
 
 
 @pytest.mark.parametrize(("name", "expected"), [
@@ -130,18 +124,7 @@ def test_a_unique_key_counts_under_its_own_types_equality(catalog: str, joins: s
     query, _, _ = build(f"WITH w AS ({inner}) SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM "
                         f"{outer} " + joins.removeprefix("w ").format(s=SCHEMA))
 
-    async def check() -> None:
-        conn = await asyncpg.connect(catalog)
-        try:
-            await check_public_rows(query, conn)
-        finally:
-            await conn.close()
-
-    if refused:
-        with pytest.raises(ProgramLimitExceeded):
-            asyncio.run(check())
-    else:
-        asyncio.run(check())
+    _check(query, catalog, refused)
 
 
 @pytest.mark.parametrize(("where", "refused"), [
@@ -159,6 +142,11 @@ def test_in_and_exists_subqueries_read_few_rows(catalog: str, where: str, refuse
                         "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits v WHERE "
                         + where.format(s=SCHEMA))
 
+    _check(query, catalog, refused, "IN or EXISTS")
+
+
+def _check(query: AnalyzedQuery, catalog: str, refused: bool, match: str | None = None) -> None:
+    """`check_public_rows` on the catalog: 54000 where `refused`, else nothing."""
     async def check() -> None:
         conn = await asyncpg.connect(catalog)
         try:
@@ -167,7 +155,7 @@ def test_in_and_exists_subqueries_read_few_rows(catalog: str, where: str, refuse
             await conn.close()
 
     if refused:
-        with pytest.raises(ProgramLimitExceeded, match="IN or EXISTS"):
+        with pytest.raises(ProgramLimitExceeded, match=match):
             asyncio.run(check())
     else:
         asyncio.run(check())

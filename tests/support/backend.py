@@ -14,8 +14,10 @@ runs the DP test files so; tests of what Citus does not do are skipped there (`O
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import asyncpg
@@ -194,3 +196,20 @@ def init_backend(backend: Backend, config: Config) -> None:
             await conn.close()
 
     asyncio.run(run())
+
+
+@contextlib.contextmanager
+def scratch_schema(admin_dsn: str, schema: str, objects: list[str]) -> Iterator[str]:
+    """A schema made of `objects` (statements, run in order) for a test module, dropped after:
+    yields the superuser DSN."""
+    import psycopg
+
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        for stmt in objects:
+            conn.execute(stmt)
+        try:
+            yield admin_dsn
+        finally:
+            conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
