@@ -112,7 +112,7 @@ def _ensure_os_user(name: str) -> tuple[int, int]:
     return entry.pw_uid, entry.pw_gid
 
 
-_CACHE_LAYOUT = "2"
+_CACHE_LAYOUT = "3"
 """Bumped when what the cache holds changes, so that a copy made by an older layout is not reused."""
 
 
@@ -140,9 +140,11 @@ def _bindir_for_uid(bindir: Path, run_as: tuple[int, int] | None = None) -> Path
     if cache.exists() and not _runs(cached_bindir, run_as):
         shutil.rmtree(cache, ignore_errors=True)
     if not cache.exists():
+        _remove_orphan_copies(cache.parent)
         staging = Path(tempfile.mkdtemp(prefix="dp-proxy-pginstall-"))
         tree = staging / "tree"
         shutil.copytree(prefix, tree / package.name / prefix.name, symlinks=True)
+        (tree / _SOURCE).write_text(str(prefix))
         if libs.is_dir():
             shutil.copytree(libs, tree / libs.name, symlinks=True)
         for root, dirs, files in os.walk(staging):
@@ -160,6 +162,20 @@ def _bindir_for_uid(bindir: Path, run_as: tuple[int, int] | None = None) -> Path
             f"{PG_OS_USER!r}: remove it and try again, or run dp-proxy as an ordinary user"
         )
     return cached_bindir
+
+
+_SOURCE = "source"
+"""A cached copy's file naming the installation it copies."""
+
+
+def _remove_orphan_copies(directory: Path) -> None:
+    """Remove cached copies whose installation is gone (a virtualenv deleted with its
+    checkout, as each fresh CI clone leaves one): 34 MB each otherwise left in /tmp."""
+    for cache in directory.glob("dp-proxy-pginstall-*"):
+        with contextlib.suppress(OSError):
+            source = (cache / _SOURCE).read_text().strip()
+            if source and not Path(source).exists():
+                shutil.rmtree(cache, ignore_errors=True)
 
 
 def _runs(bindir: Path, run_as: tuple[int, int] | None) -> bool:

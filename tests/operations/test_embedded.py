@@ -213,3 +213,21 @@ def test_root_in_a_private_home_starts_postgres_and_replaces_a_broken_copy(tmp_p
         assert asyncio.run(_select_one(pg.dsn())) == 1
     assert libs.is_dir()
     shutil.rmtree(cached.parent.parent.parent, ignore_errors=True)
+
+
+def test_cached_copies_of_a_removed_installation_are_removed(tmp_path: Path) -> None:
+    """A copy whose installation is gone (a deleted checkout's virtualenv) is removed when a
+    new copy is made; one whose installation is there, or that names none, is kept."""
+    from server.embedded import _SOURCE, _remove_orphan_copies
+
+    installed = tmp_path / "venv" / "pginstall"
+    installed.mkdir(parents=True)
+    copies = {name: tmp_path / f"dp-proxy-pginstall-{name}" for name in ("gone", "here", "old")}
+    for copy in copies.values():
+        copy.mkdir()
+    (copies["gone"] / _SOURCE).write_text(str(tmp_path / "deleted" / "pginstall"))
+    (copies["here"] / _SOURCE).write_text(str(installed))
+    _remove_orphan_copies(tmp_path)
+    assert not copies["gone"].exists()
+    assert copies["here"].exists() and copies["old"].exists()
+
