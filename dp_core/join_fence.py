@@ -38,6 +38,9 @@ or an IN / EXISTS subquery) so that no input of a join is filtered by protected 
   nullable side's core, a FULL JOIN's side, an outer join's preserved side without a key)
   gets one row of NULLs when it has none (a row no uid equals, whose owner is NULL: no answer
   counts it), so a join with it always reads the other side.
+- **Cross joins.** A join without a key reads one side once per row of the other: a
+  protected subquery there gets sentinel rows; a public item no key reads keeps its own
+  conditions inside it, read once (`_own_conditions`).
 - **Public subqueries kept apart** (OFFSET 0): merged into the scope, their constants would
   reach the protected item through the join key, as above. So is a protected subquery that
   itself joins (`ownership.owned_subquery`): merged into the query around it, or given its
@@ -121,10 +124,57 @@ def fence(items: tuple[Any, ...], where: Any | None, scope: Scope) -> tuple[tupl
             kept.append(c)  # a join key of items listed with commas
         else:
             conds.append(c)
+    done, conds = _own_conditions(done, conds, kept, scope)
     if conds:
         unique = [c for i, c in enumerate(conds) if not any(c == d for d in conds[:i])]
         kept.append(fenced(unique, scope.refs))
     return tuple(done), _and(kept)
+
+
+def _own_conditions(items: list[Any], conds: list[Any], kept: list[Any],
+                    scope: Scope) -> tuple[list[Any], list[Any]]:
+    """A public item of the scope's group that no join key reads (a cross join) keeps the
+    conditions on its own rows inside it (`(SELECT * FROM t AS d WHERE d.id = 5 OFFSET 0) AS
+    d`): its constants reach no protected item, and after the join it would be read whole
+    once per protected row."""
+    keyed: set[str] = set()
+    for c in [*kept, *(q for i in items for q in _join_quals(i))]:
+        keyed |= _reads(c) or set()
+    members = {n for i in items for n in _members(i)}
+    alone = {n for n in members if n not in scope.uids and n not in keyed}
+    own: dict[str, list[Any]] = {}
+    rest = []
+    for c in conds:
+        reads = _reads(c)
+        if reads is not None and len(reads) == 1 and next(iter(reads)) in alone and not any(
+                isinstance(n, ast.SubLink) for n in _outside(c)):
+            own.setdefault(next(iter(reads)), []).append(c)
+        else:
+            rest.append(c)
+    return [_filtered(i, own) for i in items], rest
+
+
+def _join_quals(node: Any) -> list[Any]:
+    """The conditions of a FROM item's joins, but the fences (which read every item)."""
+    if not isinstance(node, ast.JoinExpr):
+        return []
+    quals = [c for c in conjuncts(node.quals) if not isinstance(c, ast.CaseExpr)] \
+        if node.quals is not None else []
+    return [*quals, *_join_quals(node.larg), *_join_quals(node.rarg)]
+
+
+def _filtered(node: Any, own: dict[str, list[Any]]) -> Any:
+    """`node` with each item of `own` wrapped with its conditions."""
+    if isinstance(node, ast.JoinExpr):
+        node.larg, node.rarg = _filtered(node.larg, own), _filtered(node.rarg, own)
+        return node
+    name = from_name(node)
+    if name not in own:
+        return node
+    sub: Any = parse_sql("SELECT * FROM dp_x OFFSET 0")[0].stmt
+    sub.fromClause = (node,)
+    sub.whereClause = _and(own[name])
+    return ast.RangeSubselect(lateral=False, subquery=sub, alias=ast.Alias(aliasname=name))
 
 
 def fenced(conds: list[Any], refs: tuple[Any, ...]) -> Any:
@@ -239,6 +289,10 @@ def _region(node: Any, conds: list[Any], convert: bool, scope: Scope,
         if not convert or not (keys or node.usingClause):  # (or a cross join: both as they are)
             node.larg = _region(node.larg, conds, convert, scope, prefer)
             node.rarg = _region(node.rarg, conds, convert, scope, prefer)
+            if not keys and not node.usingClause:
+                # a cross join reads one side once per row of the other: none where that is
+                # empty, so a subquery there gets sentinel rows
+                node.larg, node.rarg = _whole(node.larg, scope), _whole(node.rarg, scope)
             return node
         members = _members(node)
         core = prefer if prefer in members else _core(members, scope)

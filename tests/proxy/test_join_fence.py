@@ -140,6 +140,15 @@ ATTACKS = [
     "FROM purchases p JOIN (SELECT s1.uid, count(*) AS n FROM (SELECT v.uid, v.duration FROM "
     "visits v JOIN purchases p2 ON p2.uid = v.uid) s1 WHERE s1.uid + 0 = "
     f"{TARGET} AND s1.duration = 3333 GROUP BY s1.uid) s ON s.uid = p.uid",
+    # a filtered subquery cross joined to a public table (no key): the public side read once
+    # per row of the subquery, not at all where it is empty
+    f"FROM (SELECT uid, duration FROM visits WHERE uid + 0 = {TARGET} AND duration = 3333) s "
+    f"JOIN {B} b ON b.id = 5",
+    f"FROM (SELECT uid, duration FROM visits WHERE uid + 0 = {TARGET} AND duration = 3333) s "
+    f"CROSS JOIN {B} b WHERE b.id = 5",
+    f"FROM (SELECT uid, duration FROM visits WHERE uid + 0 = {TARGET} AND duration = 3333) s "
+    f"LEFT JOIN {B} b ON b.id = 5",
+    f"FROM purchases p CROSS JOIN {B} b WHERE b.id = 5 AND p.uid + 0 = {TARGET}",
     # IN and EXISTS subqueries over public tables
     f"FROM visits v WHERE {_WHO} AND v.country IN (SELECT code FROM {B} WHERE id < 900)",
     f"FROM visits v WHERE {_WHO} AND EXISTS (SELECT 1 FROM {B} WHERE code = 'c1')",
@@ -224,6 +233,9 @@ SAME_ROWS = [
     "WHERE p.amount IS NULL OR p.amount > 50",
     f"{D} d JOIN visits v ON v.country = d.code JOIN purchases p USING (uid) WHERE d.name < 'n3'",
     f"visits v WHERE v.country IN (SELECT code FROM {D} WHERE name = 'n2') AND v.duration > 10",
+    f"purchases p CROSS JOIN {D} d WHERE d.name = 'n3' AND p.amount > 50",
+    "(SELECT uid, max(duration) AS m FROM visits WHERE duration < 30 GROUP BY uid) s "
+    f"CROSS JOIN {D} d WHERE d.code = 'c3'",
     "(SELECT uid FROM visits WHERE duration < 30 GROUP BY uid) s "
     "JOIN (SELECT uid, sum(amount) AS a FROM purchases WHERE amount > 30 GROUP BY uid) q USING (uid)",
     "(SELECT uid, max(country) AS c FROM visits WHERE duration < 30 GROUP BY uid) s "
