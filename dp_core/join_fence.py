@@ -63,6 +63,8 @@ from typing import Any
 from pglast import ast, parse_sql
 from pglast.enums import A_Expr_Kind, BoolExprType, JoinType, NullTestType
 
+from dp_core.join_items import filtered, sentinel
+from dp_core.join_keys import column, is_key, lenient, outside, reads, unnamed_key
 from dp_core.sqlnodes import conjuncts, from_name, from_names, node_sql, refuse
 
 
@@ -99,7 +101,7 @@ def fence(items: tuple[Any, ...], where: Any | None, scope: Scope) -> tuple[tupl
     join's input is filtered by protected rows (the module's docstring); unchanged where the
     scope does not join. Sets `scope.refs` for later conditions (`fenced`)."""
     names = [n for item in items for n in _leaf_names(item)]
-    has_sublink = where is not None and any(isinstance(n, ast.SubLink) for n in _outside(where))
+    has_sublink = where is not None and any(isinstance(n, ast.SubLink) for n in outside(where))
     if len(names) < 2 and not has_sublink:
         return items, where
     scope.refs = tuple(_ref(n, scope) for n in names)
@@ -117,10 +119,10 @@ def fence(items: tuple[Any, ...], where: Any | None, scope: Scope) -> tuple[tupl
         done = [_whole(done[0], scope)]
     kept = []
     for c in rest:
-        reads = _reads(c)
-        if reads == frozenset():
+        read = reads(c)
+        if read == frozenset():
             kept.append(c)  # a constant (a one-time filter, evaluated before anything)
-        elif not convert and len(done) > 1 and (_is_key(c, *_sides(done, c)) or _unnamed_key(c)):
+        elif not convert and len(done) > 1 and (is_key(c, *_sides(done, c)) or unnamed_key(c)):
             kept.append(c)  # a join key of items listed with commas
         else:
             conds.append(c)
@@ -139,19 +141,19 @@ def _own_conditions(items: list[Any], conds: list[Any], kept: list[Any],
     once per protected row."""
     keyed: set[str] = set()
     for c in [*kept, *(q for i in items for q in _join_quals(i))]:
-        keyed |= _reads(c) or set()
+        keyed |= reads(c) or set()
     members = {n for i in items for n in _members(i)}
     alone = {n for n in members if n not in scope.uids and n not in keyed}
     own: dict[str, list[Any]] = {}
     rest = []
     for c in conds:
-        reads = _reads(c)
-        if reads is not None and len(reads) == 1 and next(iter(reads)) in alone and not any(
-                isinstance(n, ast.SubLink) for n in _outside(c)):
-            own.setdefault(next(iter(reads)), []).append(c)
+        read = reads(c)
+        if read is not None and len(read) == 1 and next(iter(read)) in alone and not any(
+                isinstance(n, ast.SubLink) for n in outside(c)):
+            own.setdefault(next(iter(read)), []).append(c)
         else:
             rest.append(c)
-    return [_filtered(i, own) for i in items], rest
+    return [filtered(i, own) for i in items], rest
 
 
 def _join_quals(node: Any) -> list[Any]:
@@ -163,25 +165,11 @@ def _join_quals(node: Any) -> list[Any]:
     return [*quals, *_join_quals(node.larg), *_join_quals(node.rarg)]
 
 
-def _filtered(node: Any, own: dict[str, list[Any]]) -> Any:
-    """`node` with each item of `own` wrapped with its conditions."""
-    if isinstance(node, ast.JoinExpr):
-        node.larg, node.rarg = _filtered(node.larg, own), _filtered(node.rarg, own)
-        return node
-    name = from_name(node)
-    if name not in own:
-        return node
-    sub: Any = parse_sql("SELECT * FROM dp_x OFFSET 0")[0].stmt
-    sub.fromClause = (node,)
-    sub.whereClause = _and(own[name])
-    return ast.RangeSubselect(lateral=False, subquery=sub, alias=ast.Alias(aliasname=name))
-
-
 def fenced(conds: list[Any], refs: tuple[Any, ...]) -> Any:
     """`conds` as one condition evaluated where every one of `refs`' items is joined:
     `CASE WHEN num_nulls(refs) >= 0 THEN conds END` (true exactly where all of `conds` are;
     IN and EXISTS subqueries first)."""
-    ordered = sorted(conds, key=lambda c: not any(isinstance(n, ast.SubLink) for n in _outside(c)))
+    ordered = sorted(conds, key=lambda c: not any(isinstance(n, ast.SubLink) for n in outside(c)))
     test = ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval=">="),),
                       lexpr=ast.FuncCall(funcname=(ast.String(sval="pg_catalog"),
                                                    ast.String(sval="num_nulls")),
@@ -193,10 +181,10 @@ def fenced(conds: list[Any], refs: tuple[Any, ...]) -> Any:
 def _into_join(cond: Any, items: tuple[Any, ...]) -> bool:
     """A key of WHERE between two items of one join (inner, and not inside an outer join's
     nullable side) goes into that join's ON, where it stays a key; True where it went."""
-    reads = _reads(cond)
-    if reads is None or len(reads) != 2 or not _is_key(cond, set(reads), set(reads)):
+    read = reads(cond)
+    if read is None or len(read) != 2 or not is_key(cond, set(read), set(read)):
         return False
-    x, y = sorted(reads)
+    x, y = sorted(read)
     for item in items:
         node = item
         while isinstance(node, ast.JoinExpr):
@@ -283,7 +271,7 @@ def _region(node: Any, conds: list[Any], convert: bool, scope: Scope,
     if node.jointype == JoinType.JOIN_INNER:
         left, right = from_names(node.larg), from_names(node.rarg)
         quals = list(conjuncts(node.quals)) if node.quals is not None else []
-        keys = [c for c in quals if _is_key(c, left, right) or (not convert and _unnamed_key(c))]
+        keys = [c for c in quals if is_key(c, left, right) or (not convert and unnamed_key(c))]
         conds += [c for c in quals if not any(c is k for k in keys)]
         node.quals = _and(keys)
         if not convert or not (keys or node.usingClause):  # (or a cross join: both as they are)
@@ -306,7 +294,7 @@ def _region(node: Any, conds: list[Any], convert: bool, scope: Scope,
             node.jointype = JoinType.JOIN_FULL
             conds += [_matched(node.larg, keys, node.usingClause, scope),
                       _matched(node.rarg, keys, node.usingClause, scope)]
-            node.quals = _and(_lenient(keys, left | right))
+            node.quals = _and(lenient(keys, left | right))
             return node
         keep_left = core in left
         kept, other = (node.larg, node.rarg) if keep_left else (node.rarg, node.larg)
@@ -315,7 +303,7 @@ def _region(node: Any, conds: list[Any], convert: bool, scope: Scope,
         kept = _region(kept, conds, True, scope, core)
         other, keys = _nullable_side(other, keys, conds, scope)
         conds.append(_matched(other, keys, node.usingClause, scope))
-        keys = _lenient(keys, from_names(other))
+        keys = lenient(keys, from_names(other))
         node.quals = _and(keys)
         node.larg, node.rarg = (kept, other) if keep_left else (other, kept)
         node.jointype = JoinType.JOIN_LEFT if keep_left else JoinType.JOIN_RIGHT
@@ -340,22 +328,22 @@ def _region(node: Any, conds: list[Any], convert: bool, scope: Scope,
         # filters of the nullable item where it is read: a nested loop would rescan a
         # filtered item per row of the other side, more often where the target's row is in it
         quals = list(conjuncts(node.quals))
-        keys = [c for c in quals if _is_key(c, from_names(kept), set(names))]
+        keys = [c for c in quals if is_key(c, from_names(kept), set(names))]
         own = [c for c in quals if not any(c is k for k in keys)
-               and ((reads := _reads(c)) is None or reads <= set(names))]
+               and ((read := reads(c)) is None or read <= set(names))]
         rest = [c for c in quals if not any(c is k for k in keys) and not any(c is o for o in own)]
         refs = tuple(_ref(n, scope) for n in [*_leaf_names(kept), *names])
-        node.quals = _and([*_lenient(keys, set(names)), *rest,
+        node.quals = _and([*lenient(keys, set(names)), *rest,
                            *([fenced(own, refs)] if own else [])])
     if len(names) >= 2:
         # its ON's conditions but its keys to one item, and those of the nullable side's own
         # joins, after those joins (over the nullable side's items only)
         inner: list[Any] = []
         quals = list(conjuncts(node.quals)) if node.quals is not None else []
-        keys = [c for c in quals if _is_key(c, from_names(kept), set(names))]
+        keys = [c for c in quals if is_key(c, from_names(kept), set(names))]
         inner += [c for c in quals if not any(c is k for k in keys)]
         nullable, keys = _nullable_side(nullable, keys, inner, scope)
-        keys = _lenient(keys, set(names))
+        keys = lenient(keys, set(names))
         if inner:
             keys.append(fenced(inner, tuple(_ref(n, scope) for n in names)))
         node.quals = _and(keys)
@@ -363,22 +351,6 @@ def _region(node: Any, conds: list[Any], convert: bool, scope: Scope,
     if from_name(kept) in scope.derived:
         _kept_whole(node, kept, conds, scope)
     return node
-
-
-def _lenient(keys: list[Any], nullable: set[str]) -> list[Any]:
-    """Keys of an outer join with their nullable side's columns as `COALESCE(x, x)`: the same
-    equality (Postgres hashes on it), but not strict, so Postgres does not turn an outer
-    join inside that side into an inner one (whose empty input would skip the rest)."""
-    out = []
-    for k in keys:
-        k = copy.deepcopy(k)
-        for side in ("lexpr", "rexpr"):
-            ref = _column(getattr(k, side))
-            if ref is not None and str(ref.fields[0].sval) in nullable:
-                expr = getattr(k, side)
-                setattr(k, side, ast.CoalesceExpr(args=(expr, copy.deepcopy(expr))))
-        out.append(k)
-    return out
 
 
 def _nullable_side(side: Any, keys: list[Any], conds: list[Any],
@@ -391,9 +363,9 @@ def _nullable_side(side: Any, keys: list[Any], conds: list[Any],
     names = _leaf_names(side)
     if len(names) < 2:
         return side, keys
-    touched = [n for n in names if any(n in (_reads(k) or ()) for k in keys)]
+    touched = [n for n in names if any(n in (reads(k) or ()) for k in keys)]
     core = touched[0] if touched else _core(_members(side), scope)
-    kept = [k for k in keys if core in (_reads(k) or ())]
+    kept = [k for k in keys if core in (reads(k) or ())]
     conds += [k for k in keys if not any(k is c for c in kept)]
     side = _whole_core(side, core, scope)
     return _region(side, conds, True, scope, core), kept
@@ -412,7 +384,7 @@ def _whole(node: Any, scope: Scope) -> Any:
     if name is None or name not in scope.derived or isinstance(node, ast.JoinExpr):
         return node
     scope.whole.add(name)
-    return _sentinel(node)
+    return sentinel(node)
 
 
 def _whole_core(node: Any, core: str | None, scope: Scope) -> Any:
@@ -456,7 +428,7 @@ def _kept_whole(join: ast.JoinExpr, kept: Any, conds: list[Any], scope: Scope) -
     Postgres would not read the other side. A FULL JOIN reads both, the conditions asking
     that the subquery's side is there; where the ON has no key to hash on (a FULL JOIN needs
     one), the subquery gets sentinel rows instead."""
-    keys = [c for c in conjuncts(join.quals) if _is_key(c, from_names(join.larg),
+    keys = [c for c in conjuncts(join.quals) if is_key(c, from_names(join.larg),
                                                          from_names(join.rarg))] \
         if join.quals is not None else []
     if keys or join.usingClause:
@@ -466,9 +438,9 @@ def _kept_whole(join: ast.JoinExpr, kept: Any, conds: list[Any], scope: Scope) -
                                                              ast.String(sval=scope.uids[name]))),
                                   nulltesttype=NullTestType.IS_NOT_NULL))
     elif join.larg is kept:
-        join.larg = _sentinel(kept)
+        join.larg = sentinel(kept)
     else:
-        join.rarg = _sentinel(kept)
+        join.rarg = sentinel(kept)
 
 
 def _chain(items: list[Any], rest: list[Any], scope: Scope) -> Any:
@@ -482,7 +454,7 @@ def _chain(items: list[Any], rest: list[Any], scope: Scope) -> Any:
     todo = [i for i in items if i is not first]
     while todo:
         for item in todo:
-            keys = [c for c in rest if _is_key(c, names, from_names(item))]
+            keys = [c for c in rest if is_key(c, names, from_names(item))]
             if keys:
                 break
         else:
@@ -506,7 +478,7 @@ def _matched(side: Any, keys: list[Any], using: Any, scope: Scope) -> Any:
     k: Any
     for k in keys:
         for part in (k.lexpr, k.rexpr):
-            ref = _column(part)
+            ref = column(part)
             if ref is not None and str(ref.fields[0].sval) in names:
                 col = ref
                 break
@@ -528,102 +500,8 @@ def _matched(side: Any, keys: list[Any], using: Any, scope: Scope) -> Any:
 def _sides(items: list[Any], cond: Any) -> tuple[set[str], set[str]]:
     """For a key of two comma-listed items: the names of the two items it reads (else two
     empty sets)."""
-    reads = _reads(cond) or frozenset()
-    hit = [from_names(i) for i in items if from_names(i) & reads]
+    read = reads(cond) or frozenset()
+    hit = [from_names(i) for i in items if from_names(i) & read]
     return (hit[0], hit[1]) if len(hit) == 2 else (set(), set())
 
 
-def _column(node: Any) -> Any:
-    """`alias.column`, maybe cast (or as `_lenient` writes it)."""
-    while True:
-        if isinstance(node, ast.TypeCast):
-            node = node.arg
-            continue
-        args: Any = node.args if isinstance(node, ast.CoalesceExpr) else None
-        if args is None or len(args) != 2 or args[0] != args[1]:
-            break
-        node = args[0]
-    fields = tuple(node.fields or ()) if isinstance(node, ast.ColumnRef) else ()
-    if len(fields) == 2 and all(isinstance(f, ast.String) for f in fields):
-        return node
-    return None
-
-
-def _is_key(cond: Any, left: set[str], right: set[str]) -> bool:
-    """`a.x = b.y` (maybe cast), one column of an item in `left`, the other in `right`."""
-    if not (isinstance(cond, ast.A_Expr) and cond.kind == A_Expr_Kind.AEXPR_OP
-            and cond.name and str(cond.name[-1].sval) == "=" and len(cond.name) == 1):
-        return False
-    a, b = _column(cond.lexpr), _column(cond.rexpr)
-    if a is None or b is None:
-        return False
-    x, y = str(a.fields[0].sval), str(b.fields[0].sval)
-    return (x in left and y in right) or (x in right and y in left)
-
-
-def _unnamed_key(cond: Any) -> bool:
-    """`x = y` of two columns, one named without its item (`ON code = country`): Postgres
-    says whose they are; in a join of two items (whose output feeds no other join) it stays
-    where it is written, a key to hash on where the columns are of both items. (Two columns
-    of one item would filter it where it is read, by an equality no literal is in.)"""
-    if not (isinstance(cond, ast.A_Expr) and cond.kind == A_Expr_Kind.AEXPR_OP
-            and cond.name and str(cond.name[-1].sval) == "=" and len(cond.name) == 1):
-        return False
-    sides = [cond.lexpr, cond.rexpr]
-    for i, side in enumerate(sides):
-        while isinstance(side, ast.TypeCast):
-            side = side.arg
-        sides[i] = side
-    fields = [tuple(s.fields or ()) if isinstance(s, ast.ColumnRef) else () for s in sides]
-    return all(f and all(isinstance(x, ast.String) for x in f) and len(f) <= 2 for f in fields) \
-        and any(len(f) == 1 for f in fields)
-
-
-def _outside(node: Any) -> list[Any]:
-    """`node`'s nodes, not descending into subqueries (a SubLink itself is included)."""
-    out, stack = [], [node]
-    while stack:
-        cur = stack.pop()
-        if isinstance(cur, ast.Node):
-            out.append(cur)
-            if isinstance(cur, ast.SubLink):
-                stack.append(cur.testexpr)
-                continue
-            stack.extend(getattr(cur, name) for name in cur)
-        elif isinstance(cur, (tuple, list)):
-            stack.extend(cur)
-    return out
-
-
-def _reads(cond: Any) -> frozenset[str] | None:
-    """The FROM item names `cond` reads (outside its subqueries, which read none: correlated
-    ones are refused); None where it reads a column without naming its item."""
-    out: set[str] = set()
-    for n in _outside(cond):
-        if isinstance(n, ast.ColumnRef):
-            fields = tuple(n.fields or ())
-            if len(fields) != 2 or not isinstance(fields[0], ast.String):
-                return None
-            out.add(str(fields[0].sval))
-    return frozenset(out)
-
-
-_SENTINEL = ("SELECT dp_s.* FROM (VALUES (0)) AS dp_one (dp_x) LEFT JOIN dp_item AS dp_s "
-             "ON true OFFSET 0")
-
-
-def _sentinel(node: Any) -> ast.RangeSubselect:
-    """A subquery or WITH query over protected rows as a FROM item of the same name that has
-    its rows, or one row of NULLs where it has none (OFFSET 0: Postgres keeps it whole,
-    rather than reducing the LEFT JOIN away under a join key)."""
-    sub: Any = parse_sql(_SENTINEL)[0].stmt
-    join = sub.fromClause[0]
-    if isinstance(node, ast.RangeSubselect):
-        join.rarg = ast.RangeSubselect(lateral=False, subquery=node.subquery,
-                                       alias=ast.Alias(aliasname="dp_s"))
-        return ast.RangeSubselect(lateral=False, subquery=sub, alias=node.alias)
-    rv = copy.copy(node)
-    rv.alias = ast.Alias(aliasname="dp_s")
-    join.rarg = rv
-    name = from_name(node)
-    return ast.RangeSubselect(lateral=False, subquery=sub, alias=ast.Alias(aliasname=name))
