@@ -9,26 +9,37 @@ from pglast import ast
 from pglast.enums import A_Expr_Kind
 
 
-def column(node: Any) -> Any:
-    """`alias.column`, maybe cast (or as `lenient` writes it)."""
+def _uncast(node: Any) -> Any:
+    """`node` without its casts (and `COALESCE(x, x)`, as `lenient` writes a column)."""
     while True:
         if isinstance(node, ast.TypeCast):
             node = node.arg
             continue
         args: Any = node.args if isinstance(node, ast.CoalesceExpr) else None
         if args is None or len(args) != 2 or args[0] != args[1]:
-            break
+            return node
         node = args[0]
+
+
+def column(node: Any) -> Any:
+    """`alias.column`, maybe cast (or as `lenient` writes it)."""
+    node = _uncast(node)
     fields = tuple(node.fields or ()) if isinstance(node, ast.ColumnRef) else ()
     if len(fields) == 2 and all(isinstance(f, ast.String) for f in fields):
         return node
     return None
 
 
+def _equality(cond: Any) -> bool:
+    """`x = y` (the plain operator)."""
+    name: Any = cond.name if isinstance(cond, ast.A_Expr) else None
+    return isinstance(cond, ast.A_Expr) and cond.kind == A_Expr_Kind.AEXPR_OP \
+        and bool(name) and len(name) == 1 and str(name[0].sval) == "="
+
+
 def is_key(cond: Any, left: set[str], right: set[str]) -> bool:
     """`a.x = b.y` (maybe cast), one column of an item in `left`, the other in `right`."""
-    if not (isinstance(cond, ast.A_Expr) and cond.kind == A_Expr_Kind.AEXPR_OP
-            and cond.name and str(cond.name[-1].sval) == "=" and len(cond.name) == 1):
+    if not _equality(cond):
         return False
     a, b = column(cond.lexpr), column(cond.rexpr)
     if a is None or b is None:
@@ -42,15 +53,10 @@ def unnamed_key(cond: Any) -> bool:
     says whose they are; in a join of two items (whose output feeds no other join) it stays
     where it is written, a key to hash on where the columns are of both items. (Two columns
     of one item would filter it where it is read, by an equality no literal is in.)"""
-    if not (isinstance(cond, ast.A_Expr) and cond.kind == A_Expr_Kind.AEXPR_OP
-            and cond.name and str(cond.name[-1].sval) == "=" and len(cond.name) == 1):
+    if not _equality(cond):
         return False
-    sides = [cond.lexpr, cond.rexpr]
-    for i, side in enumerate(sides):
-        while isinstance(side, ast.TypeCast):
-            side = side.arg
-        sides[i] = side
-    fields = [tuple(s.fields or ()) if isinstance(s, ast.ColumnRef) else () for s in sides]
+    fields = [tuple(s.fields or ()) if isinstance(s, ast.ColumnRef) else ()
+              for s in (_uncast(cond.lexpr), _uncast(cond.rexpr))]
     return all(f and all(isinstance(x, ast.String) for x in f) and len(f) <= 2 for f in fields) \
         and any(len(f) == 1 for f in fields)
 

@@ -321,8 +321,8 @@ class PushdownRunner:
         timeout = self.config.backend.statement_timeout
         await conn.execute(f"SET LOCAL statement_timeout = {int(timeout * 1000)}")
         # the joins in the order the rewrite writes them (`join_fence.PLANNER_SETTINGS`)
-        for name, value in PLANNER_SETTINGS.items():
-            await conn.execute(f"SET LOCAL {name} = {value}")
+        await conn.execute("; ".join(f"SET LOCAL {name} = {value}"
+                                     for name, value in PLANNER_SETTINGS.items()))
         if per_bin:
             await conn.execute(f"SET LOCAL hash_mem_multiplier = {_BINNED_HASH_MEM}")
         if timezone is not None:
