@@ -11,7 +11,8 @@ the catalog say, never by protected data:
 - tied by an equality (`c.code = v.country`, in WHERE or an inner join's ON, or in an outer
   join's ON to an item of its other side) to items already bounded, on a column with a
   unique index (a PRIMARY KEY or UNIQUE column, from the catalog), against a column or an
-  expression cast to a type its equality compares exactly: 1 row;
+  expression cast to a type its equality compares exactly, or to a literal (also in a
+  public subquery's own WHERE): 1 row;
 - a VALUES list tied on one of its columns: the most rows sharing one literal value there;
 - else its rows (a table's, counted up to the limit: public data the analysts may read).
 
@@ -224,6 +225,7 @@ def _on_unique(item: PublicItem, unique: Unique, composite: Composite) -> bool:
     assert source.relation is not None
     tied = [(column, key) for key in item.keys
             if (column := source.column(key.column)) is not None]
+    tied += [(key.column, key) for key in source.own]
     return any(unique(source.relation, column, key) for column, key in tied) or \
         (len(tied) > 1 and composite(source.relation, tied))
 
@@ -303,6 +305,8 @@ def selected_source(sub: ast.SelectStmt, known: Mapping[Any, PublicSource]) -> P
     base = known[name] if item.schemaname is None and name in known \
         else PublicSource((str(item.schemaname) if item.schemaname else None, name))
     base = renamed(base, item.alias)
+    literal = (*base.own, *_literal_ties(sub.whereClause, base,
+                                     str(item.alias.aliasname) if item.alias else name))
     targets = sub.targetList or ()
     columns: dict[str, str] = {}
     repeats: dict[str, int] = {}
@@ -312,8 +316,8 @@ def selected_source(sub: ast.SelectStmt, known: Mapping[Any, PublicSource]) -> P
             else None
         if isinstance(last, ast.A_Star):
             if len(targets) == 1:
-                return base
-            return PublicSource(base.relation, {}, base.rows)
+                return replace(base, own=literal)
+            return PublicSource(base.relation, {}, base.rows, own=literal)
         own = str(last.sval) if isinstance(last, ast.String) else None
         out = str(target.name) if target.name else own or "?column?"
         order.append(out)
@@ -324,7 +328,30 @@ def selected_source(sub: ast.SelectStmt, known: Mapping[Any, PublicSource]) -> P
             columns[out] = column
         if own in base.repeats:
             repeats[out] = base.repeats[own]
-    return PublicSource(base.relation, columns, base.rows, repeats, tuple(order))
+    return PublicSource(base.relation, columns, base.rows, repeats, tuple(order), literal)
+
+
+def _literal_ties(where: Any, source: PublicSource, alias: str) -> list[TieKey]:
+    """The table columns `where`'s conjuncts equate to a plain string or integer literal (a
+    column unqualified or qualified by `alias`, as the table has it: `source.column`)."""
+    out = []
+    for conj in conjuncts(where):
+        if not (isinstance(conj, ast.A_Expr) and conj.kind == A_Expr_Kind.AEXPR_OP
+                and conj.name and conj.name[-1].sval == "="):
+            continue
+        for col, other in ((conj.lexpr, conj.rexpr), (conj.rexpr, conj.lexpr)):
+            fields = tuple(col.fields or ()) if isinstance(col, ast.ColumnRef) else ()
+            names = [str(f.sval) for f in fields if isinstance(f, ast.String)]
+            if not fields or len(names) != len(fields) or len(names) > 2 \
+                    or (len(names) == 2 and names[0] != alias):
+                continue
+            if not (isinstance(other, ast.A_Const)
+                    and isinstance(other.val, (ast.String, ast.Integer))):
+                continue
+            column = source.column(names[-1])
+            if column is not None:
+                out.append(TieKey(column, literal=True))
+    return out
 
 
 def table_columns(sel: ast.SelectStmt) -> PublicSource | None:

@@ -196,6 +196,9 @@ class PublicSource:
     order: tuple[str, ...] = ()
     """The output columns' names in order, where known (a column alias renames by position;
     empty: a table's, not known here)."""
+    own: tuple[TieKey, ...] = ()
+    """A subquery's or WITH query's own WHERE ties: its table's columns (by the table's
+    names) each equal to a plain literal there (`WHERE id = 5`: on a unique column, one row)."""
 
     def column(self, name: str) -> str | None:
         """The table's column that the item's column `name` is, where it is one."""

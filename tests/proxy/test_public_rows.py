@@ -116,6 +116,18 @@ def test_unique_columns(catalog: str, name: str, expected: set[str]) -> None:
     # through a protected WITH query of one table's columns
     ("w JOIN {s}.cpub a ON a.code = w.country JOIN {s}.cpub b ON b.code = w.country", False),
     ("w JOIN {s}.cpub a ON a.code = w.c JOIN {s}.cpub b ON b.code = w.c", True),
+    # a public subquery's own WHERE: a unique column equal to a literal, one row (11 else)
+    ("CROSS JOIN (SELECT id FROM {s}.ipub WHERE id = 5) a "
+     "CROSS JOIN (SELECT f FROM {s}.ipub AS t WHERE 3 = t.id) b", False),
+    ("CROSS JOIN (SELECT * FROM {s}.comp WHERE a = 1 AND b = 'x1') a "
+     "CROSS JOIN (SELECT f FROM {s}.ipub WHERE f = 2 AND id > 0) b", False),
+    ("CROSS JOIN (SELECT id FROM {s}.ipub WHERE id > 5) a "
+     "CROSS JOIN (SELECT f FROM {s}.ipub WHERE id = 5 OR id = 6) b", True),
+    ("CROSS JOIN (SELECT a FROM {s}.comp WHERE a = 1) a "
+     "CROSS JOIN (SELECT id FROM {s}.ipub WHERE id > 5) b", True),  # (part of its key)
+    ("CROSS JOIN (SELECT id FROM {s}.ipub WHERE f = 2.0) a "
+     "CROSS JOIN (SELECT id FROM {s}.ipub AS t WHERE u.id = 5) b", True),  # (not a plain
+    # literal; another item's column)
 ])
 def test_a_unique_key_counts_under_its_own_types_equality(catalog: str, joins: str,
                                                           refused: bool) -> None:
