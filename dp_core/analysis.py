@@ -365,6 +365,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
         order_by=order_by, limit=stmt.limitCount, offset=stmt.limitOffset,
         plain_form=plain_form, ctes=cte_nodes, select=tuple(select),
         casts=tuple(findings.casts), arithmetic=tuple(findings.arithmetic),
+        mixes=tuple(findings.mixes),
         relations=tuple(dict.fromkeys(findings.relations)),
         sublinks=tuple(findings.sublinks), joins_capped=findings.joins_capped,
         public_items=tuple(findings.fanout), in_lists=tuple(findings.in_lists),

@@ -9,8 +9,8 @@ from typing import Any
 from pglast import ast
 from pglast.enums import A_Expr_Kind, BoolExprType
 
-from dp_core.query import AggKind, CastCheck
-from dp_core.sqlnodes import const_number, const_string, func_name, refuse
+from dp_core.query import AggKind, CastCheck, TypeMix
+from dp_core.sqlnodes import const_number, const_string, func_name, node_sql, refuse
 
 INTEGER_TYPES = frozenset({"int2", "int4", "int8"})
 
@@ -62,6 +62,52 @@ def check_casts(casts: Sequence[CastCheck], source_types: Sequence[str]) -> None
                 raise refuse(f"{cast.rule}, not {source}", cast.text)
             raise refuse(f"casts of column values from {source} to {cast.target} (they can "
                           "fail on some values)", cast.text)
+
+
+_OID_TYPES = frozenset({"oid", "regclass", "regcollation", "regconfig", "regdictionary",
+                        "regnamespace", "regoper", "regoperator", "regproc", "regprocedure",
+                        "regrole", "regtype"})
+_COMPARED = {"numeric": frozenset({"float4", "float8"}), "int8": _OID_TYPES,
+             "text": frozenset({"regclass"}), "varchar": frozenset({"regclass"}),
+             "macaddr8": frozenset({"macaddr"})}
+FAILING_CONVERSIONS: dict[str, dict[str, frozenset[str]]] = {
+    "compare": _COMPARED,
+    "choose": {**_COMPARED, "date": frozenset({"timestamp", "timestamptz"}),
+               "timestamp": frozenset({"timestamptz"})},
+}
+"""The implicit conversions (pg_cast's, between built-in types) Postgres may apply to a value
+that it compares with, or chooses among, values of another type, and that fail on some
+values: numeric to real or double precision beyond their range (1e39, 1e309) or below their
+smallest magnitude (1e-45, 1e-324); bigint to oid past 2^32; a text to regclass where it
+names no table; a macaddr8 to macaddr unless its middle bytes are FF:FE; a date to a
+timestamp past 294276 AD, a timestamp to timestamptz at its range's ends. Every other
+implicit conversion between built-in types succeeds on every value (both checked against
+Postgres by tests/proxy/test_attacks.py). Dates and timestamps compare across their types
+without converting: only CASE, COALESCE, GREATEST, LEAST and a list of IN values choose one
+type for all."""
+
+
+def check_mixes(mixes: Sequence[TypeMix], types: Sequence[Sequence[str]]) -> None:
+    """Refuse the query where a value of the rows (not a constant: Postgres converts those
+    once, when the pushdown is planned, whatever the rows) may be converted implicitly by a
+    conversion that fails on some values (`FAILING_CONVERSIONS`)."""
+    for mix, found in zip(mixes, types, strict=True):
+        failing = FAILING_CONVERSIONS[mix.kind]
+        for j, (source, constant) in enumerate(zip(found, mix.constant, strict=True)):
+            targets = failing.get(source, frozenset()) & set(found)
+            if constant or not targets:
+                continue
+            target = min(targets)
+            back = TOTAL_CASTS.get(target, frozenset())
+            to, of = _SQL_NAMES.get(target, target), _SQL_NAMES.get(source, source)
+            hint = f"; cast the {to} values to {of}" if source in back else ""
+            raise refuse(f"{of} values brought to one type with {to} ones by {mix.text} "
+                         f"(Postgres converts them to {to}, which fails on some values{hint})",
+                         node_sql(mix.operands[j]))
+
+
+_SQL_NAMES = {"float4": "real", "float8": "double precision", "timestamptz":
+              "timestamp with time zone"}
 
 
 ANON_FUNCTIONS = {

@@ -111,6 +111,28 @@ class CastCheck:
 
 
 @dataclass(frozen=True)
+class TypeMix:
+    """Values Postgres brings to one type before it compares or chooses among them (a
+    comparison, IN, BETWEEN, NULLIF: "compare"; CASE's results, COALESCE, GREATEST, LEAST:
+    "choose"), converting some implicitly: numeric to real or double precision fails beyond
+    their range (1e39, 1e-46), a date to a timestamp past 294276 AD. The server learns each
+    operand's type from Postgres (`argument_probe_sql`) and `check_mixes` refuses the query
+    where a value of the rows (not a constant, converted once when the pushdown is planned)
+    may be converted so."""
+
+    operands: tuple[ast.Node, ...]
+    """The (totalised) values, in order."""
+    constant: tuple[bool, ...]
+    """Per operand: it reads no column (a literal, a bound parameter)."""
+    kind: str
+    """"compare" or "choose"."""
+    text: str
+    """What brings them to one type (CASE, COALESCE, =, IN, ...), for the refusal message."""
+    scope: ast.SelectStmt | None = None
+    """As `CastCheck.scope`."""
+
+
+@dataclass(frozen=True)
 class ArithmeticCheck:
     """An arithmetic operator as the analyst wrote it, whose type Postgres reports when the
     proxy prepares `argument_probe_sql` (t{i}): where it is an integer type, the analysis runs
@@ -270,6 +292,9 @@ class AnalyzedQuery:
     """Casts whose totality depends on their source type (see `check_casts`)."""
     arithmetic: tuple[ArithmeticCheck, ...] = ()
     """Arithmetic operators whose type decides their integer semantics (`ArithmeticCheck`)."""
+    mixes: tuple[TypeMix, ...] = ()
+    """Values brought to one type, which must not convert a row's value where that can fail
+    (see `check_mixes`)."""
     sublinks: tuple[ast.SelectStmt, ...] = ()
     """Its IN and EXISTS subqueries (total), which must plan alone (`Findings.sublinks`)."""
     relations: tuple[Relation, ...] = ()

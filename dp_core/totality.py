@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pglast import ast
-from pglast.enums import A_Expr_Kind
+from pglast.enums import A_Expr_Kind, SubLinkType
 
 from dp_core.catalogue import (
     ARITHMETIC,
@@ -33,7 +33,7 @@ from dp_core.cost import Cost, Linear, RowWorkBudget, row_cost
 from dp_core.errors import (
     SyntaxError_,
 )
-from dp_core.query import ArithmeticCheck, CastCheck, PublicItem, PublicSource, Relation
+from dp_core.query import ArithmeticCheck, CastCheck, PublicItem, PublicSource, Relation, TypeMix
 from dp_core.sqlnodes import (
     INTEGER_LIMITS,
     as_integer,
@@ -45,6 +45,7 @@ from dp_core.sqlnodes import (
     node_sql,
     nullif_zero,
     refuse,
+    walk_nodes,
 )
 
 
@@ -58,6 +59,8 @@ class Findings:
     the proxy prepares `argument_probe_sql`."""
     arithmetic: list[ArithmeticCheck] = field(default_factory=list)
     """Arithmetic operators of the analyst's text, whose types the proxy asks Postgres."""
+    mixes: list[TypeMix] = field(default_factory=list)
+    """Values Postgres brings to one type, whose types the proxy asks Postgres (`TypeMix`)."""
     relations: list[Relation] = field(default_factory=list)
     """The unprotected tables the query reads by name, which the server checks the analysts
     may read (`AnalyzedQuery.relations`)."""
@@ -164,6 +167,9 @@ class Totalizer:
             node.arg = self._total(node.arg, ctx)
             node.args = tuple(self._total(w, ctx) for w in node.args)
             node.defresult = self._total(node.defresult, ctx)
+            self._mix("choose", [*(w.result for w in node.args), node.defresult], "CASE")
+            for w in node.args if node.arg is not None else ():
+                self._mix("compare", [node.arg, w.expr], "CASE x WHEN")
             return node
         if isinstance(node, ast.CaseWhen):
             node.expr = self._total(node.expr, ctx)
@@ -171,6 +177,8 @@ class Totalizer:
             return node
         if isinstance(node, (ast.CoalesceExpr, ast.MinMaxExpr)):
             node.args = tuple(self._total(a, ctx) for a in node.args)
+            self._mix("choose", list(node.args), "COALESCE" if isinstance(node, ast.CoalesceExpr)
+                      else "GREATEST or LEAST")
             return node
         if isinstance(node, ast.TypeCast):
             return self._cast(node, ctx)
@@ -182,6 +190,12 @@ class Totalizer:
                               "unprotected tables in WHERE)", ctx)
             link = self.semi_joins(node)
             link.testexpr = self._total(link.testexpr, ctx)
+            if link.testexpr is not None and isinstance(link.subselect, ast.SelectStmt):
+                # (the subquery's column, as a scalar subquery: prepared, never run)
+                column = ast.SubLink(subLinkType=SubLinkType.EXPR_SUBLINK,
+                                     subselect=copy.deepcopy(link.subselect))
+                self._mix("compare", [link.testexpr, column], "IN, ANY or ALL (SELECT ...)",
+                          constant=(_constant(link.testexpr), True))
             return link
         if isinstance(node, ast.SQLValueFunction):
             raise refuse("only immutable functions", node_sql(node))
@@ -195,6 +209,7 @@ class Totalizer:
         if kind == A_Expr_Kind.AEXPR_OP:
             if op in TOTAL_OPERATORS:
                 node.lexpr, node.rexpr = self._total(node.lexpr, ctx), self._total(node.rexpr, ctx)
+                self._mix("compare", [node.lexpr, node.rexpr], op)
                 return node
             if op in ARITHMETIC:
                 # exact numeric arithmetic cannot overflow on column values; x/0 is NULL
@@ -231,6 +246,12 @@ class Totalizer:
                 node.rexpr = tuple(self._total(r, ctx) for r in node.rexpr)
             else:
                 node.rexpr = self._total(node.rexpr, ctx)
+            values = [node.lexpr, *(node.rexpr if isinstance(node.rexpr, tuple) else
+                                    (node.rexpr,))]
+            what = _MIXED_BY.get(kind, "IN")
+            self._mix("compare", values, what)
+            if kind == A_Expr_Kind.AEXPR_IN and not all(_constant(v) for v in values[1:]):
+                self._mix("choose", values, what)  # (a list of values: one array type)
             return node
         if kind in (A_Expr_Kind.AEXPR_LIKE, A_Expr_Kind.AEXPR_ILIKE):
             pattern = const_string(node.rexpr)
@@ -271,6 +292,14 @@ class Totalizer:
             return node
         raise refuse(f"casts of column values to {target} (they can fail on some values)",
                       node_sql(node))
+
+    def _mix(self, kind: str, operands: list[Any], text: str,
+             constant: tuple[bool, ...] | None = None) -> None:
+        """Note values Postgres brings to one type (`TypeMix`), where one reads a column."""
+        values = [copy.deepcopy(v) for v in operands if v is not None]
+        flags = constant or tuple(_constant(v) for v in values)
+        if len(values) > 1 and not all(flags):
+            self.findings.mixes.append(TypeMix(tuple(values), flags, kind, text, self.scope))
 
     def number(self, value: ast.Node, rule: str, text: str) -> ast.Node:
         """`value` (totalised) as numeric, checked when the query is planned to be a number:
@@ -379,6 +408,17 @@ class Totalizer:
             args = [self._total(a, ctx) for a in args]
         fc.args = tuple(args)
         return fc
+
+
+_MIXED_BY = {A_Expr_Kind.AEXPR_DISTINCT: "IS DISTINCT FROM",
+             A_Expr_Kind.AEXPR_NOT_DISTINCT: "IS NOT DISTINCT FROM",
+             A_Expr_Kind.AEXPR_BETWEEN: "BETWEEN", A_Expr_Kind.AEXPR_NOT_BETWEEN: "BETWEEN",
+             A_Expr_Kind.AEXPR_NULLIF: "NULLIF"}
+
+
+def _constant(node: Any) -> bool:
+    """It reads no column (nor a subquery): a literal or a bound parameter, cast or not."""
+    return not any(isinstance(n, (ast.ColumnRef, ast.SubLink)) for n in walk_nodes(node))
 
 
 def _check_work(found: Findings, budget: RowWorkBudget,

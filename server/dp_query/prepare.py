@@ -14,7 +14,7 @@ from pglast import ast
 from config import Config
 from config.models import MAX_PUBLIC_KEYS, TableConfig
 from dp_core.analysis import analyze, parse_select
-from dp_core.catalogue import INTEGER_TYPES, NUMBER_TYPES, check_casts
+from dp_core.catalogue import INTEGER_TYPES, NUMBER_TYPES, check_casts, check_mixes
 from dp_core.classify import Statement
 from dp_core.clock import fix_clock
 from dp_core.cost import RowWorkBudget
@@ -181,6 +181,8 @@ class Preparer:
                 types = {a.name: a.type.name for a in attrs}
             arg_types = {int(name[1:]): t for name, t in types.items() if name[0] == "a"}
             check_casts(query.casts, [types[f"c{i}"] for i in range(len(query.casts))])
+            check_mixes(query.mixes, [[types[f"m{i}_{j}"] for j in range(len(m.operands))]
+                                      for i, m in enumerate(query.mixes)])
             if attrs:
                 query = query.with_hashed_keys(await self._hashed_keys(
                     [a.type.oid for a in attrs if a.name[0] == "k"], conn))

@@ -739,6 +739,36 @@ def test_casts_in_the_query_scope_wait_for_their_source_type() -> None:
     check_casts([replace(query.casts[0], target="float4")], ["int8"])  # 9.2e18 < 3.4e38
 
 
+def test_values_brought_to_one_type_wait_for_their_types() -> None:
+    """CASE's results, COALESCE, GREATEST and comparisons note their values (`TypeMix`); a
+    value of the rows that Postgres would convert where that can fail (numeric to real,
+    a date to a timestamp in CASE but not in a comparison) is refused, a constant is not."""
+    from dp_core.catalogue import check_mixes
+
+    query, _, _ = build("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE "
+                        "COALESCE(duration * 2, 1.5) > 3 AND CASE WHEN uid = 1 THEN 1 ELSE "
+                        "duration END = 2 AND duration BETWEEN 1 AND 2 AND 5 > 4")
+    assert [(m.text, m.kind, m.constant) for m in query.mixes] == [
+        ("COALESCE", "choose", (False, True)), (">", "compare", (False, True)),
+        ("=", "compare", (False, True)), ("CASE", "choose", (True, False)),
+        ("=", "compare", (False, True)),
+        ("BETWEEN", "compare", (False, True, True))]  # (5 > 4: constants alone)
+    coalesce, greater, _, case, _, between = query.mixes
+    check_mixes([coalesce], [["numeric", "numeric"]])
+    check_mixes([coalesce], [["int4", "float4"]])  # (int4 to real: every value converts)
+    check_mixes([coalesce], [["float4", "numeric"]])  # (the constant converts, once)
+    with pytest.raises(FeatureNotSupported, match=r"numeric values brought to one type with real "
+                                                  r"ones by COALESCE.*cast the real values"):
+        check_mixes([coalesce], [["numeric", "float4"]])
+    with pytest.raises(FeatureNotSupported, match="double precision ones by >"):
+        check_mixes([greater], [["numeric", "float8"]])
+    with pytest.raises(FeatureNotSupported, match=r"date values .* timestamp ones by CASE"):
+        check_mixes([case], [["timestamp", "date"]])
+    check_mixes([between], [["date", "timestamp", "timestamptz"]])  # (compared across types)
+    with pytest.raises(FeatureNotSupported, match=r"int8 values .* oid ones by BETWEEN"):
+        check_mixes([between], [["int8", "oid", "int4"]])
+
+
 def test_casts_in_inner_queries_are_probed_in_their_own_from() -> None:
     """A cast in a subquery or WITH query reads that query's FROM: the probe asks Postgres the
     argument's type there, as a scalar subquery (prepared, never run)."""

@@ -114,6 +114,10 @@ def _value(rng: random.Random, nums: list[str], uid: str) -> str:
         f"CASE {uid} WHEN {{t}} THEN '-Infinity'::float8 ELSE {x} END / 1",
         f"width_bucket(CASE {uid} WHEN {{t}} THEN 'NaN'::float8 ELSE {x} END, 0, 3600, 4)",
         f"abs({x})", f"round({x} / 7.0, 2)", f"({x} + 1)::bigint", f"{x} - 2147483647 - 1",
+        # values brought to one type: numeric converted to real or double precision
+        f"GREATEST({x} * 1e100, 1::float4)", f"COALESCE(CASE WHEN {uid} = {{t}} THEN {x} * 1e30 "
+        "END, 1::real)", f"CASE WHEN {uid} = {{t}} THEN {x} * 1e-200 * 1e-200 ELSE 1::float8 END",
+        f"NULLIF({x} * 1e-320, 1::float8)", f"LEAST({x}::float8, 1.5)",
     ])
 
 
@@ -126,7 +130,9 @@ _DATETIME = [
     "e.iv * 1000", "make_date(extract(year FROM e.d)::int, 1, 1)", "e.t + e.iv",
     "CASE WHEN e.uid = {t} THEN 'infinity'::date ELSE e.d END - date '2024-01-01'",
     "extract(epoch FROM e.ts)::int", "date_part('millennium', e.d::timestamp)",
-    "extract(julian FROM e.at)", "e.ts::date - e.d",
+    "extract(julian FROM e.at)", "e.ts::date - e.d", "COALESCE(e.d, e.at)",
+    "GREATEST(e.at, e.ts)", "CASE WHEN e.uid = {t} THEN e.d ELSE e.ts END", "e.d < e.at",
+    "e.d IN (e.at, e.ts)", "LEAST(e.d, date '2024-01-01')",
 ]
 """Date/time expressions that fail on some values (out of range, infinite, past a unit's
 end) or never: what of them a DP query may use must not depend on the target's dates."""
