@@ -155,6 +155,7 @@ class FromAnalysis:
             outer = None if node.jointype == JoinType.JOIN_INNER \
                 else (*sides, nullable.get(node.jointype, set()))
             self.ties += using_ties(node, list(self.public), self._partner_of, outer)
+            self.totalize.using(node)
             if node.quals is not None:
                 self.ties += ties(node.quals, list(self.public), self._partner_of, outer)
                 node.quals = self.totalize(node.quals, "JOIN condition")

@@ -44,15 +44,17 @@ def argument_probe_sql(query: AnalyzedQuery) -> str | None:
              if a.arg is not None and a.kind is not AggKind.COUNT}
     exprs.update((f"c{i}", c.arg) for i, c in enumerate(query.casts) if c.scope is None)
     exprs.update((f"t{i}", c.arg) for i, c in enumerate(query.arithmetic) if c.scope is None)
-    exprs.update((f"m{i}_{j}", op) for i, m in enumerate(query.mixes) if m.scope is None
-                 for j, op in enumerate(m.operands))
+    exprs.update((f"m{i}_{j}", op) for i, m in enumerate(query.mixes)
+                 if m.scope is None and m.scopes is None for j, op in enumerate(m.operands))
     if query.has_quantiles:  # (k{i}): whether trees and rows can be matched by key text
         exprs.update((f"k{i}", k.expr) for i, k in enumerate(query.keys))
-    inner = {f"c{i}": (c.arg, c.scope) for i, c in enumerate(query.casts) if c.scope is not None}
+    inner: dict[str, tuple[Any, Any]] = {
+        f"c{i}": (c.arg, c.scope) for i, c in enumerate(query.casts) if c.scope is not None}
     inner.update((f"t{i}", (c.arg, c.scope)) for i, c in enumerate(query.arithmetic)
                  if c.scope is not None)
-    inner.update((f"m{i}_{j}", (op, m.scope)) for i, m in enumerate(query.mixes)
-                 if m.scope is not None for j, op in enumerate(m.operands))
+    inner.update((f"m{i}_{j}", (op, m.scope if m.scopes is None else m.scopes[j]))
+                 for i, m in enumerate(query.mixes) if m.scope is not None or m.scopes
+                 for j, op in enumerate(m.operands))
     return _probe_sql(query, exprs, inner)
 
 

@@ -130,6 +130,9 @@ class TypeMix:
     """What brings them to one type (CASE, COALESCE, =, IN, ...), for the refusal message."""
     scope: ast.SelectStmt | None = None
     """As `CastCheck.scope`."""
+    scopes: tuple[ast.SelectStmt, ...] | None = None
+    """Where each operand is read in a FROM of its own (a USING column of each side of a
+    join, its side alone as the FROM), instead of `scope`."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pglast import ast
-from pglast.enums import A_Expr_Kind, SubLinkType
+from pglast.enums import A_Expr_Kind, LimitOption, SetOperation, SubLinkType
 
 from dp_core.catalogue import (
     ARITHMETIC,
@@ -300,6 +300,17 @@ class Totalizer:
         flags = constant or tuple(_constant(v) for v in values)
         if len(values) > 1 and not all(flags):
             self.findings.mixes.append(TypeMix(tuple(values), flags, kind, text, self.scope))
+
+    def using(self, join: ast.JoinExpr) -> None:
+        """Note each USING column of `join`: Postgres compares its two sides' columns, and
+        gives the join that column brought to one type (`TypeMix`); each read in its side."""
+        sides = tuple(ast.SelectStmt(fromClause=(side,), op=SetOperation.SETOP_NONE,
+                                     limitOption=LimitOption.LIMIT_OPTION_DEFAULT)
+                      for side in (join.larg, join.rarg))
+        for col in join.usingClause or ():
+            ref = ast.ColumnRef(fields=(ast.String(sval=str(col.sval)),))
+            self.findings.mixes.append(TypeMix((ref, copy.deepcopy(ref)), (False, False),
+                                               "choose", f"USING ({col.sval})", scopes=sides))
 
     def number(self, value: ast.Node, rule: str, text: str) -> ast.Node:
         """`value` (totalised) as numeric, checked when the query is planned to be a number:

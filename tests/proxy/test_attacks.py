@@ -302,6 +302,12 @@ CASES = [
           DP_COUNT + " WHERE CASE duration * 1e-320 WHEN 1::float8 THEN true END",
           DP_COUNT + " WHERE duration * 1e-320 IN (SELECT 1::float8 FROM countries)",
           DP_COUNT + " WHERE 1::float8 IN (1, duration * 1e-320)",  # (a list's one type)
+          # a join's USING column, each side's own
+          "SELECT count(*) FROM purchases p JOIN (SELECT 1.5::float8 AS amount) c USING (amount)",
+          "SELECT count(*) FROM (SELECT uid, amount * 1e100 AS amount FROM purchases) p "
+          "JOIN (SELECT 1::real AS amount) c USING (amount)",
+          "SELECT count(*) FROM visits v JOIN purchases p USING (uid) "
+          "JOIN (SELECT 1::float8 AS amount) c USING (amount)",  # (a side that joins)
       ])),
     *(Case(f"values of one type, or converted where every value converts ({i})", sql, None)
       for i, sql in enumerate([
@@ -310,6 +316,7 @@ CASES = [
           DP + "GREATEST(duration::float8, 1.5) AS k, ANON_COUNT(*) FROM visits GROUP BY 1",
           # (a constant converted when the pushdown is planned, whatever the rows)
           DP_COUNT + " WHERE CASE WHEN uid = 42 THEN 1e-30 ELSE 1::float4 END > 0",
+          "SELECT count(*) FROM purchases p JOIN (SELECT 1.5 AS amount) c USING (amount)",
       ])),
     Case("bounds so wide the noise scale overflows", DP + "ANON_VAR(duration, 0, 1e200) "
          "FROM visits", "22023"),
