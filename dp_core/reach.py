@@ -46,6 +46,10 @@ _LARGE_OBJECTS = "large objects outlive the session and can be shared with other
 _COUNTERS = "transaction and WAL positions reveal other analysts' activity"
 _CHANNELS = "notification channels are shared by every session of the database: one analyst " \
             "could signal another"
+_CATALOG = "the catalogs every session reads show a temporary object's definition, comments, " \
+           "indexes and row counts to the other analysts"
+_LOCKS = "advisory locks are shared by every session of the database: one analyst could " \
+         "block another, or the proxy's own work"
 _ROLE = "the proxy decides which backend role a session's statements run as"
 _QUERY_TEXT = "it runs SQL from text, hidden from the proxy's checks"
 _CODE = "the code they run is hidden from its checks"
@@ -63,6 +67,9 @@ _INSTEAD = {
     _LARGE_OBJECTS: "keep binary data in a bytea column of a table of your own",
     _COUNTERS: "for the time, use now() or clock_timestamp()",
     _CHANNELS: "pass messages through a table of your own",
+    _LOCKS: "lock rows of a table of your own (SELECT ... FOR UPDATE)",
+    _CATALOG: "keep the query in your client; temporary tables stay available (their names "
+              "and columns show in the catalogs)",
     _ROLE: "connect as the analyst whose access you need",
     _ROLES: "an operator changes analysts in the proxy's configuration and runs dp-proxy "
             "init-backend",
@@ -83,6 +90,10 @@ _ISOLATION_RELATIONS = {
 }
 """Relations refused besides `pg_stat_*` and `pg_statio_*` (pg_stats, pg_statistic stay:
 Postgres hides rows of tables under row-level security there, or all of it)."""
+ADVISORY_LOCKS = tuple(f"pg_{t}advisory_{x}lock{m}" for t in ("", "try_") for x in ("", "xact_")
+                       for m in ("", "_shared"))
+"""The functions that take advisory locks (their unlock functions stay: a client's pool runs
+pg_advisory_unlock_all() when it takes a connection back)."""
 _ISOLATION_FUNCTIONS = {
     **dict.fromkeys(("pg_lock_status", "pg_prepared_xact", "pg_get_backend_memory_contexts"),
                     _STATISTICS_FUNCTIONS),
@@ -96,8 +107,11 @@ _ISOLATION_FUNCTIONS = {
                      "pg_current_xact_id", "pg_current_xact_id_if_assigned", "pg_current_snapshot",
                      "pg_current_wal_lsn", "pg_current_wal_insert_lsn", "pg_current_wal_flush_lsn",
                      "pg_last_committed_xact", "pg_xact_commit_timestamp",
-                     "pg_xact_commit_timestamp_origin"), _COUNTERS),
+                     "pg_xact_commit_timestamp_origin", "txid_status", "pg_xact_status",
+                     "pg_control_checkpoint", "pg_control_system", "pg_control_init",
+                     "pg_control_recovery"), _COUNTERS),
     "pg_notify": _CHANNELS,
+    **dict.fromkeys(ADVISORY_LOCKS, _LOCKS),
     **dict.fromkeys(("citus_table_size", "citus_relation_size", "citus_total_relation_size",
                      "citus_shard_sizes", "get_shard_id_for_distribution_column",
                      "get_rebalance_progress"), _SIZES),
@@ -113,6 +127,10 @@ _SHARED_STATEMENTS = {
     "ListenStmt": ("LISTEN", _CHANNELS), "NotifyStmt": ("NOTIFY", _CHANNELS),
     "AlterRoleStmt": ("ALTER ROLE", _ROLES),
     "AlterRoleSetStmt": ("ALTER ROLE ... SET", _ROLES),
+    "ViewStmt": ("CREATE VIEW", _CATALOG), "CommentStmt": ("COMMENT", _CATALOG),
+    "IndexStmt": ("CREATE INDEX", _CATALOG), "VacuumStmt": ("VACUUM and ANALYZE", _CATALOG),
+    "ClusterStmt": ("CLUSTER", _CATALOG), "ReindexStmt": ("REINDEX", _CATALOG),
+    "CreateStatsStmt": ("CREATE STATISTICS", _CATALOG),
 }
 """Statements reaching past the session: (what to call it, why it is refused)."""
 _WATCHED_KEYS = frozenset({*_OPAQUE_CODE, *_SHARED_STATEMENTS, "DefineStmt", "VariableSetStmt",
@@ -123,6 +141,8 @@ REACH_WORDS = (
     "table_size", "indexes_size", "database_size", "tablespace_size", "pg_cancel_backend",
     "pg_terminate_backend", "blocking_pids", "session_is_blocked", "lo_", "loread", "lowrite",
     "txid_current", "pg_current_", "committed_xact", "commit_timestamp", "notify", "listen",
+    "txid_status", "xact_status", "pg_control_", "advisory_", "view", "comment", "index",
+    "vacuum", "analyze", "cluster", "statistics",
     "function", "procedure", "rule", "aggregate", "operator", "inout", "language", "extension",
     "role", "authorization", "alter", "query_to_xml", "ts_stat", "ts_rewrite", "citus_",
     "pg_dist_", "get_shard_id", "get_rebalance")

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from config import Config
+from dp_core.reach import ADVISORY_LOCKS
 from server.dsn import DSN, parse_dsn
 
 DEFAULT_PUSHDOWN_ROLE = "dp_pushdown"
@@ -245,6 +246,9 @@ HARDENED_FUNCTIONS = (
     "'pg_current_xact_id', 'pg_current_xact_id_if_assigned', 'pg_current_snapshot', "
     "'pg_current_wal_lsn', 'pg_current_wal_insert_lsn', 'pg_current_wal_flush_lsn', "
     "'pg_last_committed_xact', 'pg_xact_commit_timestamp', 'pg_xact_commit_timestamp_origin', "
+    "'txid_status', 'pg_xact_status', 'pg_control_checkpoint', 'pg_control_system', "
+    "'pg_control_init', 'pg_control_recovery', "
+    f"{', '.join(repr(f) for f in ADVISORY_LOCKS)}, "
     "'pg_lock_status', 'pg_prepared_xact', 'pg_isolation_test_session_is_blocked', "
     "'pg_notify', 'query_to_xml', 'query_to_xmlschema', 'query_to_xml_and_xmlschema', "
     "'ts_stat', 'citus_table_size', 'citus_relation_size', 'citus_total_relation_size', "
@@ -254,7 +258,8 @@ HARDENED_FUNCTIONS = (
 """The catalog functions that reveal statistics, sizes or other sessions' activity, signal
 sessions, or share objects between sessions (large objects, notifications); and Citus's
 (where it is installed): its shards' sizes (a shard holds about 1/32 of the users) and every
-node's activity."""
+node's activity; and the advisory lock functions (an analyst holding the ledger's migration
+lock would hold up every reload of the configuration)."""
 
 
 def hardening_statements(roles: BackendRoles = DEFAULT_ROLES) -> list[str]:
@@ -270,6 +275,7 @@ def hardening_statements(roles: BackendRoles = DEFAULT_ROLES) -> list[str]:
         "LOOP EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', r.fn); "
         "EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %I', r.fn, CASE WHEN r.proname IN "
         "('pg_cancel_backend', 'pg_terminate_backend') THEN 'pg_signal_backend' "
+        f"WHEN r.proname LIKE '%advisory%' THEN {quote_literal(roles.ledger)} "
         "ELSE 'pg_read_all_stats' END); END LOOP; END $$",
         "REVOKE USAGE ON LANGUAGE sql, plpgsql FROM PUBLIC",
         # (Postgres 15 creates databases so; one made earlier lets every role create tables

@@ -103,6 +103,9 @@ class Ledger:
         the next start)."""
         s = self.s
         async with self.pool.acquire() as conn, conn.transaction():
+            # (bounded: a lock held elsewhere fails this migration, 55P03, rather than hold up
+            # every reload behind it)
+            await conn.execute("SET LOCAL lock_timeout = '60s'")
             await conn.execute("SELECT pg_advisory_xact_lock(hashtext('dp-proxy ledger migration'))")
             await conn.execute(f"CREATE TABLE IF NOT EXISTS {s}.schema_version (version int NOT NULL)")
             version = await conn.fetchval(f"SELECT max(version) FROM {s}.schema_version")

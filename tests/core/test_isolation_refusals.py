@@ -139,6 +139,22 @@ REFUSED = [
     "SELECT pg_snapshot_xmax(pg_current_snapshot())",
     "SELECT pg_current_wal_lsn(), pg_current_wal_insert_lsn(), pg_current_wal_flush_lsn()",
     "SELECT * FROM pg_last_committed_xact()",
+    # what the catalogs show every session of another's temporary objects
+    "CREATE TEMP VIEW v AS SELECT name FROM countries WHERE region = 'Africa'",
+    "CREATE VIEW pg_temp.v AS SELECT 1",
+    "COMMENT ON TABLE t IS 'target: user 4711'",
+    "CREATE INDEX ON t (n) WHERE n > 1234",
+    "ANALYZE t", "VACUUM t", "VACUUM (ANALYZE) t", "CLUSTER t USING i", "REINDEX TABLE t",
+    "CREATE STATISTICS s ON a, b FROM t",
+    "SELECT txid_status(780), pg_xact_status('780')",  # (another session's transaction state)
+    "SELECT next_xid FROM pg_control_checkpoint()",
+    "SELECT * FROM pg_control_system(), pg_control_init(), pg_control_recovery()",
+    # advisory locks: shared by every session (the proxy's ledger migration takes one)
+    "SELECT pg_advisory_lock(hashtext('dp-proxy ledger migration'))",
+    "SELECT pg_try_advisory_lock(1, 2), pg_advisory_lock_shared(1)",
+    "BEGIN; SELECT pg_advisory_xact_lock(7)",
+    "SELECT pg_catalog.pg_try_advisory_xact_lock_shared(7)",
+    "SELECT code FROM countries WHERE pg_try_advisory_xact_lock(length(code))",
     # refused functions in every clause
     "SELECT code FROM countries ORDER BY pg_relation_size('visits')",
     "SELECT code FROM countries GROUP BY code HAVING count(*) > pg_stat_get_numscans(1)",
@@ -278,9 +294,12 @@ ALLOWED = [
     "SELECT pg_backend_pid()",
     "SELECT * FROM pg_class",
     "CREATE TEMP TABLE t(x int)",
-    "CREATE TEMP VIEW v AS SELECT 1",
+    "CREATE TEMP TABLE s (id serial PRIMARY KEY, note text DEFAULT 'x')",
+    "CREATE TEMP SEQUENCE q",
     "UNLISTEN *",
     "SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL;",  # asyncpg's reset
+    "SELECT pg_advisory_unlock(1), pg_advisory_unlock_shared(1)",  # (one's own locks only)
+    "SELECT pg_snapshot_xmin('10:20:10,14,15'::pg_snapshot)",  # (of the values given)
     "SET search_path TO public",
     "SELECT 'pg_stat_activity'",
     "SELECT 'pg_stat_activity'::regclass, has_table_privilege('pg_locks', 'SELECT')",

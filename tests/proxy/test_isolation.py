@@ -87,6 +87,11 @@ STATISTICS = [
     "SELECT * FROM countries WHERE pg_stat_get_numscans('visits'::regclass) > 0",
     "SELECT txid_current()",
     "SELECT pg_current_wal_lsn()",
+    "SELECT txid_status(3), pg_xact_status('3')",
+    "SELECT next_xid FROM pg_control_checkpoint()",
+    # an analyst holding the ledger's migration lock held up every reload (and its own removal)
+    "SELECT pg_advisory_lock(hashtext('dp-proxy ledger migration'))",
+    "SELECT pg_try_advisory_xact_lock(1)",
 ]
 
 
