@@ -87,15 +87,28 @@ without converting: only CASE, COALESCE, GREATEST, LEAST and a list of IN values
 type for all."""
 
 
+STABLE_CONVERSIONS = frozenset({("date", "timestamptz"), ("timestamp", "timestamptz"),
+                                ("text", "regclass"), ("varchar", "regclass")})
+"""Those of FAILING_CONVERSIONS that are not immutable (they read the session's time zone or
+the catalog): Postgres does not fold them into a constant when it plans the pushdown but
+converts the constant on each row that reaches it (checked against pg_cast by
+tests/proxy/test_attacks.py)."""
+
+
 def check_mixes(mixes: Sequence[TypeMix], types: Sequence[Sequence[str]]) -> None:
-    """Refuse the query where a value of the rows (not a constant: Postgres converts those
-    once, when the pushdown is planned, whatever the rows) may be converted implicitly by a
-    conversion that fails on some values (`FAILING_CONVERSIONS`)."""
+    """Refuse the query where a value of the rows may be converted implicitly by a conversion
+    that fails on some values (`FAILING_CONVERSIONS`); a constant only where that conversion
+    is not immutable (an immutable one Postgres makes once, when it plans the pushdown,
+    whatever the rows: `STABLE_CONVERSIONS`)."""
     for mix, found in zip(mixes, types, strict=True):
         failing = FAILING_CONVERSIONS[mix.kind]
         for j, (source, constant) in enumerate(zip(found, mix.constant, strict=True)):
             targets = failing.get(source, frozenset()) & set(found)
-            if constant or not targets:
+            if constant is None:
+                continue
+            if constant:
+                targets = frozenset(t for t in targets if (source, t) in STABLE_CONVERSIONS)
+            if not targets:
                 continue
             target = min(targets)
             back = TOTAL_CASTS.get(target, frozenset())

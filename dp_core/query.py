@@ -122,8 +122,10 @@ class TypeMix:
 
     operands: tuple[ast.Node, ...]
     """The (totalised) values, in order."""
-    constant: tuple[bool, ...]
-    """Per operand: it reads no column (a literal, a bound parameter)."""
+    constant: tuple[bool | None, ...]
+    """Per operand: a constant (literals, bound parameters and arithmetic of them: folded
+    when the pushdown is planned), or None where Postgres never converts it (an IN's tested
+    value, whose type only takes part in choosing its list's)."""
     kind: str
     """"compare" or "choose"."""
     text: str

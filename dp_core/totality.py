@@ -250,8 +250,12 @@ class Totalizer:
                                     (node.rexpr,))]
             what = _MIXED_BY.get(kind, "IN")
             self._mix("compare", values, what)
-            if kind == A_Expr_Kind.AEXPR_IN and not all(_constant(v) for v in values[1:]):
-                self._mix("choose", values, what)  # (a list of values: one array type)
+            listed = [v for v in values[1:] if not isinstance(v, ast.ColumnRef)]
+            if kind == A_Expr_Kind.AEXPR_IN and len(listed) > 1:
+                # (Postgres makes them an array of one type, chosen with the tested value's,
+                # which it compares with each: `x = ANY (ARRAY[...])`)
+                self._mix("choose", [values[0], *listed], what,
+                          constant=(None, *(_constant(v) for v in listed)))
             return node
         if kind in (A_Expr_Kind.AEXPR_LIKE, A_Expr_Kind.AEXPR_ILIKE):
             pattern = const_string(node.rexpr)
@@ -294,11 +298,11 @@ class Totalizer:
                       node_sql(node))
 
     def _mix(self, kind: str, operands: list[Any], text: str,
-             constant: tuple[bool, ...] | None = None) -> None:
-        """Note values Postgres brings to one type (`TypeMix`), where one reads a column."""
+             constant: tuple[bool | None, ...] | None = None) -> None:
+        """Note values Postgres brings to one type (`TypeMix`)."""
         values = [copy.deepcopy(v) for v in operands if v is not None]
         flags = constant or tuple(_constant(v) for v in values)
-        if len(values) > 1 and not all(flags):
+        if len(values) > 1:
             self.findings.mixes.append(TypeMix(tuple(values), flags, kind, text, self.scope))
 
     def using(self, join: ast.JoinExpr) -> None:
@@ -428,8 +432,12 @@ _MIXED_BY = {A_Expr_Kind.AEXPR_DISTINCT: "IS DISTINCT FROM",
 
 
 def _constant(node: Any) -> bool:
-    """It reads no column (nor a subquery): a literal or a bound parameter, cast or not."""
-    return not any(isinstance(n, (ast.ColumnRef, ast.SubLink)) for n in walk_nodes(node))
+    """Literals and bound parameters, cast or not, and arithmetic of them: what Postgres
+    folds into one value when it plans the pushdown (its operators on numbers are
+    immutable). Not a function's call (extract() of a timestamptz is only stable: evaluated
+    on each row that reaches it), a column or a subquery."""
+    return not any(isinstance(n, (ast.ColumnRef, ast.SubLink, ast.FuncCall,
+                                  ast.SQLValueFunction)) for n in walk_nodes(node))
 
 
 def _check_work(found: Findings, budget: RowWorkBudget,

@@ -752,8 +752,8 @@ def test_values_brought_to_one_type_wait_for_their_types() -> None:
         ("COALESCE", "choose", (False, True)), (">", "compare", (False, True)),
         ("=", "compare", (False, True)), ("CASE", "choose", (True, False)),
         ("=", "compare", (False, True)),
-        ("BETWEEN", "compare", (False, True, True))]  # (5 > 4: constants alone)
-    coalesce, greater, _, case, _, between = query.mixes
+        ("BETWEEN", "compare", (False, True, True)), (">", "compare", (True, True))]
+    coalesce, greater, _, case, _, between, constants = query.mixes
     check_mixes([coalesce], [["numeric", "numeric"]])
     check_mixes([coalesce], [["int4", "float4"]])  # (int4 to real: every value converts)
     check_mixes([coalesce], [["float4", "numeric"]])  # (the constant converts, once)
@@ -767,6 +767,12 @@ def test_values_brought_to_one_type_wait_for_their_types() -> None:
     check_mixes([between], [["date", "timestamp", "timestamptz"]])  # (compared across types)
     with pytest.raises(FeatureNotSupported, match=r"int8 values .* oid ones by BETWEEN"):
         check_mixes([between], [["int8", "oid", "int4"]])
+    # constants: converted when the pushdown is planned, unless the conversion is only stable
+    # (a date to timestamptz reads the time zone: converted on each row that reaches it)
+    check_mixes([constants], [["numeric", "float4"]])
+    check_mixes([replace(constants, kind="choose")], [["date", "timestamp"]])
+    with pytest.raises(FeatureNotSupported, match=r"date values .* timestamp with time zone"):
+        check_mixes([replace(constants, kind="choose")], [["date", "timestamptz"]])
 
 
 def test_casts_in_inner_queries_are_probed_in_their_own_from() -> None:

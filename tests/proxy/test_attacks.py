@@ -302,6 +302,18 @@ CASES = [
           DP_COUNT + " WHERE CASE duration * 1e-320 WHEN 1::float8 THEN true END",
           DP_COUNT + " WHERE duration * 1e-320 IN (SELECT 1::float8 FROM countries)",
           DP_COUNT + " WHERE 1::float8 IN (1, duration * 1e-320)",  # (a list's one type)
+          # constants Postgres converts on each row that reaches them: a stable conversion
+          # (date to timestamptz) or a stable function's value (extract() of a timestamptz)
+          "SELECT count(*) FROM visits WHERE CASE WHEN uid = 42 THEN '5874897-01-01'::date "
+          "ELSE '2020-01-01'::timestamptz END > '2000-01-01'::timestamptz",
+          "SELECT count(*) FROM visits WHERE COALESCE(CASE WHEN uid = 42 THEN NULL ELSE "
+          "'2020-01-01'::timestamptz END, '5874897-01-01'::date) > '2000-01-01'::timestamptz",
+          "SELECT count(*) FROM visits WHERE CASE WHEN uid = 42 THEN '2020-01-01'::timestamptz "
+          "IN ('5874897-01-01'::date, '2020-01-02'::date) ELSE true END",
+          "SELECT count(*) FROM visits WHERE CASE WHEN uid = 42 THEN '294276-12-31 23:00:00'::"
+          "timestamp ELSE '2020-01-01'::timestamptz END > '2000-01-01'::timestamptz",
+          "SELECT count(*) FROM visits WHERE CASE WHEN uid = 42 THEN GREATEST(extract(epoch FROM "
+          "'2000-01-01 00:00:01+00'::timestamptz) * 1e100, 1::float4) ELSE 1 END > 0",
           # a join's USING column, each side's own
           "SELECT count(*) FROM purchases p JOIN (SELECT 1.5::float8 AS amount) c USING (amount)",
           "SELECT count(*) FROM (SELECT uid, amount * 1e100 AS amount FROM purchases) p "
@@ -635,7 +647,7 @@ def test_implicit_conversions_fail_only_where_listed(backend: Backend) -> None:
     lists fails on some value of its source type; every other one succeeds on every value
     of `_VALUES` (in UTC and in time zones far east and west): `check_mixes` refuses exactly
     what a row's value could make fail."""
-    from dp_core.catalogue import FAILING_CONVERSIONS
+    from dp_core.catalogue import FAILING_CONVERSIONS, STABLE_CONVERSIONS
 
     listed = {(s, t) for s, ts in FAILING_CONVERSIONS["choose"].items() for t in ts}
     assert {(s, t) for s, ts in FAILING_CONVERSIONS["compare"].items() for t in ts} <= listed
@@ -673,6 +685,31 @@ def test_implicit_conversions_fail_only_where_listed(backend: Backend) -> None:
     assert wrong == []
     assert listed <= casts  # (each an implicit conversion)
     assert listed == failed  # (each fails on some value)
+    assert asyncio.run(_not_immutable(backend, listed)) == STABLE_CONVERSIONS
+
+
+async def _not_immutable(backend: Backend, conversions: set[tuple[str, str]]
+                         ) -> set[tuple[str, str]]:
+    """Those of `conversions` whose cast function (or, binary, the next one's) is not
+    immutable: Postgres does not fold them into a constant when it plans a statement."""
+    conn = await asyncpg.connect(backend.admin_dsn)
+    try:
+        out = set()
+        for source, target in conversions:
+            volatile = await conn.fetchval(
+                "SELECT p.provolatile::text FROM pg_cast c JOIN pg_proc p ON p.oid = c.castfunc "
+                "WHERE c.castsource = $1::regtype AND c.casttarget = $2::regtype",
+                _REGTYPE.get(source, source), _REGTYPE.get(target, target))
+            if volatile is not None and volatile != "i":
+                out.add((source, target))
+        return out
+    finally:
+        await conn.close()
+
+
+_REGTYPE = {"int8": "bigint", "float4": "real", "float8": "double precision",
+            "varchar": "character varying", "timestamptz": "timestamp with time zone",
+            "timestamp": "timestamp without time zone"}
 
 
 def test_datetime_units_never_fail_on_any_value(backend: Backend) -> None:
