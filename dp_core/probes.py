@@ -38,16 +38,16 @@ def argument_probe_sql(query: AnalyzedQuery) -> str | None:
     """A query whose result columns have the types of the aggregates' arguments (a{i}), of
     the deferred casts' arguments (c{i}, for `check_casts`), of the arithmetic operators as
     written (t{i}, for their integer semantics), of the values brought to one type (m{i}_{j},
-    for `check_mixes`) and, for queries with quantiles,
-    of the keys (k{i}): one statement to prepare."""
+    for `check_mixes`) and of the keys (k{i}): one statement to prepare."""
     exprs = {f"a{i}": a.arg for i, a in enumerate(query.aggregates)
              if a.arg is not None and a.kind is not AggKind.COUNT}
     exprs.update((f"c{i}", c.arg) for i, c in enumerate(query.casts) if c.scope is None)
     exprs.update((f"t{i}", c.arg) for i, c in enumerate(query.arithmetic) if c.scope is None)
     exprs.update((f"m{i}_{j}", op) for i, m in enumerate(query.mixes)
                  if m.scope is None and m.scopes is None for j, op in enumerate(m.operands))
-    if query.has_quantiles:  # (k{i}): whether trees and rows can be matched by key text
-        exprs.update((f"k{i}", k.expr) for i, k in enumerate(query.keys))
+    # (k{i}): how a key's equal values print (`canonical_key`), and whether trees and rows
+    # can be matched by key text
+    exprs.update((f"k{i}", k.expr) for i, k in enumerate(query.keys))
     inner: dict[str, tuple[Any, Any]] = {
         f"c{i}": (c.arg, c.scope) for i, c in enumerate(query.casts) if c.scope is not None}
     inner.update((f"t{i}", (c.arg, c.scope)) for i, c in enumerate(query.arithmetic)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
 from pglast import ast
+from pglast.enums import A_Expr_Kind
 
 from dp_core.errors import (
     InternalError,
@@ -353,6 +355,13 @@ class AnalyzedQuery:
         return replace(self, keys=tuple(replace(k, hashed=i in which)
                                         for i, k in enumerate(self.keys)))
 
+    def with_canonical_keys(self, types: Mapping[int, str]) -> AnalyzedQuery:
+        """The query with each key of `types` (its type: numeric, float4 or float8) grouped by
+        one value of its equal ones (`canonical_key`), where no public domain lists its keys."""
+        return replace(self, keys=tuple(
+            replace(k, expr=canonical_key(k.expr, types[i])) if i in types and k.domain is None
+            else k for i, k in enumerate(self.keys)))
+
     @property
     def public_groups(self) -> bool:
         """Grouped only by columns with public key domains, with DP aggregates: every
@@ -371,3 +380,23 @@ class AnalyzedQuery:
         names = {t.uid_column for t in self.tables}
         return any(isinstance(n, ast.ColumnRef) and getattr(n.fields[-1], "sval", "") in names
                    for k in self.keys for n in walk_nodes(k.expr))
+
+
+CANONICAL_KEY_TYPES = frozenset({"numeric", "float4", "float8"})
+"""Key types whose equal values print differently, and which `canonical_key` writes as one."""
+
+
+def canonical_key(expr: ast.Node, type_name: str) -> ast.Node:
+    """A group key of `type_name` as the one value of its equals that the group releases: a
+    group's key is printed from one of its rows, so 1.0 and 1.00 (numeric), -0 and 0 (floats)
+    would tell which rows it has (the user whose spelling differs). numeric: trim_scale()
+    (1.00 is 1); floats: 0 for -0. Every value stays in its group (they are equal)."""
+    if type_name == "numeric":
+        return ast.FuncCall(funcname=(ast.String(sval="pg_catalog"), ast.String(sval="trim_scale")),
+                            args=(expr,))
+    zero = ast.TypeCast(arg=ast.A_Const(val=ast.Integer(ival=0)),
+                        typeName=ast.TypeName(names=(ast.String(sval="pg_catalog"),
+                                                     ast.String(sval=type_name))))
+    is_zero = ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval="="),),
+                         lexpr=copy.deepcopy(expr), rexpr=copy.deepcopy(zero))
+    return ast.CaseExpr(args=(ast.CaseWhen(expr=is_zero, result=zero),), defresult=expr)

@@ -431,13 +431,19 @@ _MIXED_BY = {A_Expr_Kind.AEXPR_DISTINCT: "IS DISTINCT FROM",
              A_Expr_Kind.AEXPR_NULLIF: "NULLIF"}
 
 
+_FOLDED_FUNCTIONS = frozenset({"round", "trunc", "floor", "ceil", "ceiling", "abs", "sign"})
+"""Functions immutable for every type they take (numbers): of constants, Postgres computes
+them when it plans the statement (arithmetic's total form calls round())."""
+
+
 def _constant(node: Any) -> bool:
     """Literals and bound parameters, cast or not, and arithmetic of them: what Postgres
-    folds into one value when it plans the pushdown (its operators on numbers are
-    immutable). Not a function's call (extract() of a timestamptz is only stable: evaluated
-    on each row that reaches it), a column or a subquery."""
-    return not any(isinstance(n, (ast.ColumnRef, ast.SubLink, ast.FuncCall,
-                                  ast.SQLValueFunction)) for n in walk_nodes(node))
+    folds into one value when it plans the pushdown (its operators and functions on numbers
+    are immutable). Not another function's call (extract() of a timestamptz is only stable:
+    evaluated on each row that reaches it), a column or a subquery."""
+    return not any(isinstance(n, (ast.ColumnRef, ast.SubLink, ast.SQLValueFunction))
+                   or (isinstance(n, ast.FuncCall) and func_name(n) not in _FOLDED_FUNCTIONS)
+                   for n in walk_nodes(node))
 
 
 def _check_work(found: Findings, budget: RowWorkBudget,

@@ -30,10 +30,11 @@ from dp_core.names import InputColumns
 from dp_core.plan import DPQueryPlan, make_plan
 from dp_core.probes import argument_probe_sql, column_probe_sql, standalone_subqueries
 from dp_core.pushdown_cache import PushdownCache
-from dp_core.query import AnalyzedQuery, Bounds, KeyDomain, TablePolicy
+from dp_core.query import CANONICAL_KEY_TYPES, AnalyzedQuery, Bounds, KeyDomain, TablePolicy
 from dp_core.result import TypeRef
 from dp_core.rewrite import binned
 from dp_core.settings import QuerySettings, query_settings
+from dp_core.sqlnodes import node_sql
 from dp_core.table_tuning import Applied, TableTuning, applied, may_use_tuning
 from server import wire as p
 from server.backend_setup import quote_ident
@@ -55,6 +56,24 @@ HASHED_KEY_OIDS = frozenset({700, 701, 1021, 1022, 1186, 1187, 1231, 1700, 3802,
 """Group-key types whose equal values can print differently and that have a hash function
 (float4/8, interval ('1 day' = '24 hours'), numeric, jsonb, numrange, nummultirange and their
 arrays): a group's row and its quantile trees are matched by the hash (`Key.hashed`)."""
+
+
+def _canonical_keys(query: AnalyzedQuery, types: dict[int, Any]) -> AnalyzedQuery:
+    """The query with its numeric and float keys grouped by one value of their equals
+    (`canonical_key`); 0A000 for a key of another type whose equal values print differently
+    (HASHED_KEY_OIDS: interval, jsonb, arrays and ranges of numbers), whose released text
+    would be one of its rows' spellings, unless a public domain lists its keys."""
+    for i, t in types.items():
+        if t.oid in HASHED_KEY_OIDS and t.name not in CANONICAL_KEY_TYPES \
+                and query.keys[i].domain is None:
+            raise FeatureNotSupported(
+                f"not allowed in a DP query (GROUP BY a value of type {t.name}: its equal "
+                "values print differently, and the group would show one of its rows' "
+                f"spellings): {node_sql(query.keys[i].expr)}",
+                hint="group by its text (each spelling its own group), or by a number made "
+                     "from it (extract(epoch FROM ...), round(...))")
+    return query.with_canonical_keys({i: t.name for i, t in types.items()
+                                      if t.name in CANONICAL_KEY_TYPES})
 
 
 def planning_error(e: asyncpg.PostgresError) -> DPError:
@@ -183,13 +202,16 @@ class Preparer:
             check_casts(query.casts, [types[f"c{i}"] for i in range(len(query.casts))])
             check_mixes(query.mixes, [[types[f"m{i}_{j}"] for j in range(len(m.operands))]
                                       for i, m in enumerate(query.mixes)])
-            if attrs:
+            probed_keys = {int(a.name[1:]): a.type for a in attrs if a.name[0] == "k"}
+            query = _canonical_keys(query, probed_keys)
+            if query.has_quantiles:
                 query = query.with_hashed_keys(await self._hashed_keys(
-                    [a.type.oid for a in attrs if a.name[0] == "k"], conn))
+                    [probed_keys[i].oid for i in range(len(query.keys))], conn))
             # what the text means in the session, the answer's settings aside from the text:
             # with the text and its parameters, what the statements depend on but the order
             # seed (`PushdownCache`); a part of the question's key (`reuse.question_key`)
             meaning: tuple[Any, ...] = (settings, tuple(sorted(arg_types.items())),
+                       tuple(sorted((i, t.oid) for i, t in probed_keys.items())),
                        tuple(k.hashed for k in query.keys), tuple(sorted(integers.items())),
                        tuple(sorted((name, e is None) for name, e in (columns or {}).items())),
                        None if schemas is None else tuple(sorted(schemas.items(), key=str)),

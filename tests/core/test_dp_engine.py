@@ -608,11 +608,13 @@ def test_integer_arithmetic_keeps_postgres_semantics_once_typed() -> None:
     assert "trunc" not in str(RawStream()(first.keys[0].expr))  # (untyped: numeric division)
     typed = analyze(parse_select(sql), POLICY, plain_form=True,
                     integer_types={24: "int4", 17: "int4"})
-    def clamped(x: str) -> str:  # (every operand within ±1e300: no overflow of numeric)
-        return f"LEAST(GREATEST(CAST({x} AS numeric), CAST(-1e+300 AS numeric)), CAST(1e+300 AS numeric))"
+    def clamped(x: str) -> str:  # (every operand within ±1e300, 30 decimals: no overflow of
+        # numeric, at most 331 digits)
+        return (f"pg_catalog.round(LEAST(GREATEST(CAST({x} AS numeric), CAST(-1e+300 AS "
+                "numeric)), CAST(1e+300 AS numeric)), 30)")
 
     quotient = (f"trunc({clamped(clamped('duration') + ' + ' + clamped('uid'))} / "
-                "NULLIF(CAST(CAST(60 AS numeric) AS numeric), 0))")
+                "NULLIF(CAST(pg_catalog.round(CAST(60 AS numeric), 30) AS numeric), 0))")
     assert str(RawStream()(typed.keys[0].expr)) == (
         f"CASE WHEN {quotient} BETWEEN -2147483648 AND 2147483647 THEN CAST({quotient} AS int4) END")
 

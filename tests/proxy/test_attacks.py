@@ -10,11 +10,14 @@ new one must answer a pass-through query and a DP query.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 import psycopg
+import psycopg.types.string
 import pytest
 
 from config import Config
@@ -429,6 +432,33 @@ def test_attack(proxy_module: Proxy, case: Case) -> None:
         conn.close()
 
 
+@pytest.mark.parametrize(("key", "texts"), [
+    # the target (uid 42) spells the value one way, every later user another: the group's
+    # key was printed from its first row (1.00 with the target, 1.0 without)
+    ("CASE WHEN uid = 42 THEN 1.00 WHEN uid > 42 THEN 1.0 ELSE 2 END", {"1", "2"}),
+    ("CASE WHEN uid = 42 THEN '-0'::float8 ELSE 0::float8 END", {"0"}),
+    ("CASE WHEN uid = 42 THEN '-0'::float4 WHEN uid > 42 THEN 0::float4 ELSE 1.5 END",
+     {"0", "1.5"}),
+    ("round(duration / 1000.0, 1) * 1.00", None),  # (0.10, 1.00: no trailing zeros)
+])
+def test_a_groups_key_is_one_spelling_of_its_equal_values(proxy_module: Proxy, key: str,
+                                                         texts: set[str] | None) -> None:
+    """Equal numeric (1.0 = 1.00) or float (0 = -0) keys are one group, which Postgres prints
+    from one of its rows: the released key is one spelling of the value, whatever rows the
+    group has (numeric without trailing zeros, 0 for -0)."""
+    with psycopg.connect(proxy_module.dsn(), autocommit=True) as conn:
+        conn.execute("SET dp.epsilon = 0.01")
+        for name in ("numeric", "float4", "float8"):
+            conn.adapters.register_loader(name, psycopg.types.string.TextLoader)
+        for form in (f"{DP}{key} AS k, ANON_COUNT(*) FROM visits GROUP BY 1",
+                     f"SELECT {key} AS k, COUNT(*) FROM visits GROUP BY 1",
+                     f"SELECT DISTINCT {key} AS k FROM visits"):
+            released = {r[0] for r in conn.execute(form).fetchall()}
+            assert released, form
+            assert not any(t.startswith("-0") or re.search(r"\.\d*0$", t) for t in released)
+            assert texts is None or released <= texts, (form, released)
+
+
 def test_a_login_with_standard_conforming_strings_off_is_refused(proxy_module: Proxy) -> None:
     async def login() -> asyncpg.PostgresError:
         try:
@@ -747,3 +777,36 @@ def test_datetime_units_never_fail_on_any_value(backend: Backend) -> None:
         return failures
 
     assert asyncio.run(run()) == []
+
+
+def test_arithmetic_keeps_its_digits_bounded(backend: Backend) -> None:
+    """Numeric products are exact: squaring (1 + 1e-1000) / 7 over nested subqueries doubled
+    its 1000 digits at each level (to 16,383), and one user's rows, given that value by a
+    CASE, took half a second more through the proxy (a timing side channel: a product's work
+    grows with the square of its digits). The total form rounds every operand and result to
+    MAX_SCALE decimals, within ±MAX_MAGNITUDE: at most 331 digits, whatever the nesting."""
+    from pglast import parse_sql
+    from pglast.stream import RawStream
+
+    from dp_core.sqlnodes import MAX_MAGNITUDE, MAX_SCALE
+    from dp_core.totality import Totalizer
+
+    def total(sql: str) -> str:
+        node = parse_sql(f"SELECT {sql}")[0].stmt.targetList[0].val
+        return str(RawStream()(Totalizer(frozenset())(node, "test")))
+
+    c = total("(1 + 1e-1000) / 7")
+    for _ in range(4):  # (each level as its own subquery: the value as it comes out of one)
+        c = total("x * x").replace("x", f"({c})")
+    huge = total(f"{MAX_MAGNITUDE:g} / 3 + 1 / 3")
+
+    async def run() -> list[Any]:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            return [await conn.fetchrow(f"SELECT scale(v), length(v::text) FROM (SELECT {e} "
+                                        "AS v OFFSET 0) s") for e in (c, huge)]
+        finally:
+            await conn.close()
+
+    for scale, length in asyncio.run(run()):
+        assert scale <= MAX_SCALE and length <= 301 + 1 + MAX_SCALE + 1

@@ -279,6 +279,12 @@ def test_large_queries_run_split_through_the_proxy(loop_thread: LoopThread, demo
             rows = conn.execute(q).fetchall()
             assert {r[0] for r in rows} >= {"Chrome", "Safari"}
             assert all(r[1] > 100 for r in rows)
+            # a numeric key spelled differently in each range is one group, one spelling
+            rows = conn.execute(
+                "SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.3) CASE WHEN uid % 3 = 0 THEN 1.0 "
+                "WHEN uid % 3 = 1 THEN 1.00 ELSE 1.000 END AS k, ANON_COUNT(*) FROM visits "
+                "GROUP BY 1").fetchall()
+            assert [str(r[0]) for r in rows] == ["1"]
             # APPROX_BOUNDS runs split too (its histogram rows add up), then the main statement
             rows = conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.3) "
                                 "ANON_SUM(duration) FROM visits").fetchall()
