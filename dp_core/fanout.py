@@ -23,7 +23,7 @@ The bounds multiply (each given the items before it); a query whose product exce
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -86,25 +86,30 @@ def ties(cond: Any, public: Sequence[str], partner: Partners,
     an item on a preserved side keeps all its rows, and meets only a protected row of the
     other side once (`outer_tie`)."""
     out = []
-    for conj in conjuncts(cond):
-        if not (isinstance(conj, ast.A_Expr) and conj.kind == A_Expr_Kind.AEXPR_OP
-                and conj.name and conj.name[-1].sval == "="):
+    for col, other in _equal_sides(cond):
+        name = _qualified(col)
+        reads = _reads(other)
+        if name is None or name[0] not in public or reads is None or name[0] in reads:
             continue
-        for col, other in ((conj.lexpr, conj.rexpr), (conj.rexpr, conj.lexpr)):
-            name = _qualified(col)
-            reads = _reads(other)
-            if name is None or name[0] not in public or reads is None or name[0] in reads:
-                continue
-            literal = isinstance(other, ast.A_Const) and isinstance(other.val, (ast.String,
-                                                                                 ast.Integer))
-            cast = node_sql(other.typeName) if isinstance(other, ast.TypeCast) else None
-            key = TieKey(name[1], partner(other), literal,
-                         literal or _qualified(other) is not None, cast)
-            tie = (name[0], key, reads, None) if outer is None \
-                else outer_tie(name[0], key, reads, *outer)
-            if tie is not None:
-                out.append(tie)
+        literal = isinstance(other, ast.A_Const) and isinstance(other.val, (ast.String,
+                                                                             ast.Integer))
+        cast = node_sql(other.typeName) if isinstance(other, ast.TypeCast) else None
+        key = TieKey(name[1], partner(other), literal,
+                     literal or _qualified(other) is not None, cast)
+        tie = (name[0], key, reads, None) if outer is None \
+            else outer_tie(name[0], key, reads, *outer)
+        if tie is not None:
+            out.append(tie)
     return out
+
+
+def _equal_sides(cond: Any) -> Iterator[tuple[Any, Any]]:
+    """Each side of each `=` among `cond`'s conjuncts, with the other side."""
+    for conj in conjuncts(cond):
+        if isinstance(conj, ast.A_Expr) and conj.kind == A_Expr_Kind.AEXPR_OP \
+                and conj.name and conj.name[-1].sval == "=":
+            yield conj.lexpr, conj.rexpr
+            yield conj.rexpr, conj.lexpr
 
 
 def using_ties(join: ast.JoinExpr, public: Sequence[str], partner: Partners,
@@ -335,22 +340,18 @@ def _literal_ties(where: Any, source: PublicSource, alias: str) -> list[TieKey]:
     """The table columns `where`'s conjuncts equate to a plain string or integer literal (a
     column unqualified or qualified by `alias`, as the table has it: `source.column`)."""
     out = []
-    for conj in conjuncts(where):
-        if not (isinstance(conj, ast.A_Expr) and conj.kind == A_Expr_Kind.AEXPR_OP
-                and conj.name and conj.name[-1].sval == "="):
+    for col, other in _equal_sides(where):
+        fields = tuple(col.fields or ()) if isinstance(col, ast.ColumnRef) else ()
+        names = [str(f.sval) for f in fields if isinstance(f, ast.String)]
+        if not fields or len(names) != len(fields) or len(names) > 2 \
+                or (len(names) == 2 and names[0] != alias):
             continue
-        for col, other in ((conj.lexpr, conj.rexpr), (conj.rexpr, conj.lexpr)):
-            fields = tuple(col.fields or ()) if isinstance(col, ast.ColumnRef) else ()
-            names = [str(f.sval) for f in fields if isinstance(f, ast.String)]
-            if not fields or len(names) != len(fields) or len(names) > 2 \
-                    or (len(names) == 2 and names[0] != alias):
-                continue
-            if not (isinstance(other, ast.A_Const)
-                    and isinstance(other.val, (ast.String, ast.Integer))):
-                continue
-            column = source.column(names[-1])
-            if column is not None:
-                out.append(TieKey(column, literal=True))
+        if not (isinstance(other, ast.A_Const)
+                and isinstance(other.val, (ast.String, ast.Integer))):
+            continue
+        column = source.column(names[-1])
+        if column is not None:
+            out.append(TieKey(column, literal=True))
     return out
 
 
