@@ -35,7 +35,7 @@ from dp_core.aggregates import (
     make_aggregate,
     no_nested_intervals,
 )
-from dp_core.cost import RowWorkBudget
+from dp_core.cost import Linear, RowWorkBudget
 from dp_core.errors import (
     StatementTooComplex,
     SyntaxError_,
@@ -188,6 +188,9 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
             ctes[name] = owned_subquery(cte.ctequery, policy,
                                          Totalizer(frozenset(policy), findings, cte.ctequery,
                                                    integer_types), ctes)
+            # (what its columns can hold, for the queries that read it by name)
+            findings.output_sizes[name] = findings.output_sizes.get(id(cte.ctequery),
+                                                                    Linear(1.0, 0.0))
             if ctes[name] is not None:
                 findings.shapes[name] = findings.shapes[id(cte.ctequery)]
                 by_table = table_columns(cte.ctequery)
@@ -216,6 +219,7 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
     only_clauses(stmt, (*OWNED_CLAUSES, "havingClause", "sortClause", "limitCount",
                          "limitOffset", "withClause"), "a DP query")
     totalize = Totalizer(frozenset(policy), findings, None, integer_types)
+    totalize.from_items = tuple(stmt.fromClause)
     fa = FromAnalysis(policy, totalize, ctes)
     from_clause = tuple(fa.item(item) for item in stmt.fromClause)
     if not fa.tables:

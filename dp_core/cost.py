@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,14 +78,29 @@ _SAME_SIZE = frozenset({"lower", "upper", "initcap", "reverse", "btrim", "ltrim"
 _WIDEST = frozenset({"coalesce", "nullif", "greatest", "least"})
 
 
-def row_cost(node: Any) -> Cost:
-    """The bound of one expression (as the analyst wrote it) on one row."""
+_COLUMN: ContextVar[Linear] = ContextVar("dp_cost_column", default=_ROW)
+"""The size of a column of the row being costed (`row_cost`'s `column`)."""
+
+
+def row_cost(node: Any, column: Linear | None = None) -> Cost:
+    """The bound of one expression (as the analyst wrote it) on one row. `column`: the size
+    of one of the row's columns, as a bound in the protected row's bytes (its own: one pass
+    over them; a subquery's or WITH query's output column: the largest value its select list
+    can make, `Totalizer.column_size`), so that what each level of nested subqueries makes
+    of its input counts in the level above (seven levels of `concat(b, b)` make a value 128
+    times as large as the first level's, each level priced as if it read the row)."""
+    if column is not None:
+        token = _COLUMN.set(column)
+        try:
+            return row_cost(node)
+        finally:
+            _COLUMN.reset(token)
     if node is None:
         return Cost(Linear(), Linear())
     if isinstance(node, ast.A_Const):
         return Cost(Linear(0.0, float(len(_literal_text(node)))), Linear())
     if isinstance(node, ast.ColumnRef):
-        return Cost(_ROW, Linear())
+        return Cost(_COLUMN.get(), Linear())
     if isinstance(node, (ast.ParamRef, ast.SQLValueFunction)):
         return Cost(_WORD, Linear())
     if isinstance(node, ast.FuncCall):

@@ -158,11 +158,14 @@ class Key:
     expr: ast.Node
     output_name: str
     hashed: bool = False
-    domain: KeyDomain | None = None
-    """The public keys of the column it reads, where it is one configured with them."""
     """Matched between the pushdown's statements (a group's row and its quantile trees) by a
     hash of its value (`dp_h{i}`) instead of its text (`dp_t{i}`): for types whose equal
     values can print differently (numeric 1.0 = 1.00, float -0 = 0, ...)."""
+    domain: KeyDomain | None = None
+    """The public keys of the column it reads, where it is one configured with them."""
+    canonical: str | None = None
+    """Its type where the pushdown groups it by one value of its equals (`canonical_key`);
+    `expr` stays as written (HAVING and ORDER BY name it so)."""
 
 
 @dataclass(frozen=True)
@@ -357,10 +360,15 @@ class AnalyzedQuery:
 
     def with_canonical_keys(self, types: Mapping[int, str]) -> AnalyzedQuery:
         """The query with each key of `types` (its type: numeric, float4 or float8) grouped by
-        one value of its equal ones (`canonical_key`), where no public domain lists its keys."""
+        one value of its equal ones (`Key.canonical`), where no public domain lists its keys."""
         return replace(self, keys=tuple(
-            replace(k, expr=canonical_key(k.expr, types[i])) if i in types and k.domain is None
-            else k for i, k in enumerate(self.keys)))
+            replace(k, canonical=types[i]) if i in types and k.domain is None else k
+            for i, k in enumerate(self.keys)))
+
+    def grouped_expr(self, i: int) -> ast.Node:
+        """Key i as the pushdown groups it (`Key.canonical`)."""
+        k = self.keys[i]
+        return k.expr if k.canonical is None else canonical_key(k.expr, k.canonical)
 
     @property
     def public_groups(self) -> bool:

@@ -322,6 +322,9 @@ def _bounds_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     indexes = sorted(plan.auto_bounds)
     if not indexes:
         return None
+    for i in indexes:  # (refused as the analyst wrote it: sum(browser) is a sum)
+        if query.aggregates[i].row_level:
+            check_number(query.aggregates[i], arg_types.get(i))
     # a row-level aggregate's bounds are found from its users' means in each group
     aggs = tuple(replace(a, kind=AggKind.AVG, row_level=False) if a.row_level else a
                  for a in query.aggregates)
@@ -415,8 +418,8 @@ def _build(template: str, query: AnalyzedQuery, token: str | None = None) -> str
             domains = [fenced(domains, query.fence_refs)]
         where = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(where, *domains))
     nodes: dict[str, Any] = {f"{PH}uid": query.uid, f"{PH}where": where}
-    for i, key in enumerate(query.keys):
-        nodes[f"{PH}k{i}"] = key.expr
+    for i in range(len(query.keys)):
+        nodes[f"{PH}k{i}"] = query.grouped_expr(i)
     for i, agg in enumerate(query.aggregates):
         if agg.arg is not None:
             nodes[f"{PH}a{i}"] = agg.arg

@@ -59,6 +59,9 @@ class Findings:
     the proxy prepares `argument_probe_sql`."""
     arithmetic: list[ArithmeticCheck] = field(default_factory=list)
     """Arithmetic operators of the analyst's text, whose types the proxy asks Postgres."""
+    output_sizes: dict[Any, Linear] = field(default_factory=dict)
+    """The largest value of each inner query's select list (by id of its node, and each WITH
+    query's also by name), a bound in the protected row's bytes (`Totalizer.column_size`)."""
     mixes: list[TypeMix] = field(default_factory=list)
     """Values Postgres brings to one type, whose types the proxy asks Postgres (`TypeMix`)."""
     relations: list[Relation] = field(default_factory=list)
@@ -116,9 +119,19 @@ class Totalizer:
         """How many arithmetic operators the expression being totalised is inside."""
         self.scope = scope
         """The inner query whose FROM the expressions read (None: the DP query's own)."""
+        self.from_items: tuple[Any, ...] = ()
+        """The DP query's own FROM items, where this totaliser's scope is the DP query's."""
         self.semi_joins: Callable[[ast.SubLink], ast.SubLink] | None = None
         """Checks an IN or EXISTS subquery of the DP query's WHERE (`semi_join`); None: every
         subquery is refused."""
+
+    def column_size(self) -> Linear:
+        """The largest value a column of this scope's FROM can hold (a bound in the protected
+        row's bytes): a table's, one pass over the row; a subquery's or WITH query's, the
+        largest of its select list's values (`Findings.output_sizes`). The DP query's own
+        FROM is `from_items` (set when the analysis has it)."""
+        items = self.scope.fromClause if self.scope is not None else self.from_items
+        return _widest_item(items or (), self.findings.output_sizes)
 
     def inner(self, scope: ast.SelectStmt) -> Totalizer:
         """The totaliser of an inner query's expressions (its casts are checked in its FROM)."""
@@ -127,6 +140,7 @@ class Totalizer:
     def with_semi_joins(self, check: Callable[[ast.SubLink], ast.SubLink]) -> Totalizer:
         """This totaliser, with IN and EXISTS subqueries accepted where `check` accepts them."""
         other = Totalizer(self.protected_names, self.findings, self.scope, self.integer_types)
+        other.from_items = self.from_items
         other.semi_joins = check
         return other
 
@@ -135,8 +149,12 @@ class Totalizer:
         row is noted (`Findings.costs`)."""
         # (the expression's text is printed only for a refusal: pglast's printer leaves the
         # nodes it printed too deep for deepcopy)
-        cost = row_cost(node)
+        cost = row_cost(node, self.column_size())
         found = self.findings
+        if self.scope is not None and context not in _NOT_OUTPUTS:
+            # (what this inner query's output columns can hold: its select list's values)
+            key = id(self.scope)
+            found.output_sizes[key] = found.output_sizes.get(key, Linear()).widest(cost.size)
         found.costs.append((cost, context, node))
         found.work = found.work + cost.work
         # far over the budget, refused before the total form is written (which copies some
@@ -430,6 +448,31 @@ _MIXED_BY = {A_Expr_Kind.AEXPR_DISTINCT: "IS DISTINCT FROM",
              A_Expr_Kind.AEXPR_BETWEEN: "BETWEEN", A_Expr_Kind.AEXPR_NOT_BETWEEN: "BETWEEN",
              A_Expr_Kind.AEXPR_NULLIF: "NULLIF"}
 
+
+_NOT_OUTPUTS = frozenset({"WHERE", "JOIN condition", "GROUP BY", "PARTITION BY",
+                          "window ORDER BY"})
+"""Contexts of an inner query whose values are not among its output columns."""
+
+
+def _widest_item(items: Any, sizes: Mapping[Any, Linear]) -> Linear:
+    """The largest column of FROM items: a subquery's or WITH query's (by `sizes`), else a
+    table's (one pass over the row)."""
+    out = Linear()
+    for item in items:
+        if isinstance(item, ast.JoinExpr):
+            out = out.widest(_widest_item((item.larg, item.rarg), sizes))
+        elif isinstance(item, ast.RangeSubselect):
+            out = out.widest(sizes.get(id(item.subquery), _ROW_SIZE))
+        elif isinstance(item, ast.RangeVar) and item.schemaname is None \
+                and str(item.relname) in sizes:
+            out = out.widest(sizes[str(item.relname)])
+        else:
+            out = out.widest(_ROW_SIZE)
+    return out
+
+
+_ROW_SIZE = Linear(1.0, 0.0)
+"""A table's column: at most the row's bytes."""
 
 _FOLDED_FUNCTIONS = frozenset({"round", "trunc", "floor", "ceil", "ceiling", "abs", "sign"})
 """Functions immutable for every type they take (numbers): of constants, Postgres computes

@@ -452,6 +452,8 @@ def test_a_groups_key_is_one_spelling_of_its_equal_values(proxy_module: Proxy, k
             conn.adapters.register_loader(name, psycopg.types.string.TextLoader)
         for form in (f"{DP}{key} AS k, ANON_COUNT(*) FROM visits GROUP BY 1",
                      f"SELECT {key} AS k, COUNT(*) FROM visits GROUP BY 1",
+                     f"SELECT {key} AS k, COUNT(*) FROM visits GROUP BY 1 HAVING COUNT(*) > 0 "
+                     "ORDER BY 1",
                      f"SELECT DISTINCT {key} AS k FROM visits"):
             released = {r[0] for r in conn.execute(form).fetchall()}
             assert released, form
