@@ -209,11 +209,12 @@ class Totalizer:
             link = self.semi_joins(node)
             link.testexpr = self._total(link.testexpr, ctx)
             if link.testexpr is not None and isinstance(link.subselect, ast.SelectStmt):
-                # (the subquery's column, as a scalar subquery: prepared, never run)
+                # (the subquery's column, as a scalar subquery: prepared, never run; its
+                # values are converted when it runs, which only a row reaching it makes happen)
                 column = ast.SubLink(subLinkType=SubLinkType.EXPR_SUBLINK,
                                      subselect=copy.deepcopy(link.subselect))
                 self._mix("compare", [link.testexpr, column], "IN, ANY or ALL (SELECT ...)",
-                          constant=(_constant(link.testexpr), True))
+                          constant=(_constant(link.testexpr), False))
             return link
         if isinstance(node, ast.SQLValueFunction):
             raise refuse("only immutable functions", node_sql(node))

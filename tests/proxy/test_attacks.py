@@ -304,6 +304,8 @@ CASES = [
                "AND v.duration * 1e-320 <> 1::float8",  # (a join's ON)
           DP_COUNT + " WHERE CASE duration * 1e-320 WHEN 1::float8 THEN true END",
           DP_COUNT + " WHERE duration * 1e-320 IN (SELECT 1::float8 FROM countries)",
+          # (a public value converted where the subquery runs: only if a row reaches it)
+          DP_COUNT + " WHERE uid = 42 AND duration::float8 IN (SELECT 1e400 FROM countries)",
           DP_COUNT + " WHERE 1::float8 IN (1, duration * 1e-320)",  # (a list's one type)
           # constants Postgres converts on each row that reaches them: a stable conversion
           # (date to timestamptz) or a stable function's value (extract() of a timestamptz)
