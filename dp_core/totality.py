@@ -318,9 +318,19 @@ class Totalizer:
 
     def _mix(self, kind: str, operands: list[Any], text: str,
              constant: tuple[bool | None, ...] | None = None) -> None:
-        """Note values Postgres brings to one type (`TypeMix`)."""
-        values = [copy.deepcopy(v) for v in operands if v is not None]
-        flags = constant or tuple(_constant(v) for v in values)
+        """Note values Postgres brings to one type (`TypeMix`): each literal shape once (an IN
+        list of a thousand values is a few types; each operand is a column of the probe)."""
+        given = [v for v in operands if v is not None]
+        flags_given = constant or tuple(_constant(v) for v in given)
+        values, kept, shapes = [], [], set()
+        for v, flag in zip(given, flags_given, strict=True):
+            shape = _literal_shape(v)
+            if shape is not None and shape in shapes:
+                continue
+            shapes.add(shape)
+            values.append(copy.deepcopy(v))
+            kept.append(flag)
+        flags = tuple(kept)
         if len(values) > 1:
             self.findings.mixes.append(TypeMix(tuple(values), flags, kind, text, self.scope))
 
@@ -478,6 +488,22 @@ _ROW_SIZE = Linear(1.0, 0.0)
 _FOLDED_FUNCTIONS = frozenset({"round", "trunc", "floor", "ceil", "ceiling", "abs", "sign"})
 """Functions immutable for every type they take (numbers): of constants, Postgres computes
 them when it plans the statement (arithmetic's total form calls round())."""
+
+
+def _literal_shape(node: Any) -> tuple[str, ...] | None:
+    """What decides a literal's type (its kind; an integer's or a decimal's; a cast's target),
+    or None for anything else."""
+    if isinstance(node, ast.TypeCast) and isinstance(node.arg, ast.A_Const):
+        return ("cast", node_sql(node.typeName))
+    if not isinstance(node, ast.A_Const):
+        return None
+    if node.isnull or node.val is None:
+        return ("null",)
+    if isinstance(node.val, ast.Float):  # (digits alone: bigint or numeric by magnitude)
+        text = str(node.val.fval)
+        whole = text.lstrip("-").isdigit() and -2**63 <= int(text) < 2**63
+        return ("float", "int8" if whole else "numeric")
+    return (type(node.val).__name__,)
 
 
 def _constant(node: Any) -> bool:
