@@ -320,8 +320,13 @@ class Totalizer:
              constant: tuple[bool | None, ...] | None = None) -> None:
         """Note values Postgres brings to one type (`TypeMix`): each literal shape once (an IN
         list of a thousand values is a few types; each operand is a column of the probe)."""
-        given = [v for v in operands if v is not None]
-        flags_given = constant or tuple(_constant(v) for v in given)
+        # (a parameter not bound yet, describing a statement: its type is the client's, and
+        # the query is checked again with its value when it is executed)
+        pairs = [(v, f) for v, f in zip(operands, constant or (None,) * len(operands),
+                                        strict=True) if v is not None
+                 and not any(isinstance(n, ast.ParamRef) for n in walk_nodes(v))]
+        given = [v for v, _ in pairs]
+        flags_given = tuple(_constant(v) if constant is None else f for v, f in pairs)
         values, kept, shapes = [], [], set()
         for v, flag in zip(given, flags_given, strict=True):
             shape = _literal_shape(v)

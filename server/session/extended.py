@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from dp_core.classify import (
     Statement,
@@ -208,6 +209,9 @@ class WithLocalExtended(WithLocalAnswers):
                 request = self.dp_request() if st.kind is StatementKind.LOCAL_FUNCTION \
                     else await self.dp_request_asked(extended=True)
                 types = await self.server.dp.parameter_types(request, st, declared)
+                # the client encodes its parameters as described (asyncpg: an int8 in 8
+                # binary bytes), so its Binds are read with these types, as Postgres's are
+                self.local_statements[msg.name] = replace(local, param_types=types)
             self.send(p.ParameterDescription(types))
             self.send(await self._row_description(st, None, local.param_types, ()))
         else:

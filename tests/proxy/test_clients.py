@@ -149,6 +149,14 @@ def test_asyncpg_prepared_binary_and_introspection(proxy: Proxy) -> None:
             assert await conn.fetchval("SHOW dp.delta") == "1e-07"
             async with conn.transaction():
                 assert await conn.fetchval("SELECT count(*) FROM countries") == 152
+            # a DP query's parameters, encoded in binary as the proxy described them (an int8
+            # in 8 bytes: read as text, they reached Postgres as garbage, 08P01)
+            await conn.execute("SET dp.epsilon = 0.01")
+            dp = await conn.prepare("SELECT browser, count(*) FROM visits WHERE uid <> $1 "
+                                    "AND duration > $2 GROUP BY browser")
+            assert [t.name for t in dp.get_parameters()] == ["int8", "int4"]
+            assert isinstance(await dp.fetch(42, 5), list)
+            assert await conn.fetchval("SELECT count(*) FROM visits WHERE duration > $1", 5) >= 0
         finally:
             await conn.close()
 
