@@ -117,7 +117,7 @@ class TypeMix:
     """Values Postgres brings to one type before it compares or chooses among them (a
     comparison, IN, BETWEEN, NULLIF: "compare"; CASE's results, COALESCE, GREATEST, LEAST:
     "choose"), converting some implicitly: numeric to real or double precision fails beyond
-    their range (1e39, 1e-46), a date to a timestamp past 294276 AD. The server learns each
+    their range (1e39, 1e-45), a date to a timestamp past 294276 AD. The server learns each
     operand's type from Postgres (`argument_probe_sql`) and `check_mixes` refuses the query
     where a value of the rows (not a constant, converted once when the pushdown is planned)
     may be converted so."""

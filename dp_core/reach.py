@@ -142,7 +142,7 @@ REACH_WORDS = (
     "pg_terminate_backend", "blocking_pids", "session_is_blocked", "lo_", "loread", "lowrite",
     "txid_current", "pg_current_", "committed_xact", "commit_timestamp", "notify", "listen",
     "txid_status", "xact_status", "pg_control_", "advisory_", "view", "comment", "index",
-    "vacuum", "analyze", "cluster", "statistics",
+    "vacuum", "analyze", "analyse", "cluster", "statistics",
     "function", "procedure", "rule", "aggregate", "operator", "inout", "language", "extension",
     "role", "authorization", "alter", "query_to_xml", "ts_stat", "ts_rewrite", "citus_",
     "pg_dist_", "get_shard_id", "get_rebalance")

@@ -144,7 +144,8 @@ REFUSED = [
     "CREATE VIEW pg_temp.v AS SELECT 1",
     "COMMENT ON TABLE t IS 'target: user 4711'",
     "CREATE INDEX ON t (n) WHERE n > 1234",
-    "ANALYZE t", "VACUUM t", "VACUUM (ANALYZE) t", "CLUSTER t USING i", "REINDEX TABLE t",
+    "ANALYZE t", "ANALYSE t", "VACUUM t", "VACUUM (ANALYZE) t", "CLUSTER t USING i",
+    "REINDEX TABLE t",
     "CREATE STATISTICS s ON a, b FROM t",
     "SELECT txid_status(780), pg_xact_status('780')",  # (another session's transaction state)
     "SELECT next_xid FROM pg_control_checkpoint()",
