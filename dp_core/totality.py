@@ -292,6 +292,11 @@ class Totalizer:
         names = node.typeName.names
         builtin = (len(names) == 1 or str(names[0].sval) == "pg_catalog") \
             and not node.typeName.arrayBounds and not node.typeName.setof
+        if isinstance(node.arg, ast.ParamRef) and builtin and target in LITERAL_CAST_TARGETS:
+            # (a parameter not bound yet, describing a statement: `uid = $1::int8` as asyncpg
+            # writes it; its value is bound as a typed literal, and its cast checked, when the
+            # statement is executed)
+            return node
         if isinstance(node.arg, ast.A_Const):
             # a literal converted when the pushdown is planned (a string by the type's input,
             # a number by an immutable cast): fails, if at all, before any row. Not a domain,

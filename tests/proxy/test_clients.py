@@ -156,6 +156,9 @@ def test_asyncpg_prepared_binary_and_introspection(proxy: Proxy) -> None:
                                     "AND duration > $2 GROUP BY browser")
             assert [t.name for t in dp.get_parameters()] == ["int8", "int4"]
             assert isinstance(await dp.fetch(42, 5), list)
+            cast = await conn.prepare("SELECT count(*) FROM visits WHERE uid <> $1::int8")
+            assert [t.name for t in cast.get_parameters()] == ["int8"]
+            assert await cast.fetchval(42) >= 0
             assert await conn.fetchval("SELECT count(*) FROM visits WHERE duration > $1", 5) >= 0
         finally:
             await conn.close()
