@@ -327,22 +327,21 @@ class Totalizer:
         list of a thousand values is a few types; each operand is a column of the probe)."""
         # (a parameter not bound yet, describing a statement: its type is the client's, and
         # the query is checked again with its value when it is executed)
-        pairs = [(v, f) for v, f in zip(operands, constant or (None,) * len(operands),
-                                        strict=True) if v is not None
-                 and not any(isinstance(n, ast.ParamRef) for n in walk_nodes(v))]
-        given = [v for v, _ in pairs]
-        flags_given = tuple(_constant(v) if constant is None else f for v, f in pairs)
-        values, kept, shapes = [], [], set()
-        for v, flag in zip(given, flags_given, strict=True):
+        values: list[Any] = []
+        flags: list[bool | None] = []
+        shapes: set[tuple[str, ...] | None] = set()
+        for j, v in enumerate(operands):
+            if v is None or any(isinstance(n, ast.ParamRef) for n in walk_nodes(v)):
+                continue
             shape = _literal_shape(v)
             if shape is not None and shape in shapes:
                 continue
             shapes.add(shape)
             values.append(copy.deepcopy(v))
-            kept.append(flag)
-        flags = tuple(kept)
+            flags.append(_constant(v) if constant is None else constant[j])
         if len(values) > 1:
-            self.findings.mixes.append(TypeMix(tuple(values), flags, kind, text, self.scope))
+            self.findings.mixes.append(TypeMix(tuple(values), tuple(flags), kind, text,
+                                               self.scope))
 
     def using(self, join: ast.JoinExpr) -> None:
         """Note each USING column of `join`: Postgres compares its two sides' columns, and

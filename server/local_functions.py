@@ -16,7 +16,7 @@ from dp_core.classify import LOCAL_FUNCTIONS
 from dp_core.errors import FeatureNotSupported, InternalError, InvalidParameterValue
 from dp_core.explain import fmt
 from dp_core.result import result_sql
-from dp_core.sqlnodes import const_number, const_string
+from dp_core.sqlnodes import const_number, const_string, walk_nodes
 from dp_core.table_tuning import TableTuning
 from server.ledger import BUDGET_COLUMNS, LEDGER_COLUMNS, Ledger, require_admin
 
@@ -44,7 +44,7 @@ class LocalFunctions(Visitor):
 
     async def resolve(self, stmt: Any) -> None:
         """Run the functions (admin checks first) and keep their results for the rewrite."""
-        calls = [n for n in _walk(stmt) if isinstance(n, ast.FuncCall)
+        calls = [n for n in walk_nodes(stmt) if isinstance(n, ast.FuncCall)
                  and str(n.funcname[-1].sval).lower() in LOCAL_FUNCTIONS]
         for fc in calls:
             name = str(fc.funcname[-1].sval).lower()
@@ -191,18 +191,6 @@ def _number(value: str | float | None, what: str) -> float:
     if not math.isfinite(x):
         raise InvalidParameterValue(f"dp_tune_bounds: {what} must be a finite number")
     return x
-
-
-def _walk(node: Any) -> list[Any]:
-    out, stack = [], [node]
-    while stack:
-        cur = stack.pop()
-        if isinstance(cur, ast.Node):
-            out.append(cur)
-            stack.extend(getattr(cur, n) for n in cur)
-        elif isinstance(cur, (tuple, list)):
-            stack.extend(cur)
-    return out
 
 
 def _plain(v: Any) -> str | int | float | None:
