@@ -359,8 +359,9 @@ class AnalyzedQuery:
                                         for i, k in enumerate(self.keys)))
 
     def with_canonical_keys(self, types: Mapping[int, str]) -> AnalyzedQuery:
-        """The query with each key of `types` (its type: numeric, float4 or float8) grouped by
-        one value of its equal ones (`Key.canonical`), where no public domain lists its keys."""
+        """The query with each key of `types` (its type: `CANONICAL_KEY_TYPES` or
+        `COLLATED_KEY_TYPES`) grouped by one value of its equal ones (`Key.canonical`), where
+        no public domain lists its keys."""
         return replace(self, keys=tuple(
             replace(k, canonical=types[i]) if i in types and k.domain is None else k
             for i, k in enumerate(self.keys)))
@@ -392,13 +393,23 @@ class AnalyzedQuery:
 
 CANONICAL_KEY_TYPES = frozenset({"numeric", "float4", "float8"})
 """Key types whose equal values print differently, and which `canonical_key` writes as one."""
+COLLATED_KEY_TYPES = frozenset({"text", "varchar", "bpchar", "name",
+                                "_text", "_varchar", "_bpchar", "_name"})
+"""Key types whose equality follows a collation, which may be nondeterministic ('a' = 'A'
+under a case-insensitive ICU collation): `canonical_key` groups them under "C"."""
 
 
 def canonical_key(expr: ast.Node, type_name: str) -> ast.Node:
     """A group key of `type_name` as the one value of its equals that the group releases: a
     group's key is printed from one of its rows, so 1.0 and 1.00 (numeric), -0 and 0 (floats)
     would tell which rows it has (the user whose spelling differs). numeric: trim_scale()
-    (1.00 is 1); floats: 0 for -0. Every value stays in its group (they are equal)."""
+    (1.00 is 1); floats: 0 for -0. Every value stays in its group (they are equal). Texts
+    (`COLLATED_KEY_TYPES`) are grouped under the "C" collation: under a nondeterministic one
+    'a' = 'A' would be one group printed from one of its rows; under every deterministic
+    collation equal texts are the same bytes, so the groups are the same."""
+    if type_name in COLLATED_KEY_TYPES:
+        return ast.CollateClause(arg=expr, collname=(ast.String(sval="pg_catalog"),
+                                                     ast.String(sval="C")))
     if type_name == "numeric":
         return ast.FuncCall(funcname=(ast.String(sval="pg_catalog"), ast.String(sval="trim_scale")),
                             args=(expr,))

@@ -30,7 +30,14 @@ from dp_core.names import InputColumns
 from dp_core.plan import DPQueryPlan, make_plan
 from dp_core.probes import argument_probe_sql, column_probe_sql, standalone_subqueries
 from dp_core.pushdown_cache import PushdownCache
-from dp_core.query import CANONICAL_KEY_TYPES, AnalyzedQuery, Bounds, KeyDomain, TablePolicy
+from dp_core.query import (
+    CANONICAL_KEY_TYPES,
+    COLLATED_KEY_TYPES,
+    AnalyzedQuery,
+    Bounds,
+    KeyDomain,
+    TablePolicy,
+)
 from dp_core.result import TypeRef
 from dp_core.rewrite import binned
 from dp_core.settings import QuerySettings, query_settings
@@ -59,10 +66,11 @@ arrays): a group's row and its quantile trees are matched by the hash (`Key.hash
 
 
 def _canonical_keys(query: AnalyzedQuery, types: dict[int, Any]) -> AnalyzedQuery:
-    """The query with its numeric and float keys grouped by one value of their equals
-    (`canonical_key`); 0A000 for a key of another type whose equal values print differently
-    (HASHED_KEY_OIDS: interval, jsonb, arrays and ranges of numbers), whose released text
-    would be one of its rows' spellings, unless a public domain lists its keys."""
+    """The query with its numeric and float keys grouped by one value of their equals, and
+    its texts under the "C" collation (`canonical_key`); 0A000 for a key of another type
+    whose equal values print differently (HASHED_KEY_OIDS: interval, jsonb, arrays and ranges
+    of numbers), whose released text would be one of its rows' spellings, unless a public
+    domain lists its keys."""
     for i, t in types.items():
         if t.oid in HASHED_KEY_OIDS and t.name not in CANONICAL_KEY_TYPES \
                 and query.keys[i].domain is None:
@@ -73,7 +81,7 @@ def _canonical_keys(query: AnalyzedQuery, types: dict[int, Any]) -> AnalyzedQuer
                 hint="group by its text (each spelling its own group), or by a number made "
                      "from it (extract(epoch FROM ...), round(...))")
     return query.with_canonical_keys({i: t.name for i, t in types.items()
-                                      if t.name in CANONICAL_KEY_TYPES})
+                                      if t.name in CANONICAL_KEY_TYPES | COLLATED_KEY_TYPES})
 
 
 def planning_error(e: asyncpg.PostgresError) -> DPError:

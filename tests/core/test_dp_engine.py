@@ -444,6 +444,25 @@ def test_a_selected_key_grouped_by_position_or_expression_is_one_key() -> None:
     assert [k.output_name for k in query.keys] == ["browser", "__key1"]
 
 
+@pytest.mark.parametrize(("type_name", "grouped"), [
+    ("text", 'browser COLLATE pg_catalog."C"'), ("varchar", 'browser COLLATE pg_catalog."C"'),
+    ("_text", 'browser COLLATE pg_catalog."C"'), ("numeric", "pg_catalog.trim_scale(browser)"),
+    ("float8", "CASE WHEN browser = CAST(0 AS double precision) THEN CAST(0 AS "
+               "double precision) ELSE browser END"),
+    ("int4", "browser")])
+def test_a_key_is_grouped_by_one_spelling_of_its_equal_values(type_name: str,
+                                                              grouped: str) -> None:
+    """The pushdown groups a key as `canonical_key` writes it for its probed type: texts
+    under "C" (a nondeterministic collation's 'a' = 'A' would print one row's spelling),
+    numeric without trailing zeros, floats' -0 as 0; other types as they are."""
+    query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits "
+                           "GROUP BY browser")
+    query = query.with_canonical_keys({0: type_name} if type_name != "int4" else {})
+    main = pushdown(query, plan, order_seed=5).main
+    assert main is not None
+    assert f"SELECT {grouped} AS dp_k0, visits.uid AS dp_uid" in main, main
+
+
 def test_like_pattern_with_trailing_escape_is_a_syntax_error() -> None:
     with pytest.raises(SyntaxError_, match="escape character"):
         build("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE browser LIKE 'a\\'")
