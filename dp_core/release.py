@@ -368,7 +368,14 @@ def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str,
                 assert col.aggregate is not None
                 row.append(values[col.aggregate][r])
         out.append(tuple(row))
-    return Released(tuple(out), len(rows), spread)
+    # The pushdown's row order is its hash table's, which follows the order rows reached it
+    # (one user's rows can swap two keys of one bucket): the rows are released in their
+    # keys' order (texts by code point, NULL last), shuffled first so that even keys of one
+    # text would leave no trace of it. What LIMIT without ORDER BY keeps follows from this.
+    keys = len(query.keys)
+    order = sorted(rng.permutation(len(kept)).tolist(),
+                   key=lambda pos: row_order(rows[kept[pos]], keys))
+    return Released(tuple(out[pos] for pos in order), len(rows), spread)
 
 
 def _aggregate_values(i: int, agg: Aggregate, plan: DPQueryPlan,

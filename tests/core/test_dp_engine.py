@@ -1000,7 +1000,7 @@ def test_avg_noise_half_width_is_per_group_count() -> None:
     rows = [{"dp_k0": k, "dp_t0": k, "dp_users": n, "dp_a0_n": n, "dp_a0_csum": 10.0 * n}
             for k, n in (("small", 1000), ("mid", 3000), ("large", 10000))]
     out = release(query, plan, rows)
-    assert [r[0] for r in out.rows] == ["small", "mid", "large"]
+    assert [r[0] for r in out.rows] == ["large", "mid", "small"]  # (released in key order)
     low, high = out.spread[0]
     assert low == pytest.approx(expected / 10000, rel=0.1)
     assert high == pytest.approx(expected / 1000, rel=0.1)

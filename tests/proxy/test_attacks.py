@@ -496,6 +496,30 @@ def test_a_text_key_under_a_nondeterministic_collation_is_grouped_by_its_bytes(
         admin.close()
 
 
+@pytest.mark.parametrize("form", [
+    "SELECT WITH ANONYMIZATION {k} AS k, ANON_COUNT(*) FROM visits GROUP BY 1",
+    "SELECT {k} AS k, COUNT(*) FROM visits GROUP BY 1",
+    "SELECT {k} AS k, COUNT(DISTINCT uid), SUM(duration) FROM visits GROUP BY 1",
+    "SELECT DISTINCT {k} AS k FROM visits",
+    "SELECT k FROM (SELECT {k} AS k, COUNT(*) AS n FROM visits GROUP BY 1) AS s",
+])
+def test_released_rows_come_in_their_keys_order(proxy_module: Proxy, form: str) -> None:
+    """Red team, session 30: the pushdown's rows came in its hash table's order, which
+    follows the order rows reached it (sorted by uid, from the per-user window): one user
+    could swap two keys of one bucket, and the released order (or the row LIMIT kept)
+    told whether it had rows. Released rows come in their keys' order, texts by code
+    point, whatever the pushdown's order; LIMIT without ORDER BY keeps the first of them."""
+    key = "uid % 40"  # (40 groups of 500 users: every one released)
+    with psycopg.connect(proxy_module.dsn(), autocommit=True) as conn:
+        conn.execute("SET dp.epsilon = 0.5")
+        sql = form.format(k=key)
+        released = [str(r[0]) for r in conn.execute(sql).fetchall()]
+        assert len(released) == 40, released
+        assert released == sorted(released), released
+        first = [str(r[0]) for r in conn.execute(f"{sql} LIMIT 3").fetchall()]
+        assert first == sorted(released)[:3]
+
+
 def test_a_login_with_standard_conforming_strings_off_is_refused(proxy_module: Proxy) -> None:
     async def login() -> asyncpg.PostgresError:
         try:
