@@ -510,7 +510,8 @@ def test_released_rows_come_in_their_keys_order(proxy_module: Proxy, form: str) 
     told whether it had rows. Released rows come in their keys' order, texts by code
     point, whatever the pushdown's order; LIMIT without ORDER BY keeps the first of them."""
     key = "uid % 40"  # (40 groups of 500 users: every one released)
-    with psycopg.connect(proxy_module.dsn(), autocommit=True) as conn:
+    with budgets_reset(proxy_module, ("alice",)), \
+            psycopg.connect(proxy_module.dsn(), autocommit=True) as conn:
         conn.execute("SET dp.epsilon = 0.5")
         sql = form.format(k=key)
         released = [str(r[0]) for r in conn.execute(sql).fetchall()]
