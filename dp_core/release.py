@@ -372,9 +372,10 @@ def release(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str,
     # (one user's rows can swap two keys of one bucket): the rows are released in their
     # keys' order (texts by code point, NULL last), shuffled first so that even keys of one
     # text would leave no trace of it. What LIMIT without ORDER BY keeps follows from this.
+    # (Public groups come in their configured keys' order already, whatever the data.)
     keys = len(query.keys)
-    order = sorted(rng.permutation(len(kept)).tolist(),
-                   key=lambda pos: row_order(rows[kept[pos]], keys))
+    order = list(range(len(kept))) if query.public_groups else sorted(
+        rng.permutation(len(kept)).tolist(), key=lambda pos: row_order(rows[kept[pos]], keys))
     return Released(tuple(out[pos] for pos in order), len(rows), spread)
 
 
