@@ -25,9 +25,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from dp_core.errors import InternalError
-from dp_core.partials import f8, mean_clamped, squares_clamped
+from dp_core.partials import check_number, f8, mean_clamped, row_value, squares_clamped
 from dp_core.plan import Component, DPQueryPlan, shares_clip
 from dp_core.query import AnalyzedQuery, Bounds
+from dp_core.splice import PH
 from dp_core.tuning import ROW_EDGES, value_thresholds
 
 BINS = len(ROW_EDGES) + 1
@@ -186,6 +187,104 @@ def value_bin_columns(query: AnalyzedQuery, plan: DPQueryPlan) -> dict[int, list
         steps = len(value_thresholds(query.aggregates[q.aggregate].known_bounds)) + 1
         out[q.aggregate] = [f"dp_a{q.aggregate}_vb{j}" for j in range(steps)]
     return out
+
+
+def value_bin_partials(query: AnalyzedQuery, i: int, arg_type: str | None) -> list[str]:
+    """Per (user, group): the sum of aggregate i's row values within its bounds and their
+    count, whose ratio is the user's mean in the group that a clip bounds
+    (`Aggregate.row_bounds`)."""
+    agg = query.aggregates[i]
+    check_number(agg, arg_type)
+    return [f"sum({row_value(i, agg, arg_type)}) AS dp_v{i}_s",
+            f"count({PH}a{i}) AS dp_v{i}_n"]
+
+
+def value_bin(query: AnalyzedQuery, i: int) -> str:
+    """The value bin of a (user, group)'s mean of aggregate i, from `value_bin_partials`'
+    (all its rows are in that bin): 0 [t1, U], j [t(j+1), t(j)), the last [L, t(last))
+    (`tuning.value_thresholds`, high to low: the first threshold the mean reaches); a user
+    without values is in the last, with no rows."""
+    n = f"dp_v{i}_n"
+    ts = value_thresholds(query.aggregates[i].known_bounds)
+    if not ts:  # (a range too narrow to clip: one bin)
+        return "0"
+    whens = " ".join(f"WHEN dp_v{i}_s >= ({n})::float8 * {f8(t)} THEN {j}"
+                     for j, t in enumerate(ts))
+    return f"CASE {whens} ELSE {len(ts)} END"
+
+
+def value_bin_count(query: AnalyzedQuery, i: int) -> int:
+    """How many value bins aggregate i's mean has (`value_bin`)."""
+    return len(value_thresholds(query.aggregates[i].known_bounds)) + 1
+
+
+@dataclass(frozen=True)
+class ValueClasses:
+    """A clipped aggregate's candidate sums from its value bins (the main statement's
+    per-(user, group) rows grouped by bin of rows and by value class, then by bin alone).
+
+    A user's sum in a group is s, of n values within the aggregate's bounds [L, U] (so
+    s ≥ n·L), and a candidate clip t makes it min(s, n·t) (`partials.mean_clamped`). The
+    mean's value bin v (`value_bin`: the first of `tuning.value_thresholds` t_0 >
+    t_1 > ... it reaches, else the last) tells which: n·t_k for v ≤ k, s for v > k. So every
+    candidate's A and B (and the unclipped sum, the count n, and the value bins' rows) are
+    sums over the classes of four sums, Σ s, Σ s/rows, Σ n, Σ n/rows, where each candidate
+    of each (user, group) row would be computed and summed. `columns`: the `BinnedColumn`
+    indexes made so, the others summed per row as before."""
+
+    aggregate: int
+    """The value-binned aggregate whose bin is the class (its column `dp_a{i}_vbin`)."""
+    s: str
+    n: str
+    thresholds: tuple[float, ...]
+    columns: frozenset[int]
+
+    @classmethod
+    def of(cls, query: AnalyzedQuery, columns: Sequence[BinnedColumn],
+           value_bins: Mapping[int, list[str]]) -> ValueClasses | None:
+        """For the first value-binned aggregate whose argument and bounds some candidate
+        sums share; None where there is none (no clip is chosen from this answer's rows)."""
+        for i in value_bins:
+            agg = query.aggregates[i]
+            ts = tuple(value_thresholds(agg.known_bounds))
+
+            made = frozenset(j for j, c in enumerate(columns) if (
+                c.kind == "s" and query.aggregates[c.aggregate].arg == agg.arg
+                and query.aggregates[c.aggregate].known_bounds == agg.known_bounds
+                and query.aggregates[c.counted].arg == agg.arg
+                and (c.candidate == 0 or (c.bounds is not None and c.candidate <= len(ts)
+                                          and c.bounds.upper == ts[c.candidate - 1]))))
+            if not made:
+                continue
+            counted = columns[min(made)].counted
+            s = columns[min(made)].partial
+            made |= {j for j, c in enumerate(columns)
+                     if c.kind == "n" and query.aggregates[c.aggregate].arg == agg.arg}
+            return cls(i, s, f"dp_n{counted}", ts, made)
+        return None
+
+    def per_class(self) -> list[str]:
+        """The four sums over a (group, bin, class)'s rows."""
+        n = f"({self.n})::float8"
+        return [f"sum({self.s}) AS dp_cs_a", f"sum({self.s} / (dp_total)::float8) AS dp_cs_b",
+                f"sum({n}) AS dp_cn_a", f"sum({n} / (dp_total)::float8) AS dp_cn_b"]
+
+    def column(self, j: int, c: BinnedColumn) -> tuple[str, str]:
+        """Column j's A and B over a (group, bin)'s classes (`dp_cls`)."""
+        if c.kind == "n":
+            return "coalesce(sum(dp_cn_a), 0)", "coalesce(sum(dp_cn_b), 0)"
+        if c.candidate == 0:
+            return "coalesce(sum(dp_cs_a), 0)", "coalesce(sum(dp_cs_b), 0)"
+        k, t = c.candidate, f8(self.thresholds[c.candidate - 1])
+
+        def clipped(x: str) -> str:
+            return (f"coalesce(sum(dp_cs_{x}) FILTER (WHERE dp_cls >= {k}), 0) "
+                    f"+ {t} * coalesce(sum(dp_cn_{x}) FILTER (WHERE dp_cls < {k}), 0)")
+        return clipped("a"), clipped("b")
+
+    def value_bin(self, j: int) -> str:
+        """The aggregate's rows in value bin j, each user's weighted by 1 / its rows."""
+        return f"coalesce(sum(dp_cn_b) FILTER (WHERE dp_cls = {j}), 0)"
 
 
 class Binned:

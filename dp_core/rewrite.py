@@ -27,7 +27,14 @@ from pglast import ast, parse_sql
 from pglast.enums import BoolExprType
 from pglast.stream import RawStream
 
-from dp_core.binned import binned_plan, value_bin_columns
+from dp_core.binned import (
+    ValueClasses,
+    binned_plan,
+    value_bin,
+    value_bin_columns,
+    value_bin_count,
+    value_bin_partials,
+)
 from dp_core.bounding import Prefilter, kept_rows
 from dp_core.errors import InternalError
 from dp_core.join_fence import fenced
@@ -46,7 +53,7 @@ from dp_core.quantiles import EDGES, LEAVES, LEVEL_DIVISORS, LEVEL_OFFSETS
 from dp_core.query import AggKind, AnalyzedQuery, Bounds
 from dp_core.result import quoted
 from dp_core.splice import PH, Splice
-from dp_core.tuning import ROW_EDGES, groups_threshold, value_thresholds
+from dp_core.tuning import ROW_EDGES, groups_threshold
 from dp_core.uid_ranges import UidRange, fill_range, null_uids, uid_in
 
 
@@ -160,35 +167,6 @@ def _per_user_sum(component: str, p: str, lo: float, hi: float) -> str:
     raise InternalError()
 
 
-def _value_bin_partials(query: AnalyzedQuery, i: int, arg_type: str | None) -> list[str]:
-    """Per (user, group): the sum of aggregate i's row values within its bounds and their
-    count, whose ratio is the user's mean in the group that a clip bounds
-    (`Aggregate.row_bounds`)."""
-    agg = query.aggregates[i]
-    check_number(agg, arg_type)
-    return [f"sum({row_value(i, agg, arg_type)}) AS dp_v{i}_s",
-            f"count({PH}a{i}) AS dp_v{i}_n"]
-
-
-def _value_bin(query: AnalyzedQuery, i: int) -> str:
-    """The value bin of a (user, group)'s mean of aggregate i, from `_value_bin_partials`'
-    (all its rows are in that bin): 0 [t1, U], j [t(j+1), t(j)), the last [L, t(last))
-    (`tuning.value_thresholds`, high to low: the first threshold the mean reaches); a user
-    without values is in the last, with no rows."""
-    n = f"dp_v{i}_n"
-    ts = value_thresholds(query.aggregates[i].known_bounds)
-    if not ts:  # (a range too narrow to clip: one bin)
-        return "0"
-    whens = " ".join(f"WHEN dp_v{i}_s >= ({n})::float8 * {f8(t)} THEN {j}"
-                     for j, t in enumerate(ts))
-    return f"CASE {whens} ELSE {len(ts)} END"
-
-
-def _value_bin_count(query: AnalyzedQuery, i: int) -> int:
-    """How many value bins aggregate i's mean has (`_value_bin`)."""
-    return len(value_thresholds(query.aggregates[i].known_bounds)) + 1
-
-
 def _key_columns(query: AnalyzedQuery) -> list[str]:
     """The main statement's key columns: their types (read from the prepared statement) with
     no value to decode (the client gets the key texts back as constants of these types, and
@@ -223,21 +201,29 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
             partials += [f"sum({r}) AS {c.partial}"] if c.kind == "s" else c.q_partials(r)
     value_bins = value_bin_columns(query, plan)
     for i in value_bins:
-        partials += _value_bin_partials(query, i, arg_types.get(i))
-    # each (user, group) row's values, computed once beside its rank (`kept_rows`' derived):
-    # written in each aggregate that reads them, Postgres would compute them in each
-    derived = [f"({column.value})::float8 AS dp_x{j}" for j, column in enumerate(columns)]
-    derived += [f"{_value_bin(query, i)} AS dp_a{i}_vbin" for i in value_bins]
+        partials += value_bin_partials(query, i, arg_types.get(i))
+    # candidate sums from the value classes where they can be (`ValueClasses`), the others
+    # per row: each (user, group) row's values, computed once beside its rank (`kept_rows`'
+    # derived): written in each aggregate that reads them, Postgres would compute them in each
+    classes = ValueClasses.of(query, columns, value_bins)
+    made = classes.columns if classes is not None else frozenset()
+    derived = [f"({column.value})::float8 AS dp_x{j}" for j, column in enumerate(columns)
+               if j not in made]
+    derived += [f"{value_bin(query, i)} AS dp_a{i}_vbin" for i in value_bins]
     with_list, relation, _ = kept_rows(query, plan, partials, order_seed, derived=derived)
     keyed = bool(query.keys)
     c_u = int(plan.max_groups_contributed)
+    # inner: per (group, bin[, class]) over the (user, group) rows; mid (with classes): per
+    # (group, bin) over the classes; outer: per group
     inner = [f"width_bucket(dp_total, ARRAY[{', '.join(str(e) for e in ROW_EDGES)}]::int8[]) "
              "AS dp_bin", "count(*) FILTER (WHERE dp_rn = 1) AS dp_first" if keyed
              else "count(*) AS dp_first"]
+    mid = ["dp_bin", "sum(dp_first) AS dp_first"]
     outer = []
     if plan.threshold is not None or plan.shared_users:
         inner.append(f"count(*) FILTER (WHERE dp_rn <= {c_u}) AS dp_users" if keyed
                      else "count(*) AS dp_users")
+        mid.append("sum(dp_users) AS dp_users")
         outer.append("(coalesce(sum(dp_users), 0))::int8 AS dp_users")
     for q in plan.quantities:
         if q.component in (Component.USERS, Component.TREE):
@@ -250,21 +236,39 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
         kept = f" FILTER (WHERE dp_rn <= {c_u})" if keyed else ""
         b = agg.known_bounds
         inner.append(f"{_per_user_sum(q.component, p, b.lower, b.upper)}{kept} AS {q.name}")
+        mid.append(f"sum({q.name}) AS {q.name}")
         outer.append(f"sum({q.name}) AS {q.name}")
     sums = ["dp_first"]
-    for j in range(len(columns)):
-        inner += [f"sum(dp_x{j}) AS dp_c{j}a", f"sum(dp_x{j} / (dp_total)::float8) AS dp_c{j}b"]
+    for j, column in enumerate(columns):
+        if classes is not None and j in made:
+            a, b_ = classes.column(j, column)
+            mid += [f"{a} AS dp_c{j}a", f"{b_} AS dp_c{j}b"]
+        else:
+            inner += [f"sum(dp_x{j}) AS dp_c{j}a",
+                      f"sum(dp_x{j} / (dp_total)::float8) AS dp_c{j}b"]
+            mid += [f"sum(dp_c{j}a) AS dp_c{j}a", f"sum(dp_c{j}b) AS dp_c{j}b"]
         sums += [f"dp_c{j}a", f"dp_c{j}b"]
     for i, names in value_bins.items():
         for j, name in enumerate(names):
-            inner.append(f"coalesce(sum((dp_v{i}_n)::float8 / (dp_total)::float8) "
-                         f"FILTER (WHERE dp_a{i}_vbin = {j}), 0) AS {name}")
+            if classes is not None and i == classes.aggregate:
+                mid.append(f"{classes.value_bin(j)} AS {name}")
+            else:
+                inner.append(f"coalesce(sum((dp_v{i}_n)::float8 / (dp_total)::float8) "
+                             f"FILTER (WHERE dp_a{i}_vbin = {j}), 0) AS {name}")
+                mid.append(f"sum({name}) AS {name}")
             outer.append(f"sum({name}) AS {name}")
     outer += ["array_agg(dp_bin ORDER BY dp_bin) AS dp_bins",
               f"array_agg((ARRAY[{', '.join(sums)}])::float8[] ORDER BY dp_bin) AS dp_sums"]
     key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
-    per_bin = (f"SELECT {', '.join([*key_cols, *inner])} FROM {relation} "
-               f"GROUP BY {', '.join([*key_cols, 'dp_bin'])}")
+    if classes is None:
+        per_bin = (f"SELECT {', '.join([*key_cols, *inner])} FROM {relation} "
+                   f"GROUP BY {', '.join([*key_cols, 'dp_bin'])}")
+    else:
+        inner += [f"dp_a{classes.aggregate}_vbin AS dp_cls", *classes.per_class()]
+        per_class = (f"SELECT {', '.join([*key_cols, *inner])} FROM {relation} "
+                     f"GROUP BY {', '.join([*key_cols, 'dp_bin', 'dp_cls'])}")
+        per_bin = (f"SELECT {', '.join([*key_cols, *mid])} FROM ({per_class}) AS dp_classed "
+                   f"GROUP BY {', '.join([*key_cols, 'dp_bin'])}")
     if not keyed:
         return f"WITH {with_list} SELECT {', '.join(outer)} FROM ({per_bin}) AS dp_binned"
     return (f"WITH {with_list} SELECT {', '.join([*_key_columns(query), *outer])} "
@@ -360,7 +364,7 @@ def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     if not plan.tuning:
         return None
     clipped = [q.aggregate for q in plan.tuning if q.aggregate is not None]
-    partials = [p for i in clipped for p in _value_bin_partials(query, i, arg_types.get(i))]
+    partials = [p for i in clipped for p in value_bin_partials(query, i, arg_types.get(i))]
     with_list, relation, _ = kept_rows(query, plan, partials, order_seed)
     edges = ", ".join(str(e) for e in ROW_EDGES)
     first = "dp_rn = 1" if query.keys else "TRUE"
@@ -369,9 +373,9 @@ def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     # coordinator), into their sums per group and user total: what each part adds up
     counts = [f"count(*) FILTER (WHERE {first}) AS dp_f"]
     for i in clipped:
-        vbin = _value_bin(query, i)
+        vbin = value_bin(query, i)
         counts += [f"coalesce(sum(dp_v{i}_n) FILTER (WHERE {vbin} = {j}), 0) AS dp_b{i}_{j}"
-                   for j in range(_value_bin_count(query, i))]
+                   for j in range(value_bin_count(query, i))]
     totals = (f"dp_t AS (SELECT {', '.join([*key_cols, 'dp_total', *counts])} FROM {relation} "
               f"GROUP BY {', '.join([*key_cols, 'dp_total'])})")
     parts = [f"SELECT 0 AS dp_kind, 0 AS dp_agg, width_bucket(dp_total, ARRAY[{edges}]::int8[]) "
@@ -381,7 +385,7 @@ def _tuning_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
                      f"FROM dp_t GROUP BY {', '.join(key_cols)} "
                      f"HAVING sum(dp_f) >= {f8(groups_threshold(plan))}) AS dp_g")
     for i in clipped:
-        bins = range(_value_bin_count(query, i))
+        bins = range(value_bin_count(query, i))
         # (counts added up per user total first: one division per distinct total, not per row)
         sums = ", ".join(f"sum(dp_b{j} / (dp_total)::float8)" for j in bins)
         per_total = ", ".join(f"sum(dp_b{i}_{j}) AS dp_b{j}" for j in bins)

@@ -206,9 +206,9 @@ def _nodes(plan: dict[str, Any]) -> list[str]:
 def test_a_binned_statement_ranks_and_totals_users_in_one_window(backend: Backend) -> None:
     """The work of a row-level main statement beyond the per-user rows: one window over each
     user's groups gives both its rank and its total rows (two windows would be two passes),
-    and each clip candidate's value is computed once per (user, group) row, below the
-    aggregation that sums it twice (A and B): Postgres's plan has one WindowAgg and the
-    per-bin aggregation reads the candidates as columns."""
+    and no clip candidate is computed per (user, group) row: the rows are summed per value
+    class, which the candidates' sums are made from (`binned.ValueClasses`). Postgres's plan
+    has one WindowAgg, with no clamp in its output."""
     query, plan, _ = build("SELECT browser, count(*), sum(duration), avg(duration) "
                            "FROM visits GROUP BY browser", max_groups=2)
     main = pushdown(query, plan, order_seed=11).main
@@ -222,13 +222,19 @@ def test_a_binned_statement_ranks_and_totals_users_in_one_window(backend: Backen
             tree = json.loads(raw)[0]["Plan"]
             assert _nodes(tree).count("WindowAgg") == 1, _nodes(tree)
             window = _find(tree, "WindowAgg")
-            # the candidates' clamps are in the window's output, once each
             clamps = [o for o in window["Output"] if "LEAST(GREATEST" in o]
-            assert len(clamps) == len(value_thresholds(Bounds(0, 3600))), window["Output"]
+            assert not clamps, window["Output"]
+            assert len(value_thresholds(Bounds(0, 3600))) == 6  # (the candidates, by class)
+            # (the rows are grouped by group, bin and value class: the vbin column)
+            assert any("dp_a1_vbin" in k for k in _group_keys(tree)), _group_keys(tree)
         finally:
             await conn.close()
 
     asyncio.run(go())
+
+
+def _group_keys(plan: dict[str, Any]) -> list[str]:
+    return [*plan.get("Group Key", []), *(k for p in plan.get("Plans", []) for k in _group_keys(p))]
 
 
 def _find(plan: dict[str, Any], node: str) -> dict[str, Any]:
