@@ -389,7 +389,7 @@ def test_arithmetic_operands_are_clamped_and_dates_checked_by_type() -> None:
     from dp_core.catalogue import DATETIME_UNITS, check_casts
 
     _, _, sql = build(_ANY + "visits WHERE duration * duration * duration > 0")
-    assert sql.count("LEAST(GREATEST(") >= 4 and "1e+300" in sql
+    assert sql.count("LEAST(GREATEST(") >= 4 and "1e+38" in sql
     policy = {"events": TablePolicy("public", "uid", {})}
     for expr, good, bad in [("date_trunc('hour', ts)", "timestamp", "date"),
                             ("extract(hour FROM ts)", "timestamptz", "date"),
@@ -627,10 +627,10 @@ def test_integer_arithmetic_keeps_postgres_semantics_once_typed() -> None:
     assert "trunc" not in str(RawStream()(first.keys[0].expr))  # (untyped: numeric division)
     typed = analyze(parse_select(sql), POLICY, plain_form=True,
                     integer_types={24: "int4", 17: "int4"})
-    def clamped(x: str) -> str:  # (every operand within ±1e300, 30 decimals: no overflow of
-        # numeric, at most 331 digits)
-        return (f"pg_catalog.round(LEAST(GREATEST(CAST({x} AS numeric), CAST(-1e+300 AS "
-                "numeric)), CAST(1e+300 AS numeric)), 30)")
+    def clamped(x: str) -> str:  # (every operand within ±1e38, 30 decimals: no overflow of
+        # numeric, at most 68 digits)
+        return (f"pg_catalog.round(LEAST(GREATEST(CAST({x} AS numeric), CAST(-1e+38 AS "
+                "numeric)), CAST(1e+38 AS numeric)), 30)")
 
     quotient = (f"trunc({clamped(clamped('duration') + ' + ' + clamped('uid'))} / "
                 "NULLIF(CAST(pg_catalog.round(CAST(60 AS numeric), 30) AS numeric), 0))")

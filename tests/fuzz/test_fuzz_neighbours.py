@@ -107,9 +107,10 @@ def _value(rng: random.Random, nums: list[str], uid: str) -> str:
     x = rng.choice(nums)
     return rng.choice([
         x, f"{x} * 2", f"{x} / ({x} - 663)", f"{x} % ({x} - 42)", f"({x} * {x} * {x})",
-        f"CASE WHEN {uid} = {{t}} THEN 1e300 ELSE 0 END * 1e300 * 1e300",
+        f"CASE WHEN {uid} = {{t}} THEN 1e300 ELSE 0 END * 1e38 * 1e38",
+        f"CASE WHEN {uid} = {{t}} THEN 1e37 / 7 ELSE 1 END * {x} / 3 / {x}",
         f"CASE WHEN {uid} = {{t}} AND {x} > 600 THEN 1e100000 ELSE 0 END * 1e100000",
-        f"({x} * 1e300 * 1e300)::int", f"({x} * 2147483647)::int2", f"{x}::int2",
+        f"({x} * 1e38 * 1e38)::int", f"({x} * 2147483647)::int2", f"{x}::int2",
         f"CASE {uid} WHEN {{t}} THEN 'NaN'::float8 ELSE {x} END",
         f"CASE {uid} WHEN {{t}} THEN '-Infinity'::float8 ELSE {x} END / 1",
         f"width_bucket(CASE {uid} WHEN {{t}} THEN 'NaN'::float8 ELSE {x} END, 0, 3600, 4)",
