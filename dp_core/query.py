@@ -406,7 +406,8 @@ def canonical_key(expr: ast.Node, type_name: str) -> ast.Node:
     (1.00 is 1); floats: 0 for -0. Every value stays in its group (they are equal). Texts
     (`COLLATED_KEY_TYPES`) are grouped under the "C" collation: under a nondeterministic one
     'a' = 'A' would be one group printed from one of its rows; under every deterministic
-    collation equal texts are the same bytes, so the groups are the same."""
+    collation equal texts are the same bytes, so the groups are the same (bpchar's equal
+    values may differ in trailing blanks, which their text, the released one, drops)."""
     if type_name in COLLATED_KEY_TYPES:
         return ast.CollateClause(arg=expr, collname=(ast.String(sval="pg_catalog"),
                                                      ast.String(sval="C")))
