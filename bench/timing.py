@@ -40,6 +40,10 @@ SHAPES = {
     "median": "SELECT WITH ANONYMIZATION ANON_MEDIAN(duration, 0, 3600) FROM visits WHERE uid = {u}",
     "largest allowed expression": "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE "
                                   "uid = {u} AND length(lpad(browser, 100, 'C')) > 0",
+    # (numeric operators at the arithmetic bound, ±1e38 with 30 decimals: 68 digits each)
+    "numeric at its bounds": "SELECT WITH ANONYMIZATION ANON_SUM(x, 0, 1) FROM (SELECT uid, "
+                             "b * b / 3 / b AS x FROM (SELECT uid, duration * 1e37 / 7 AS b "
+                             "FROM visits WHERE uid = {u}) t) s",
 }
 
 
