@@ -37,12 +37,11 @@ from dp_core.binned import (
 )
 from dp_core.bounding import Prefilter, kept_rows
 from dp_core.errors import InternalError
+from dp_core.group_columns import key_columns, key_hashes, per_user_sum
 from dp_core.join_fence import fenced
 from dp_core.partials import (
     check_number,
-    clamp,
     f8,
-    num,
     partial,
     row_value,
     value,
@@ -122,7 +121,7 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
             finals.append(f"count(DISTINCT dp_d{distinct.index(p)}){_filter(kept_only)} "
                           f"AS {q.name}")
         else:
-            finals.append(f"{_per_user_sum(q.component, p, lo, hi)}{_filter(kept_only + first)} "
+            finals.append(f"{per_user_sum(q.component, p, lo, hi)}{_filter(kept_only + first)} "
                           f"AS {q.name}")
     if not finals:
         return None  # a global query of quantiles only: the tree statement answers it
@@ -138,7 +137,7 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
     if not query.keys:
         return f"WITH {with_list} SELECT {', '.join(finals)} FROM {relation}"
     key_cols = [f"dp_k{i}" for i in range(len(query.keys))]
-    columns = [*_key_columns(query), *finals]
+    columns = [*key_columns(query), *finals]
     # (with row-level aggregates, groups whose dp_users is 0 are no candidates: `release`)
     return (f"WITH {with_list} SELECT {', '.join(columns)} "
             f"FROM {relation} WHERE {kept} GROUP BY {', '.join(key_cols)}")
@@ -147,34 +146,6 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
 def _filter(conditions: list[str]) -> str:
     """An aggregate's FILTER clause for these conditions (none: no clause)."""
     return f" FILTER (WHERE {' AND '.join(conditions)})" if conditions else ""
-
-
-def _per_user_sum(component: str, p: str, lo: float, hi: float) -> str:
-    """The sum over kept (user, group) rows of a per-user quantity's `component`, of the
-    per-user values `p` clamped to [lo, hi] (its FILTER follows)."""
-    mid = num((lo + hi) / 2)
-    if component == Component.COUNT:
-        return f"sum(LEAST({p}, {num(hi)}))"
-    if component == Component.SUM:
-        return f"sum({clamp(p, lo, hi)})"
-    if component == Component.N:
-        return f"count({p})"
-    if component == Component.CENTERED_SUM:
-        return f"sum({clamp(p, lo, hi)} - {mid})"
-    if component == Component.CENTERED_SQUARES:
-        c = f"({clamp(p, lo, hi)} - {mid})"
-        return f"sum({c} * {c})"
-    raise InternalError()
-
-
-def _key_columns(query: AnalyzedQuery) -> list[str]:
-    """The main statement's key columns: their types (read from the prepared statement) with
-    no value to decode (the client gets the key texts back as constants of these types, and
-    a driver's decoding of some values, year 5874897, time 24:00, a huge interval, would fail
-    on one user's key), their texts, and the hashes of hashed keys."""
-    n = len(query.keys)
-    return [*(f"CASE WHEN false THEN dp_k{i} END AS dp_k{i}" for i in range(n)),
-            *(f"dp_k{i}::text AS dp_t{i}" for i in range(n)), *_key_hashes(query)]
 
 
 def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
@@ -235,7 +206,7 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
         p = value(q.aggregate, agg, arg_types.get(q.aggregate))
         kept = f" FILTER (WHERE dp_rn <= {c_u})" if keyed else ""
         b = agg.known_bounds
-        inner.append(f"{_per_user_sum(q.component, p, b.lower, b.upper)}{kept} AS {q.name}")
+        inner.append(f"{per_user_sum(q.component, p, b.lower, b.upper)}{kept} AS {q.name}")
         mid.append(f"sum({q.name}) AS {q.name}")
         outer.append(f"sum({q.name}) AS {q.name}")
     sums = ["dp_first"]
@@ -271,15 +242,8 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
                    f"GROUP BY {', '.join([*key_cols, 'dp_bin'])}")
     if not keyed:
         return f"WITH {with_list} SELECT {', '.join(outer)} FROM ({per_bin}) AS dp_binned"
-    return (f"WITH {with_list} SELECT {', '.join([*_key_columns(query), *outer])} "
+    return (f"WITH {with_list} SELECT {', '.join([*key_columns(query), *outer])} "
             f"FROM ({per_bin}) AS dp_binned GROUP BY {', '.join(key_cols)}")
-
-
-def _key_hashes(query: AnalyzedQuery) -> list[str]:
-    """The match columns of hashed keys (`Key.hashed`): the hash of the value by its type's
-    own hash function, which equal values share whatever their texts."""
-    return [f"hash_array_extended(ARRAY[dp_k{i}], 0) AS dp_h{i}"
-            for i, k in enumerate(query.keys) if k.hashed]
 
 
 def _tree_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
@@ -307,7 +271,7 @@ def _tree_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int,
              f"GROUP BY {', '.join(str(n) for n in range(1, len(key_cols) + 3))}")
     key_text = [f"dp_k{i}::text AS dp_t{i}" for i in range(len(query.keys))]
     order = [f'dp_k{i}::text COLLATE "C"' for i in range(len(query.keys))]
-    columns = [*key_text, *_key_hashes(query), "dp_agg"]
+    columns = [*key_text, *key_hashes(query), "dp_agg"]
     return (f"WITH {with_list}, dp_nodes AS ({nodes}) "
             # codes and counts as big-endian int4 / int8 bytes (`release.tree_arrays`): a tree
             # of 70k nodes is 840 kB instead of Python lists of ten times that
