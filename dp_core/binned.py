@@ -346,8 +346,9 @@ def binned_row(row: Mapping[str, Any], columns: int) -> dict[str, Any]:
 @dataclass
 class TuningStats:
     """What T and the clips are chosen from, added up over every group's row as it streams
-    (before partition selection: the statistics are of all users, in every group some user
-    counts in; the main statement leaves out the others, `rewrite._candidates_only`)."""
+    (before partition selection: the statistics are of all users; groups no user counts in
+    add nothing to them but value bins, and are left out where there are none,
+    `rewrite._candidates_only`)."""
 
     groups_threshold: float
     histogram: NDArray[np.float64] = field(default_factory=lambda: np.zeros(BINS - 1))

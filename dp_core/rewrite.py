@@ -86,9 +86,11 @@ def binned(plan: DPQueryPlan) -> bool:
 
 
 def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
-              order_seed: int, prefilter: Prefilter | None = None) -> str | None:
+              order_seed: int, prefilter: Prefilter | None = None, whole: bool = True
+              ) -> str | None:
+    """The main statement; `whole`: over every user (not one of several uid ranges)."""
     if binned(plan):
-        return _binned_template(query, plan, arg_types, order_seed)
+        return _binned_template(query, plan, arg_types, order_seed, whole)
     partials = [partial(i, agg, arg_types.get(i)) for i, agg in enumerate(query.aggregates)
                 if not reads_user_count(agg) and agg.kind is not AggKind.QUANTILE]
     finals: list[str] = []
@@ -141,18 +143,24 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
     # with row-level aggregates, groups whose dp_users is 0 are no candidates (`release`):
     # left here, not sent (one user's rows, each its own group, made as many rows to read)
     having = f" HAVING count(*){_filter(kept_only + first)} > 0" \
-        if row_level and _candidates_only(query, plan) else ""
+        if row_level and _candidates_only(query, plan, whole) else ""
     return (f"WITH {with_list} SELECT {', '.join(columns)} "
             f"FROM {relation} WHERE {kept} GROUP BY {', '.join(key_cols)}{having}")
 
 
-def _candidates_only(query: AnalyzedQuery, plan: DPQueryPlan) -> bool:
+def _candidates_only(query: AnalyzedQuery, plan: DPQueryPlan, whole: bool,
+                     value_bins: bool = False) -> bool:
     """Whether a grouped row-level main statement leaves out the groups in which no user's
     count goes (`release.select` drops them): with partition selection, not public groups.
     A user whose every row is its own group (`GROUP BY CASE WHEN uid = 42 THEN duration
     END`) made that many rows for the proxy to read (14–24 µs each, 0.4 s more for 20,000
-    rows where its count goes to one: red team, session 30)."""
-    return bool(query.keys) and not query.public_groups and (
+    rows where its count goes to one: red team, session 30). Only over every user (`whole`):
+    a range's group without a user counting in it may be a candidate in another range, its
+    rows part of the group's sums, and whether some user in one range counts in it is one
+    user's doing. Not with value bins (`binned.value_bin_columns`): the clips are chosen
+    from every group's rows, each user's weighing 1 in all, and leaving out the groups some
+    user's count could make candidates would move the other users' share."""
+    return whole and not value_bins and bool(query.keys) and not query.public_groups and (
         plan.threshold is not None or plan.shared_users)
 
 
@@ -162,7 +170,7 @@ def _filter(conditions: list[str]) -> str:
 
 
 def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str],
-                     order_seed: int) -> str:
+                     order_seed: int, whole: bool) -> str:
     """The main statement in `dp_core.binned`'s form: per group, the sums of the other
     aggregates (as `_template`'s), and per bin of the users' row counts, the users first in
     the group and A and B of each row-level quantity and candidate clip; per clipped
@@ -255,9 +263,9 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
                    f"GROUP BY {', '.join([*key_cols, 'dp_bin'])}")
     if not keyed:
         return f"WITH {with_list} SELECT {', '.join(outer)} FROM ({per_bin}) AS dp_binned"
-    # only candidate groups (`_candidates_only`): T's value bins are then of the rows of
-    # groups some user counts in, each user's weighing 1 / its rows at most in all
-    having = " HAVING sum(dp_users) > 0" if _candidates_only(query, plan) else ""
+    # only candidate groups (`_candidates_only`): T's statistics are of users' first groups
+    having = " HAVING sum(dp_users) > 0" \
+        if _candidates_only(query, plan, whole, bool(value_bins)) else ""
     return (f"WITH {with_list} SELECT {', '.join([*key_columns(query), *outer])} "
             f"FROM ({per_bin}) AS dp_binned GROUP BY {', '.join(key_cols)}{having}")
 
@@ -523,7 +531,7 @@ def build_pushdown(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int,
     # the statements' shape needs only the plan's quantity names, which bounds do not change
     query = query.with_bounds({i: Bounds(0.0, 1.0) for i, a in enumerate(query.aggregates)
                                if a.bounds is None})
-    main = _template(query, plan, types, seed, prefilter)
+    main = _template(query, plan, types, seed, prefilter, whole=token is None)
     if main and token is not None and query.keys:
         # in one order (code points; NULL last) for any collation and range of users, as the
         # trees: the ranges' rows merge as streams, a group at a time (`release.row_order`)

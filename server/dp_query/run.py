@@ -253,7 +253,7 @@ class PushdownRunner:
                     chosen.add(ordered[at:at + _ROWS_PER_SELECTION])
             selection = chosen.done()
             if per_bin:
-                # T and the clips from the statistics of every candidate group's rows, then each kept
+                # T and the clips from the statistics of every group's rows, then each kept
                 # group's sums for them, and their noise
                 if plan.rows_stored is not None:
                     # from a table's stored statistics (post-processing), for these groups

@@ -23,7 +23,7 @@ from dp_core.binned import (
 )
 from dp_core.plan import replan_with_bounds
 from dp_core.query import Bounds
-from dp_core.rewrite import binned, pushdown
+from dp_core.rewrite import binned, pushdown, ranged_pushdown
 from dp_core.tuning import ROW_EDGES, groups_threshold, value_thresholds
 from tests.support.backend import Backend
 from tests.support.engine import build
@@ -122,10 +122,12 @@ def test_resolved_sums_are_the_statement_for_that_t_and_clip(backend: Backend, s
 def test_groups_no_users_count_in_are_left_in_the_pushdown(backend: Backend) -> None:
     """Red team, session 30: a key that gives each of one user's rows its own group
     (`CASE WHEN uid = target THEN duration ELSE 0 END`) made the row-level main statement
-    return a row per group, every one but the user's first no candidate (its count goes to
-    C_u groups), which the proxy read, parsed and dropped: 14-24 µs each, 0.4 s more for
-    20,000 rows. Binned (T chosen) or written for one T, the statement returns only the
-    groups some user counts in: here the others' group and the target's C_u."""
+    return a row per group, every one but the user's first C_u no candidate, which the
+    proxy read, parsed and dropped: 14-24 µs each, 0.4 s more for 20,000 rows. Over every
+    user, binned without value bins (COUNT(*)) or written for one T, the statement returns
+    only the groups some user counts in: the others' group and the target's C_u. Where the
+    clips are chosen from value bins of every group's rows, or for one range of users (a
+    group may be a candidate in another range), every group still comes."""
     async def go() -> None:
         conn = await asyncpg.connect(backend.admin_dsn)
         try:
@@ -134,17 +136,23 @@ def test_groups_no_users_count_in_are_left_in_the_pushdown(backend: Backend) -> 
                 "SELECT uid, count(DISTINCT duration) FROM visits GROUP BY uid "
                 "ORDER BY 2 DESC, 1 LIMIT 1")
             assert distinct > 100
+            key = f"CASE WHEN uid = {target} THEN duration ELSE 0 END"
             for c_u in (1, 3):
-                query, plan, _ = build(f"SELECT CASE WHEN uid = {target} THEN duration ELSE 0 "
-                                       "END AS k, count(*), sum(duration) FROM visits GROUP BY 1",
-                                       max_groups=c_u)
-                assert binned(plan)
-                fixed_q, fixed_p = replan_with_bounds(query, plan, {}, 24, 24)
-                for pd in (pushdown(query, plan, order_seed=3),
-                           pushdown(fixed_q, fixed_p, order_seed=3)):
+                counted, counted_plan, _ = build(f"SELECT {key} AS k, count(*) FROM visits "
+                                                 "GROUP BY 1", max_groups=c_u)
+                summed, summed_plan, _ = build(f"SELECT {key} AS k, count(*), sum(duration) "
+                                               "FROM visits GROUP BY 1", max_groups=c_u)
+                assert binned(counted_plan) and binned(summed_plan)
+                fixed_q, fixed_p = replan_with_bounds(summed, summed_plan, {}, 24, 24)
+                for pd, groups in (
+                        (pushdown(counted, counted_plan, order_seed=3), 1 + c_u),
+                        (pushdown(fixed_q, fixed_p, order_seed=3), 1 + c_u),
+                        (pushdown(summed, summed_plan, order_seed=3), distinct + 1),
+                        (ranged_pushdown(counted, counted_plan, None, 3).of((None, "999999999")),
+                         distinct + 1)):
                     assert pd.main is not None
                     rows = await conn.fetch(pd.main)
-                    assert len(rows) == 1 + c_u and all(r["dp_users"] > 0 for r in rows)
+                    assert len(rows) == groups, (len(rows), groups, pd.main[-200:])
         finally:
             await conn.close()
 
