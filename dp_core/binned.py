@@ -263,11 +263,14 @@ class ValueClasses:
             return cls(i, s, f"dp_n{counted}", ts, made)
         return None
 
-    def per_class(self) -> list[str]:
-        """The four sums over a (group, bin, class)'s rows."""
+    def per_class(self, counted: str) -> list[str]:
+        """The four sums over a (group, bin, class)'s rows, and the value bins' (of the rows
+        `counted`: the (user, group) rows where the user's count goes, `value_bin`)."""
         n = f"({self.n})::float8"
         return [f"sum({self.s}) AS dp_cs_a", f"sum({self.s} / (dp_total)::float8) AS dp_cs_b",
-                f"sum({n}) AS dp_cn_a", f"sum({n} / (dp_total)::float8) AS dp_cn_b"]
+                f"sum({n}) AS dp_cn_a", f"sum({n} / (dp_total)::float8) AS dp_cn_b",
+                f"coalesce(sum({n} / (dp_total)::float8) FILTER (WHERE {counted}), 0) "
+                "AS dp_cn_u"]
 
     def column(self, j: int, c: BinnedColumn) -> tuple[str, str]:
         """Column j's A and B over a (group, bin)'s classes (`dp_cls`)."""
@@ -283,8 +286,11 @@ class ValueClasses:
         return clipped("a"), clipped("b")
 
     def value_bin(self, j: int) -> str:
-        """The aggregate's rows in value bin j, each user's weighted by 1 / its rows."""
-        return f"coalesce(sum(dp_cn_b) FILTER (WHERE dp_cls = {j}), 0)"
+        """The aggregate's rows in value bin j, each user's weighted by 1 / its rows, in the
+        groups its count goes to (its first C_u: all of them some user counts in, so that
+        leaving out the groups no user counts in changes nothing here,
+        `rewrite._candidates_only`)."""
+        return f"coalesce(sum(dp_cn_u) FILTER (WHERE dp_cls = {j}), 0)"
 
 
 class Binned:
@@ -346,9 +352,8 @@ def binned_row(row: Mapping[str, Any], columns: int) -> dict[str, Any]:
 @dataclass
 class TuningStats:
     """What T and the clips are chosen from, added up over every group's row as it streams
-    (before partition selection: the statistics are of all users; groups no user counts in
-    add nothing to them but value bins, and are left out where there are none,
-    `rewrite._candidates_only`)."""
+    (before partition selection: the statistics are of all users, in the groups their
+    counts go to; groups no user counts in add nothing to them, `rewrite._candidates_only`)."""
 
     groups_threshold: float
     histogram: NDArray[np.float64] = field(default_factory=lambda: np.zeros(BINS - 1))

@@ -148,8 +148,7 @@ def _template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[int, str]
             f"FROM {relation} WHERE {kept} GROUP BY {', '.join(key_cols)}{having}")
 
 
-def _candidates_only(query: AnalyzedQuery, plan: DPQueryPlan, whole: bool,
-                     value_bins: bool = False) -> bool:
+def _candidates_only(query: AnalyzedQuery, plan: DPQueryPlan, whole: bool) -> bool:
     """Whether a grouped row-level main statement leaves out the groups in which no user's
     count goes (`release.select` drops them): with partition selection, not public groups.
     A user whose every row is its own group (`GROUP BY CASE WHEN uid = 42 THEN duration
@@ -157,10 +156,9 @@ def _candidates_only(query: AnalyzedQuery, plan: DPQueryPlan, whole: bool,
     rows where its count goes to one: red team, session 30). Only over every user (`whole`):
     a range's group without a user counting in it may be a candidate in another range, its
     rows part of the group's sums, and whether some user in one range counts in it is one
-    user's doing. Not with value bins (`binned.value_bin_columns`): the clips are chosen
-    from every group's rows, each user's weighing 1 in all, and leaving out the groups some
-    user's count could make candidates would move the other users' share."""
-    return whole and not value_bins and bool(query.keys) and not query.public_groups and (
+    user's doing. T's statistics, the value bins too, are of the groups users' counts go to
+    (which are candidates), so leaving the others out changes none of them."""
+    return whole and bool(query.keys) and not query.public_groups and (
         plan.threshold is not None or plan.shared_users)
 
 
@@ -240,13 +238,16 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
                       f"sum(dp_x{j} / (dp_total)::float8) AS dp_c{j}b"]
             mid += [f"sum(dp_c{j}a) AS dp_c{j}a", f"sum(dp_c{j}b) AS dp_c{j}b"]
         sums += [f"dp_c{j}a", f"dp_c{j}b"]
+    # the value bins (what the clips are chosen from) are of each user's rows in the groups
+    # its count goes to, each weighted 1 / its rows (`binned.ValueClasses.value_bin`)
+    counted = f" AND dp_rn <= {c_u}" if keyed else ""
     for i, names in value_bins.items():
         for j, name in enumerate(names):
             if classes is not None and i == classes.aggregate:
                 mid.append(f"{classes.value_bin(j)} AS {name}")
             else:
                 inner.append(f"coalesce(sum((dp_v{i}_n)::float8 / (dp_total)::float8) "
-                             f"FILTER (WHERE dp_a{i}_vbin = {j}), 0) AS {name}")
+                             f"FILTER (WHERE dp_a{i}_vbin = {j}{counted}), 0) AS {name}")
                 mid.append(f"sum({name}) AS {name}")
             outer.append(f"sum({name}) AS {name}")
     outer += ["array_agg(dp_bin ORDER BY dp_bin) AS dp_bins",
@@ -256,16 +257,17 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
         per_bin = (f"SELECT {', '.join([*key_cols, *inner])} FROM {relation} "
                    f"GROUP BY {', '.join([*key_cols, 'dp_bin'])}")
     else:
-        inner += [f"dp_a{classes.aggregate}_vbin AS dp_cls", *classes.per_class()]
+        inner += [f"dp_a{classes.aggregate}_vbin AS dp_cls",
+                  *classes.per_class(f"dp_rn <= {c_u}" if keyed else "TRUE")]
         per_class = (f"SELECT {', '.join([*key_cols, *inner])} FROM {relation} "
                      f"GROUP BY {', '.join([*key_cols, 'dp_bin', 'dp_cls'])}")
         per_bin = (f"SELECT {', '.join([*key_cols, *mid])} FROM ({per_class}) AS dp_classed "
                    f"GROUP BY {', '.join([*key_cols, 'dp_bin'])}")
     if not keyed:
         return f"WITH {with_list} SELECT {', '.join(outer)} FROM ({per_bin}) AS dp_binned"
-    # only candidate groups (`_candidates_only`): T's statistics are of users' first groups
-    having = " HAVING sum(dp_users) > 0" \
-        if _candidates_only(query, plan, whole, bool(value_bins)) else ""
+    # only candidate groups (`_candidates_only`): T's statistics are of the groups users'
+    # counts go to
+    having = " HAVING sum(dp_users) > 0" if _candidates_only(query, plan, whole) else ""
     return (f"WITH {with_list} SELECT {', '.join([*key_columns(query), *outer])} "
             f"FROM ({per_bin}) AS dp_binned GROUP BY {', '.join(key_cols)}{having}")
 
