@@ -247,6 +247,8 @@ class ValueClasses:
         for i in value_bins:
             agg = query.aggregates[i]
             ts = tuple(value_thresholds(agg.known_bounds))
+            if not ts:
+                continue  # (a range too narrow to clip: one candidate, no count column)
 
             made = frozenset(j for j, c in enumerate(columns) if (
                 c.kind == "s" and query.aggregates[c.aggregate].arg == agg.arg

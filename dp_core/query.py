@@ -360,10 +360,12 @@ class AnalyzedQuery:
 
     def with_canonical_keys(self, types: Mapping[int, str]) -> AnalyzedQuery:
         """The query with each key of `types` (its type: `CANONICAL_KEY_TYPES` or
-        `COLLATED_KEY_TYPES`) grouped by one value of its equal ones (`Key.canonical`), where
-        no public domain lists its keys."""
+        `COLLATED_KEY_TYPES`) grouped by one value of its equal ones (`Key.canonical`), but
+        in a query of public groups (whose keys are matched to their domains' texts). A key
+        a domain lists, in a query partition selection releases (`SELECT DISTINCT k`, or
+        grouped by another key too), is canonical like any other."""
         return replace(self, keys=tuple(
-            replace(k, canonical=types[i]) if i in types and k.domain is None else k
+            replace(k, canonical=types[i]) if i in types and not self.public_groups else k
             for i, k in enumerate(self.keys)))
 
     def grouped_expr(self, i: int) -> ast.Node:

@@ -69,11 +69,11 @@ def _canonical_keys(query: AnalyzedQuery, types: dict[int, Any]) -> AnalyzedQuer
     """The query with its numeric and float keys grouped by one value of their equals, and
     its texts under the "C" collation (`canonical_key`); 0A000 for a key of another type
     whose equal values print differently (HASHED_KEY_OIDS: interval, jsonb, arrays and ranges
-    of numbers), whose released text would be one of its rows' spellings, unless a public
-    domain lists its keys."""
+    of numbers), whose released text would be one of its rows' spellings, but in a query of
+    public groups (every key listed: released from the list)."""
     for i, t in types.items():
         if t.oid in HASHED_KEY_OIDS and t.name not in CANONICAL_KEY_TYPES \
-                and query.keys[i].domain is None:
+                and not query.public_groups:
             raise FeatureNotSupported(
                 f"not allowed in a DP query (GROUP BY a value of type {t.name}: its equal "
                 "values print differently, and the group would show one of its rows' "

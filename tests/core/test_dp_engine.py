@@ -19,7 +19,7 @@ from dp_core.errors import FeatureNotSupported, InvalidParameterValue, SyntaxErr
 from dp_core.mechanism_choices import SelectionKind
 from dp_core.mechanisms import NoiseKind, gaussian_sigma, granularity, threshold_tau
 from dp_core.probes import argument_probe_sql
-from dp_core.query import AggKind, Bounds, TablePolicy
+from dp_core.query import AggKind, Bounds, KeyDomain, TablePolicy
 from dp_core.release import SelectionStream, release, select
 from dp_core.result import result_sql
 from dp_core.rewrite import pushdown, pushdown_sql
@@ -461,6 +461,23 @@ def test_a_key_is_grouped_by_one_spelling_of_its_equal_values(type_name: str,
     main = pushdown(query, plan, order_seed=5).main
     assert main is not None
     assert f"SELECT {grouped} AS dp_k0, visits.uid AS dp_uid" in main, main
+
+
+def test_a_listed_key_released_by_partition_selection_is_canonical_too() -> None:
+    """Review, session 30: a key whose values a public domain lists was never grouped by one
+    spelling, though only a query of public groups releases keys from the list: grouped with
+    an unlisted key, or alone without aggregates (`SELECT DISTINCT`), partition selection
+    releases the group's text, which under a nondeterministic collation was one row's."""
+    policy = {name: replace(p, domains={"browser": KeyDomain(("Chrome", "Firefox"))})
+              if name == "visits" else p for name, p in POLICY.items()}
+    for sql, public in (("SELECT browser, COUNT(*) FROM visits GROUP BY browser", True),
+                        ("SELECT browser, country, COUNT(*) FROM visits GROUP BY 1, 2", False),
+                        ("SELECT DISTINCT browser FROM visits", False)):
+        query = analyze(parse_select(sql), policy, plain_form=True)
+        assert query.public_groups is public
+        canonical = query.with_canonical_keys(dict.fromkeys(range(len(query.keys)), "text"))
+        assert [k.canonical for k in canonical.keys] == \
+            [None if public else "text"] * len(query.keys), sql
 
 
 def test_like_pattern_with_trailing_escape_is_a_syntax_error() -> None:

@@ -129,6 +129,11 @@ SHAPES = {
         "AVG(CASE WHEN duration > 3 THEN 1 ELSE 0.25 END) FROM visits",
     "grouped row-level count, T chosen": f"{DP}, delta=0.2, max_groups_contributed=2) browser, "
                                          "COUNT(*) FROM visits GROUP BY browser",
+    # (the clip's value bins of each user's rows in the groups its count goes to; groups no
+    # user counts in left in Postgres: `rewrite._candidates_only`)
+    "grouped row-level sum, T and clip chosen": f"{DP}, delta=0.2, max_groups_contributed=2) "
+                                                "browser, SUM(CASE WHEN duration > 3 THEN 1 "
+                                                "ELSE 0.5 END) FROM visits GROUP BY browser",
     "row-level variance, T and clip chosen": f"{DP}) VAR_POP(CASE WHEN duration > 3 THEN 1 "
                                              "ELSE 0.25 END) FROM visits",
     # VAR's count, centred sum and squares are STDDEV's too (one noisy quantity each, a
@@ -488,7 +493,8 @@ def test_split_pushdowns_are_differentially_private(
     assert verdict.failure_rate <= TOLERANCE, verdict
 
 
-LONG_ONLY = ("grouped row-level count, T chosen", "row-level avg, T chosen, bounds found",
+LONG_ONLY = ("grouped row-level count, T chosen", "grouped row-level sum, T and clip chosen",
+             "row-level avg, T chosen, bounds found",
              "row-level variance, T and clip chosen", "row-level sum, T and clip chosen",
              "row-level count and avg, T and clip chosen, shares rebalanced")
 """Shapes whose T is drawn for every sample (a choice each, and a pushdown per choice): in the

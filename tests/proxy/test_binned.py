@@ -22,11 +22,11 @@ from dp_core.binned import (
     value_bin_columns,
 )
 from dp_core.plan import replan_with_bounds
-from dp_core.query import Bounds
+from dp_core.query import Bounds, TablePolicy
 from dp_core.rewrite import binned, pushdown, ranged_pushdown
 from dp_core.tuning import ROW_EDGES, groups_threshold, value_thresholds
 from tests.support.backend import Backend
-from tests.support.engine import build
+from tests.support.engine import POLICY, build
 
 
 def test_a_bin_adds_its_rows_below_t_and_t_times_its_shares_above() -> None:
@@ -152,6 +152,28 @@ def test_groups_no_users_count_in_are_left_in_the_pushdown(backend: Backend) -> 
                     assert pd.main is not None
                     rows = await conn.fetch(pd.main)
                     assert len(rows) == groups, (len(rows), groups, pd.main[-200:])
+        finally:
+            await conn.close()
+
+    asyncio.run(go())
+
+
+def test_a_range_too_narrow_to_clip_is_summed_per_row(backend: Backend) -> None:
+    """Review, session 30: bounds so narrow that no clip lies within them have one candidate
+    and no count column; the value classes read one (`dp_n0`), and the statement failed to
+    prepare. It is summed per row as before, and Postgres plans it."""
+    narrow = {**POLICY, "visits": TablePolicy("public", "uid", {
+        "duration": Bounds(1.0, math.nextafter(1.0, 2.0))})}
+    query, plan, _ = build("SELECT browser, SUM(duration) FROM visits GROUP BY browser",
+                           policy=narrow)
+    assert binned(plan) and value_thresholds(Bounds(1.0, math.nextafter(1.0, 2.0))) == []
+    main = pushdown(query, plan, order_seed=3).main
+    assert main is not None and "dp_cls" not in main
+
+    async def go() -> None:
+        conn = await asyncpg.connect(backend.admin_dsn)
+        try:
+            await conn.prepare(main)
         finally:
             await conn.close()
 

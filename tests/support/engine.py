@@ -23,11 +23,13 @@ CLASSIFIER = Classifier(ProtectionPolicy({"visits": "public", "purchases": "publ
 
 
 def build(sql: str, epsilon: float = 1.0, delta: float = 1e-6, max_groups: int = 1,
-          noise: NoiseKind = NoiseKind.LAPLACE, schema: str = "public"):  # type: ignore[no-untyped-def]
-    """(query, plan, pushdown SQL) of one statement, under POLICY (its tables in `schema`),
-    with the statement's OPTIONS over these defaults (the pushdown's group order seeded, so
-    it is reproducible)."""
-    policy, classifier = POLICY, CLASSIFIER
+          noise: NoiseKind = NoiseKind.LAPLACE, schema: str = "public",
+          policy: dict[str, TablePolicy] | None = None):  # type: ignore[no-untyped-def]
+    """(query, plan, pushdown SQL) of one statement, under `policy` (POLICY: its tables in
+    `schema`), with the statement's OPTIONS over these defaults (the pushdown's group order
+    seeded, so it is reproducible)."""
+    classifier = CLASSIFIER
+    policy = policy or POLICY
     if schema != "public":
         policy = {name: replace(p, schema=schema) for name, p in POLICY.items()}
         classifier = Classifier(ProtectionPolicy({name: schema for name in POLICY}))
