@@ -267,15 +267,14 @@ class ValueClasses:
 
     def per_class(self, counted: str) -> list[str]:
         """The four sums over a (group, bin, class)'s rows, and the value bins' (of the rows
-        `counted`: the (user, group) rows where the user's count goes, `value_bin`)."""
+        where the user's count goes: `counted`, their FILTER clause or none, `value_bin`)."""
         n = f"({self.n})::float8"
         return [f"sum({self.s}) AS dp_cs_a", f"sum({self.s} / (dp_total)::float8) AS dp_cs_b",
                 f"sum({n}) AS dp_cn_a", f"sum({n} / (dp_total)::float8) AS dp_cn_b",
-                f"coalesce(sum({n} / (dp_total)::float8) FILTER (WHERE {counted}), 0) "
-                "AS dp_cn_u"]
+                f"coalesce(sum({n} / (dp_total)::float8){counted}, 0) AS dp_cn_u"]
 
-    def column(self, j: int, c: BinnedColumn) -> tuple[str, str]:
-        """Column j's A and B over a (group, bin)'s classes (`dp_cls`)."""
+    def column(self, c: BinnedColumn) -> tuple[str, str]:
+        """A column's A and B over a (group, bin)'s classes (`dp_cls`)."""
         if c.kind == "n":
             return "coalesce(sum(dp_cn_a), 0)", "coalesce(sum(dp_cn_b), 0)"
         if c.candidate == 0:

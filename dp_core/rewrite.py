@@ -203,6 +203,7 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     with_list, relation, _ = kept_rows(query, plan, partials, order_seed, derived=derived)
     keyed = bool(query.keys)
     c_u = int(plan.max_groups_contributed)
+    counted = [f"dp_rn <= {c_u}"] if keyed else []  # (the rows where the user's count goes)
     # inner: per (group, bin[, class]) over the (user, group) rows; mid (with classes): per
     # (group, bin) over the classes; outer: per group
     inner = [f"width_bucket(dp_total, ARRAY[{', '.join(str(e) for e in ROW_EDGES)}]::int8[]) "
@@ -211,8 +212,7 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
     mid = ["dp_bin", "sum(dp_first) AS dp_first"]
     outer = []
     if plan.threshold is not None or plan.shared_users:
-        inner.append(f"count(*) FILTER (WHERE dp_rn <= {c_u}) AS dp_users" if keyed
-                     else "count(*) AS dp_users")
+        inner.append(f"count(*){_filter(counted)} AS dp_users")
         mid.append("sum(dp_users) AS dp_users")
         outer.append("(coalesce(sum(dp_users), 0))::int8 AS dp_users")
     for q in plan.quantities:
@@ -223,15 +223,15 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
         if agg.row_level:
             continue
         p = value(q.aggregate, agg, arg_types.get(q.aggregate))
-        kept = f" FILTER (WHERE dp_rn <= {c_u})" if keyed else ""
         b = agg.known_bounds
-        inner.append(f"{per_user_sum(q.component, p, b.lower, b.upper)}{kept} AS {q.name}")
+        inner.append(f"{per_user_sum(q.component, p, b.lower, b.upper)}{_filter(counted)} "
+                     f"AS {q.name}")
         mid.append(f"sum({q.name}) AS {q.name}")
         outer.append(f"sum({q.name}) AS {q.name}")
     sums = ["dp_first"]
     for j, column in enumerate(columns):
         if classes is not None and j in made:
-            a, b_ = classes.column(j, column)
+            a, b_ = classes.column(column)
             mid += [f"{a} AS dp_c{j}a", f"{b_} AS dp_c{j}b"]
         else:
             inner += [f"sum(dp_x{j}) AS dp_c{j}a",
@@ -240,14 +240,13 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
         sums += [f"dp_c{j}a", f"dp_c{j}b"]
     # the value bins (what the clips are chosen from) are of each user's rows in the groups
     # its count goes to, each weighted 1 / its rows (`binned.ValueClasses.value_bin`)
-    counted = f" AND dp_rn <= {c_u}" if keyed else ""
     for i, names in value_bins.items():
         for j, name in enumerate(names):
             if classes is not None and i == classes.aggregate:
                 mid.append(f"{classes.value_bin(j)} AS {name}")
             else:
                 inner.append(f"coalesce(sum((dp_v{i}_n)::float8 / (dp_total)::float8) "
-                             f"FILTER (WHERE dp_a{i}_vbin = {j}{counted}), 0) AS {name}")
+                             f"{_filter([f'dp_a{i}_vbin = {j}', *counted])}, 0) AS {name}")
                 mid.append(f"sum({name}) AS {name}")
             outer.append(f"sum({name}) AS {name}")
     outer += ["array_agg(dp_bin ORDER BY dp_bin) AS dp_bins",
@@ -258,7 +257,7 @@ def _binned_template(query: AnalyzedQuery, plan: DPQueryPlan, arg_types: dict[in
                    f"GROUP BY {', '.join([*key_cols, 'dp_bin'])}")
     else:
         inner += [f"dp_a{classes.aggregate}_vbin AS dp_cls",
-                  *classes.per_class(f"dp_rn <= {c_u}" if keyed else "TRUE")]
+                  *classes.per_class(_filter(counted))]
         per_class = (f"SELECT {', '.join([*key_cols, *inner])} FROM {relation} "
                      f"GROUP BY {', '.join([*key_cols, 'dp_bin', 'dp_cls'])}")
         per_bin = (f"SELECT {', '.join([*key_cols, *mid])} FROM ({per_class}) AS dp_classed "
