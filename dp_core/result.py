@@ -54,7 +54,10 @@ def _value_sql(value: str | int | float | None, t: TypeRef) -> str:
     """A released value as a constant of its column's type, for the result's VALUES list
     (printed directly: building and printing an AST for each value took most of an answer's
     Python time for a few hundred groups)."""
-    typ = ".".join('"' + part.replace('"', '""') + '"' for part in t)
+    schema, name = t
+    array = "[]" if name.endswith("[]") else ""  # (asyncpg names a user type's array so)
+    typ = ".".join('"' + part.replace('"', '""') + '"'
+                   for part in (schema, name[:len(name) - len(array)])) + array
     if value is None:
         return f"CAST(NULL AS {typ})"
     if isinstance(value, float) and not isinstance(value, bool):

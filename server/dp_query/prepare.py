@@ -31,8 +31,6 @@ from dp_core.plan import DPQueryPlan, make_plan
 from dp_core.probes import argument_probe_sql, column_probe_sql, standalone_subqueries
 from dp_core.pushdown_cache import PushdownCache
 from dp_core.query import (
-    CANONICAL_KEY_TYPES,
-    COLLATED_KEY_TYPES,
     AnalyzedQuery,
     Bounds,
     KeyDomain,
@@ -41,47 +39,20 @@ from dp_core.query import (
 from dp_core.result import TypeRef
 from dp_core.rewrite import binned
 from dp_core.settings import QuerySettings, query_settings
-from dp_core.sqlnodes import node_sql
 from dp_core.table_tuning import Applied, TableTuning, applied, may_use_tuning
 from server import wire as p
 from server.backend_setup import quote_ident
 from server.dp_query.context import fixed_clock, relation_schemas
+from server.dp_query.key_types import (
+    HASHED_KEY_OIDS,
+    ONE_TEXT_KEY_OIDS,
+    TEXT_KEY_OIDS,
+    canonical_keys,
+)
 from server.dp_query.prepared import Prepared, answer_sql
 from server.dp_query.public_rows import check_public_rows
 from server.dp_query.request import DPRequest
 from server.wire.params import param_text
-
-TEXT_KEY_OIDS = frozenset({18, 19, 25, 1042, 1043})
-ONE_TEXT_KEY_OIDS = frozenset({16, 18, 19, 20, 21, 23, 25, 1042, 1043, 1082, 1083, 1114, 1184,
-                               2950})
-"""Group-key types whose text is one per value (bool, "char", name, integers, text, bpchar
-(its text drops the trailing blanks that equality ignores), varchar, date, time,
-timestamp(tz), uuid): rows matched by their key texts are the rows of one group. Not numeric
-(1.0 = 1.00) nor floats (0 = -0), whose equal values can print differently."""
-HASHED_KEY_OIDS = frozenset({700, 701, 1021, 1022, 1186, 1187, 1231, 1700, 3802, 3807, 3906,
-                              3907, 4532, 6151})
-"""Group-key types whose equal values can print differently and that have a hash function
-(float4/8, interval ('1 day' = '24 hours'), numeric, jsonb, numrange, nummultirange and their
-arrays): a group's row and its quantile trees are matched by the hash (`Key.hashed`)."""
-
-
-def _canonical_keys(query: AnalyzedQuery, types: dict[int, Any]) -> AnalyzedQuery:
-    """The query with its numeric and float keys grouped by one value of their equals, and
-    its texts under the "C" collation (`canonical_key`); 0A000 for a key of another type
-    whose equal values print differently (HASHED_KEY_OIDS: interval, jsonb, arrays and ranges
-    of numbers), whose released text would be one of its rows' spellings, but in a query of
-    public groups (every key listed: released from the list)."""
-    for i, t in types.items():
-        if t.oid in HASHED_KEY_OIDS and t.name not in CANONICAL_KEY_TYPES \
-                and not query.public_groups:
-            raise FeatureNotSupported(
-                f"not allowed in a DP query (GROUP BY a value of type {t.name}: its equal "
-                "values print differently, and the group would show one of its rows' "
-                f"spellings): {node_sql(query.keys[i].expr)}",
-                hint="group by its text (each spelling its own group), or by a number made "
-                     "from it (extract(epoch FROM ...), round(...))")
-    return query.with_canonical_keys({i: t.name for i, t in types.items()
-                                      if t.name in CANONICAL_KEY_TYPES | COLLATED_KEY_TYPES})
 
 
 def planning_error(e: asyncpg.PostgresError) -> DPError:
@@ -211,7 +182,7 @@ class Preparer:
             check_mixes(query.mixes, [[types[f"m{i}_{j}"] for j in range(len(m.operands))]
                                       for i, m in enumerate(query.mixes)])
             probed_keys = {int(a.name[1:]): a.type for a in attrs if a.name[0] == "k"}
-            query = _canonical_keys(query, probed_keys)
+            query = await canonical_keys(query, probed_keys, conn)
             if query.has_quantiles:
                 query = query.with_hashed_keys(await self._hashed_keys(
                     [probed_keys[i].oid for i in range(len(query.keys))], conn))

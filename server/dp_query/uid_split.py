@@ -18,7 +18,7 @@ from dp_core.query import AggKind, AnalyzedQuery, TablePolicy, TableRef
 from dp_core.rewrite import groups_sql
 from dp_core.uid_ranges import has_outer_join, uid_ranges
 from server.backend_setup import quote_ident
-from server.dp_query.prepare import ONE_TEXT_KEY_OIDS, TEXT_KEY_OIDS
+from server.dp_query.key_types import ONE_TEXT_KEY_OIDS, TEXT_KEY_OIDS
 from server.dp_query.prepared import Prepared, UidColumn
 
 log = logging.getLogger("dp_proxy.dp")
