@@ -104,9 +104,16 @@ class Names:
         return ast.A_Const(val=ast.Integer(ival=found[0][0] + 1))
 
     def _rewrite(self, node: Any, alias: bool) -> Any:
-        """`node` (a copy, changed in place) with its names replaced."""
+        """`node` (a copy, changed in place) with its names replaced. An expression equal to a
+        GROUP BY expression is that key, whatever columns it reads (`HAVING upper(browser) <>
+        'X'` of `GROUP BY upper(browser)`), as Postgres matches them before it looks inside."""
         if isinstance(node, ast.ColumnRef):
             return self._column(node, alias)
+        if isinstance(node, ast.Node):
+            for g in self.groups:
+                if column_name(g) is None and same_node(node, g):
+                    self.reads.append(g)
+                    return copy.deepcopy(g)
         if isinstance(node, ast.FuncCall) and node.over is None:
             name = func_name(node)
             if is_dp_aggregate(name):

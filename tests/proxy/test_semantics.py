@@ -189,6 +189,29 @@ def test_names_postgres_rejects_are_rejected_with_its_error(proxy: Proxy, backen
         assert spent(conn).epsilon == 0
 
 
+@pytest.mark.parametrize("sql", [
+    "SELECT upper(browser) AS k, {agg} AS n FROM visits GROUP BY upper(browser) "
+    "HAVING upper(browser) <> 'CHROME' AND upper(browser) IN ({big}) "
+    "ORDER BY upper(browser) DESC",
+    "SELECT upper(browser) AS k, {agg} AS n FROM visits GROUP BY 1 "
+    "HAVING length(upper(browser)) > 4 AND upper(browser) IN ({big}) "
+    "ORDER BY lower(upper(browser))",
+])
+def test_a_key_expression_in_having_and_order_by_is_the_key(proxy: Proxy, backend: Backend,
+                                                            sql: str) -> None:
+    """HAVING and ORDER BY may repeat a GROUP BY expression that reads columns, as Postgres
+    allows (it matches the expression before the columns inside): the proxy refused it with
+    42803 (`browser` must appear in the GROUP BY clause)."""
+    big = "'CHROME', 'SAFARI', 'EDGE', 'FIREFOX'"  # (thousands of users each: all released)
+    truth = [k for k, _ in _truth(backend, sql.format(agg="count(*)", big=big)).items()]
+    assert len(truth) == 3
+    reset_budget(proxy)
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        for agg in ("COUNT(*)", "ANON_COUNT(*)"):
+            assert [k for k, _ in conn.execute(sql.format(agg=agg, big=big))] == truth
+    reset_budget(proxy)
+
+
 def test_a_grouped_input_column_in_having_is_its_value(proxy: Proxy, backend: Backend) -> None:
     """HAVING reads a grouped column (selected or not), also where an output alias has its name
     (`country AS browser ... HAVING browser = 'Chrome'`: the browser, which the proxy read as
