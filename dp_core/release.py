@@ -58,6 +58,15 @@ GroupKey = tuple[str | int | None, ...]
 columns) or, for hashed keys, their hashes (dp_h); () for a global aggregate."""
 
 
+def only_counted_groups(query: AnalyzedQuery) -> bool:
+    """Whether the groups no user counts in (`dp_users` 0) are no candidates: with row-level
+    aggregates, where users weight rows in groups their counts do not go to (such a group is
+    never released, else a user could make any number of its groups candidates, each with a
+    small chance); not with public groups (each listed one is released)."""
+    return bool(query.keys) and any(a.row_level for a in query.aggregates) \
+        and not query.public_groups
+
+
 def group_key(row: Mapping[str, Any], query: AnalyzedQuery) -> GroupKey:
     return tuple(row[f"dp_h{i}" if k.hashed else f"dp_t{i}"] for i, k in enumerate(query.keys))
 
@@ -220,10 +229,7 @@ def select(query: AnalyzedQuery, plan: DPQueryPlan, rows: Sequence[Mapping[str, 
     per_group = [q for q in _per_group(plan) if q.noise is not None or not deferred]
     if not query.keys and not rows:
         rows = [{q.name: 0 for q in _per_group(plan)}]  # an aggregate over no rows
-    elif query.keys and any(a.row_level for a in query.aggregates) and not query.public_groups:
-        # a group is a candidate only where some user's count goes: one in which users only
-        # have rows they weight but count in other groups is never released (else a user
-        # could make any number of its groups candidates, each with a small chance)
+    elif only_counted_groups(query):
         rows = [r for r in rows if r["dp_users"]]
     geometric = plan.threshold if plan.selection is SelectionKind.TRUNCATED_GEOMETRIC else None
     """The user count that decides through π(n): never noised nor released."""

@@ -30,6 +30,7 @@ from dp_core.release import (
     add_trees,
     group_key,
     noise_deferred,
+    only_counted_groups,
     released_users,
     row_order,
     tree_answer,
@@ -119,13 +120,27 @@ async def _merged(streams: list[AsyncIterator[Any]], order: Callable[[Any], tupl
         yield combine(parts)
 
 
-def _merged_rows(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIterator[Any]:
-    """The main rows of several ranges (`row_order`): one row per group (`add_rows`)."""
+async def _merged_rows(streams: list[AsyncIterator[Any]], keys: int,
+                       binned_columns: int | None, counted_only: bool) -> AsyncIterator[Any]:
+    """The main rows of several ranges (`row_order`): one row per group (`add_rows`), as
+    `_row_stream` makes them. With `counted_only` (`release.only_counted_groups`), a group no
+    user of any range counts in is dropped as soon as its rows are merged, before the rest
+    is read from them: a range sends its groups whatever other ranges hold (a user whose
+    every row is its own group sends them all), and each costs the proxy's reading of its
+    sums here rather than selection's later."""
     by = [f"dp_t{i}" for i in range(keys)]
     keep = [f"dp_{c}{i}" for c in "kh" for i in range(keys)]  # (hashes are no sums)
-    return _merged(streams, lambda r: row_order(r, keys),
-                   lambda parts: parts[0] if len(parts) == 1 else add_rows([parts], by, keep)[0],
-                   "pushdown rows")
+
+    def combine(parts: list[Any]) -> Any:
+        if counted_only and not any(p["dp_users"] for p in parts):
+            return None
+        if binned_columns is not None:
+            parts = [binned_row(p, binned_columns) for p in parts]
+        return parts[0] if len(parts) == 1 else add_rows([parts], by, keep)[0]
+
+    async for row in _merged(streams, lambda r: row_order(r, keys), combine, "pushdown rows"):
+        if row is not None:
+            yield row
 
 
 def merged_trees(streams: list[AsyncIterator[Any]], keys: int) -> AsyncIterator[Any]:
@@ -223,9 +238,11 @@ class PushdownRunner:
             if "main" in statements:
                 if ranges:
                     streams = [_row_stream(await (await c.prepare(sqls["main"])).cursor(
-                        timeout=timeout + 5), timeout, len(conns), len(columns) if per_bin
-                        else None) for c, sqls in zip(conns, shards, strict=True)]
-                    rows_in: AsyncIterator[Any] = _merged_rows(streams, len(query.keys))
+                        timeout=timeout + 5), timeout, len(conns))
+                        for c, sqls in zip(conns, shards, strict=True)]
+                    rows_in: AsyncIterator[Any] = _merged_rows(
+                        streams, len(query.keys), len(columns) if per_bin else None,
+                        only_counted_groups(query))
                 else:
                     rows_in = _row_stream(await statements["main"].cursor(timeout=timeout + 5),
                                           timeout, 1, len(columns) if per_bin else None)

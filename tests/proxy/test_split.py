@@ -127,6 +127,33 @@ def test_trees_add_up_node_by_node_and_merge_as_streams() -> None:
         asyncio.run(merge([[row("b", 0, 1), row("a", 0, 1)], [row("a", 0, 1)]]))
 
 
+def test_merged_main_rows_drop_the_groups_no_user_of_any_range_counts_in() -> None:
+    """A range sends every group its users have rows in, counted in or not (another range's
+    users may count in it): merged, a group no user counts in is dropped at once
+    (`only_counted_groups`), the others add up whichever range counts in them, row-level
+    sums of ranges that count in none included. Binned rows are made of the merged ones."""
+    from server.dp_query.run import _merged_rows
+
+    def row(key: str, users: int, x: float) -> dict[str, Any]:
+        return {"dp_k0": None, "dp_t0": key, "dp_users": users, "dp_x": x}
+
+    ranges = [[row("a", 0, 1.0), row("b", 2, 1.0), row("c", 0, 1.0)],
+              [row("a", 1, 2.0), row("c", 0, 4.0), row("d", 0, 8.0)],
+              [row("b", 0, 0.5)]]
+
+    async def stream(rows: list[dict[str, Any]]) -> Any:
+        for x in rows:
+            yield x
+
+    async def merge(counted_only: bool) -> list[tuple[Any, ...]]:
+        return [(r["dp_t0"], r["dp_users"], r["dp_x"]) async for r in _merged_rows(
+            [stream(p) for p in ranges], 1, None, counted_only)]
+
+    assert asyncio.run(merge(True)) == [("a", 1, 3.0), ("b", 2, 1.5)]
+    assert asyncio.run(merge(False)) == [("a", 1, 3.0), ("b", 2, 1.5), ("c", 0, 5.0),
+                                         ("d", 0, 8.0)]
+
+
 # ---------------------------------------------------------------------------- on Postgres
 
 
