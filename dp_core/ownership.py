@@ -25,6 +25,7 @@ from dp_core.fanout import (
     using_ties,
 )
 from dp_core.join_fence import Scope, fence
+from dp_core.partials import NUMERIC_ROW_CLAMP
 from dp_core.public_reads import (
     no_aggregates_inside,
     public_relation,
@@ -41,6 +42,7 @@ from dp_core.sqlnodes import (
     only_clauses,
     refuse,
     walk_nodes,
+    within_magnitude,
 )
 from dp_core.totality import Totalizer
 from dp_core.uid_links import UidLinks
@@ -487,8 +489,12 @@ def _per_user_expression(val: Any, grouped: bool, totalize: Totalizer) -> Any:
                           "built in", node_sql(val))
         name = func_name(val)
         args = tuple(totalize(a, "aggregate argument") for a in (val.args or ()))
-        if name in ("sum", "avg"):  # exact: no overflow for any user's rows
-            args = tuple(totalize.number(a, f"{name}() of a number", node_sql(val)) for a in args)
+        if name in ("sum", "avg"):
+            # exact, in numeric, each row within ±NUMERIC_ROW_CLAMP: no overflow for any
+            # user's rows (two near numeric's largest overflowed it)
+            args = tuple(within_magnitude(totalize.number(a, f"{name}() of a number",
+                                                          node_sql(val)), NUMERIC_ROW_CLAMP)
+                         for a in args)
         val.args = args or None
         return val
     for node in walk_nodes(val):

@@ -13,6 +13,7 @@ from dataclasses import replace
 from dp_core.errors import FeatureNotSupported, InternalError
 from dp_core.query import AggKind, Aggregate, Bounds
 from dp_core.splice import PH
+from dp_core.sqlnodes import within_magnitude_sql
 
 
 def num(x: float) -> str:
@@ -43,6 +44,10 @@ _FLOATS = frozenset({"float4", "float8"})
 NUMERIC_TYPES = _EXACT_INTEGERS | _FLOATS | {"numeric"}
 FLOAT_ROW_CLAMP = 1e290
 """Float rows are clamped to ±1e290 first, so a sum of up to 10^18 of them cannot overflow."""
+NUMERIC_ROW_CLAMP = 1e300
+"""numeric rows are clamped to ±1e300 before a user's sum: two rows near numeric's largest
+(10^131072) overflowed it, an error after the charge from one user's values (red team,
+session 31); a sum of 10^18 rows of 1e300 is far within it."""
 QUANTILE_ROW_CLAMP = 1e300
 """Numeric rows are clamped to ±1e300 before they become float8 for a quantile."""
 TINY = 1e-100
@@ -68,12 +73,14 @@ def _clamp_row(expr: str, limit: float, cast: str) -> str:
 
 def _arg(i: int, arg_type: str | None) -> str:
     """The per-row argument of aggregate i, in a form whose sum cannot fail."""
-    if arg_type in _EXACT_INTEGERS or arg_type == "numeric":
+    if arg_type in _EXACT_INTEGERS:
         return f"{PH}a{i}"
+    if arg_type == "numeric":
+        return within_magnitude_sql(f"({PH}a{i})::numeric", NUMERIC_ROW_CLAMP)
     if arg_type in _FLOATS:
         # NaN becomes +1e290, then the per-user clamp to U
         return _clamp_row(f"({PH}a{i})::float8", FLOAT_ROW_CLAMP, "float8")
-    return f"({PH}a{i})::numeric"
+    return within_magnitude_sql(f"({PH}a{i})::numeric", NUMERIC_ROW_CLAMP)
 
 
 def _float_arg(i: int, arg_type: str | None) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pglast import ast
-from pglast.enums import A_Expr_Kind, BoolExprType, MinMaxOp
+from pglast.enums import A_Expr_Kind, BoolExprType
 
 from dp_core.errors import (
     FeatureNotSupported,
@@ -108,20 +108,32 @@ def nullif_zero(node: ast.Node) -> ast.Node:
 
 
 def clamp_magnitude(node: ast.Node) -> ast.Node:
-    """`node` as numeric within ±MAX_MAGNITUDE (NaN and +Infinity to the top, -Infinity to the
-    bottom: NaN sorts above every number); a number literal is checked instead."""
+    """`node` as numeric within ±MAX_MAGNITUDE (`within_magnitude`); a number literal is
+    checked instead."""
     value = const_number(node)
     if value is not None:
         if not abs(value) <= MAX_MAGNITUDE:
             raise refuse(f"number literals in arithmetic beyond ±{MAX_MAGNITUDE:g}", node_sql(node))
         return _rounded(as_numeric(node))
+    return _rounded(within_magnitude(as_numeric(node), MAX_MAGNITUDE))
 
-    def limit(kind: MinMaxOp, value: str, arg: ast.Node) -> ast.Node:
-        return ast.MinMaxExpr(op=kind, args=(arg, as_numeric(ast.A_Const(val=ast.Float(
-            fval=value)))))
 
-    low = limit(MinMaxOp.IS_GREATEST, f"-{MAX_MAGNITUDE:g}", as_numeric(node))
-    return _rounded(limit(MinMaxOp.IS_LEAST, f"{MAX_MAGNITUDE:g}", low))
+def within_magnitude(node: ast.Node, limit: float) -> ast.Node:
+    """`node` (numeric) within ±`limit`, NULL kept: NaN and +Infinity to the top, -Infinity to
+    the bottom (NaN sorts above every number). numeric_larger and numeric_smaller (max's and
+    min's) are strict, where GREATEST and LEAST skip a NULL and made it -limit (`x * 1.5`
+    of a NULL x was -1.5e38, not NULL). `node` is read once."""
+    def bound(fn: str, value: str, arg: ast.Node) -> ast.Node:
+        return ast.FuncCall(funcname=(ast.String(sval="pg_catalog"), ast.String(sval=fn)),
+                            args=(arg, as_numeric(ast.A_Const(val=ast.Float(fval=value)))))
+
+    return bound("numeric_smaller", f"{limit:g}", bound("numeric_larger", f"-{limit:g}", node))
+
+
+def within_magnitude_sql(expr: str, limit: float) -> str:
+    """`within_magnitude` of the SQL text `expr` (numeric)."""
+    return (f"pg_catalog.numeric_smaller(pg_catalog.numeric_larger({expr}, "
+            f"(-{limit:g})::numeric), ({limit:g})::numeric)")
 
 
 def _rounded(node: ast.Node) -> ast.Node:

@@ -426,6 +426,9 @@ class Totalizer:
         if fc.agg_star or fc.agg_distinct or fc.agg_order or fc.agg_filter or fc.func_variadic:
             raise refuse("aggregate syntax on a plain function", node_sql(fc))
         args = list(fc.args or ())
+        if name in ONE_ARGUMENT_FUNCTIONS and len(args) != 1:
+            raise refuse(f"{name}() but as {name}(x): {ONE_ARGUMENT_FUNCTIONS[name]}",
+                         node_sql(fc))
         if name == "width_bucket":
             return self._width_bucket(fc, args, ctx)
         if name in LITERAL_ARGUMENT_FUNCTIONS:
@@ -463,6 +466,12 @@ class Totalizer:
         return fc
 
 
+ONE_ARGUMENT_FUNCTIONS = {
+    "length": "length(bytes, encoding) fails on an unknown encoding and on bytes invalid in it",
+}
+"""Allowed functions whose other overloads can fail on a row's value: one argument only."""
+
+
 _MIXED_BY = {A_Expr_Kind.AEXPR_DISTINCT: "IS DISTINCT FROM",
              A_Expr_Kind.AEXPR_NOT_DISTINCT: "IS NOT DISTINCT FROM",
              A_Expr_Kind.AEXPR_BETWEEN: "BETWEEN", A_Expr_Kind.AEXPR_NOT_BETWEEN: "BETWEEN",
@@ -494,7 +503,8 @@ def _widest_item(items: Any, sizes: Mapping[Any, Linear]) -> Linear:
 _ROW_SIZE = Linear(1.0, 0.0)
 """A table's column: at most the row's bytes."""
 
-_FOLDED_FUNCTIONS = frozenset({"round", "trunc", "floor", "ceil", "ceiling", "abs", "sign"})
+_FOLDED_FUNCTIONS = frozenset({"round", "trunc", "floor", "ceil", "ceiling", "abs", "sign",
+                               "numeric_larger", "numeric_smaller"})
 """Functions immutable for every type they take (numbers): of constants, Postgres computes
 them when it plans the statement (arithmetic's total form calls round())."""
 

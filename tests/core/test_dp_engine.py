@@ -389,7 +389,9 @@ def test_arithmetic_operands_are_clamped_and_dates_checked_by_type() -> None:
     from dp_core.catalogue import DATETIME_UNITS, check_casts
 
     _, _, sql = build(_ANY + "visits WHERE duration * duration * duration > 0")
-    assert sql.count("LEAST(GREATEST(") >= 4 and "1e+38" in sql
+    # (strict: a NULL operand stays NULL, where GREATEST made it -1e38)
+    assert sql.count("pg_catalog.numeric_smaller(pg_catalog.numeric_larger(") >= 4 \
+        and "1e+38" in sql and "LEAST(" not in sql
     policy = {"events": TablePolicy("public", "uid", {})}
     for expr, good, bad in [("date_trunc('hour', ts)", "timestamp", "date"),
                             ("extract(hour FROM ts)", "timestamptz", "date"),
@@ -646,8 +648,8 @@ def test_integer_arithmetic_keeps_postgres_semantics_once_typed() -> None:
                     integer_types={24: "int4", 17: "int4"})
     def clamped(x: str) -> str:  # (every operand within ±1e38, 30 decimals: no overflow of
         # numeric, at most 68 digits)
-        return (f"pg_catalog.round(LEAST(GREATEST(CAST({x} AS numeric), CAST(-1e+38 AS "
-                "numeric)), CAST(1e+38 AS numeric)), 30)")
+        return (f"pg_catalog.round(pg_catalog.numeric_smaller(pg_catalog.numeric_larger("
+                f"CAST({x} AS numeric), CAST(-1e+38 AS numeric)), CAST(1e+38 AS numeric)), 30)")
 
     quotient = (f"trunc({clamped(clamped('duration') + ' + ' + clamped('uid'))} / "
                 "NULLIF(CAST(pg_catalog.round(CAST(60 AS numeric), 30) AS numeric), 0))")
@@ -1076,8 +1078,12 @@ def test_native_aggregates_when_the_argument_type_cannot_overflow() -> None:
     # float8 avg() squares its inputs (an overflow error above ~1e154): never used on floats
     assert "avg(" not in floats and re.search(r"AS float8\)\) END\) / NULLIF\(count\(CASE .*\), 0\) "
                                              r"AS dp_v1", floats)
-    unknown = pushdown_sql(query, plan, {}, order_seed=1)
-    assert "sum(CAST(duration AS numeric))" in unknown
+    # numeric (and what is cast to it): each row within ±1e300, so that a user's sum cannot
+    # overflow numeric (10^131072), an error after the charge
+    clamped = ("sum(pg_catalog.numeric_smaller(pg_catalog.numeric_larger(CAST(duration AS "
+               "numeric), CAST(-1e+300 AS numeric)), CAST(1e+300 AS numeric)))")
+    assert clamped in pushdown_sql(query, plan, {}, order_seed=1)
+    assert clamped in pushdown_sql(query, plan, {0: "numeric", 1: "numeric"}, order_seed=1)
     with pytest.raises(FeatureNotSupported, match="must be a number, not text"):
         pushdown_sql(query, plan, {0: "text"}, order_seed=1)
 

@@ -657,6 +657,62 @@ def test_division_and_overflow_tricks_cannot_tell_if_a_user_exists(
     assert outcomes == ["answered", "answered"]
 
 
+def test_one_users_extreme_values_make_no_query_fail(proxy: Proxy, backend: Backend,
+                                                     fresh_budgets: None) -> None:
+    """Red team, session 31: a user's two numeric values near numeric's largest (5·10^131071)
+    overflowed its sum (ANON_SUM, plain SUM and AVG's per-user means, a per-user subquery's
+    sum), and `length(bytes, encoding)` failed on bytes invalid in the encoding: each a charged
+    generic failure (XX000) with the user's rows and an answer without. Rows are clamped to
+    ±1e300 before a sum; length() takes one argument."""
+    queries = ["SELECT ANON_SUM(big, 0, 10) AS s, ANON_AVG(big, 0, 10) AS a FROM visits",
+               "SELECT SUM(big) AS s, AVG(big) AS a FROM visits",
+               "SELECT browser, SUM(big) AS s FROM visits GROUP BY browser",
+               "SELECT count(*) FROM (SELECT uid, sum(big) AS s, avg(big) AS a FROM visits "
+               "GROUP BY uid) t WHERE s > 5 OR a > 5",
+               "SELECT ANON_COUNT(*) FROM (SELECT uid, sum(big) AS s FROM visits GROUP BY uid) t "
+               "WHERE s > 5"]
+    with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
+        su.execute("ALTER TABLE visits ADD COLUMN big numeric, ADD COLUMN raw bytea")
+        try:
+            su.execute("UPDATE visits SET big = uid % 10, raw = convert_to(browser, 'UTF8')")
+            with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+                conn.execute("SET dp.epsilon = 0.1")
+                for sql in queries:
+                    conn.execute(sql).fetchall()
+                su.execute("INSERT INTO visits (uid, browser, country, duration, big, raw) "
+                           "SELECT 900001, 'Chrome', 'US', 10, 5 * 10::numeric ^ 131071, "
+                           "'\\xff'::bytea FROM generate_series(1, 2)")
+                for sql in queries:  # (each answered: XX000 before the rows were clamped)
+                    conn.execute(sql).fetchall()
+                for encoding in ("'UTF8'", "CASE WHEN uid = 900001 THEN 'nope' ELSE 'UTF8' END"):
+                    with pytest.raises(psycopg.errors.FeatureNotSupported, match="length"):
+                        conn.execute(f"SELECT count(*) FROM visits WHERE length(raw, {encoding}) > 0")
+                (n,), = conn.execute("SELECT count(*) FROM visits WHERE length(raw) > 0")
+                assert n > 0
+        finally:
+            su.execute("DELETE FROM visits WHERE uid = 900001")
+            su.execute("ALTER TABLE visits DROP COLUMN big, DROP COLUMN raw")
+
+
+def test_arithmetic_keeps_nulls_null(proxy: Proxy, backend: Backend,
+                                     fresh_budgets: None) -> None:
+    """A NULL operand makes the arithmetic NULL, as in Postgres: its total form clamped each
+    operand with GREATEST and LEAST, which skip NULLs, so `duration * 1.5` of a NULL duration
+    was -1.5e38 (clamped to -1e38): `IS NULL` counted almost none of the NULL durations and
+    `< -1000` counted them all."""
+    with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
+        (nulls,), = su.execute("SELECT count(*) FROM visits WHERE duration IS NULL").fetchall()
+    assert nulls > 500
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        conn.execute("SET dp.epsilon = 1")
+        for expr in ("duration * 1.5", "duration / 2.0 + 1", "round(duration * 1.0, 1)",
+                     "duration + 1"):
+            (null,), = conn.execute(f"SELECT COUNT(*) FROM visits WHERE {expr} IS NULL")
+            (low,), = conn.execute(f"SELECT COUNT(*) FROM visits WHERE {expr} < -1000")
+            # (row-level counts weight heavy users down: within a few tens of percent)
+            assert 0.5 * nulls < null < 1.5 * nulls and low < 0.1 * nulls, (expr, null, low)
+
+
 def test_golden_pushdowns_run_as_the_pushdown_role(backend: Backend) -> None:
     async def go() -> None:
         conn = await asyncpg.connect(backend.pushdown.uri())
