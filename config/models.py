@@ -208,6 +208,14 @@ class BackendConfig(_Strict):
         description="a DP query over a large table runs as up to this many pushdowns at once, "
                     "each over one range of the uid (in one snapshot), on pool connections that "
                     "are free; 1 never splits")
+    pushdown_prefilter: bool = Field(
+        default=False,
+        description="split pushdowns of per-user aggregates (ANON_*, COUNT(DISTINCT uid), "
+                    "DISTINCT keys) pick each user's kept groups from its rows before "
+                    "aggregating them: faster where users have many more groups than they "
+                    "keep, slower where they have few (bench/RESULTS.md). The operator's "
+                    "choice for every query alike: chosen per query from the data, the time "
+                    "an answer takes would tell it")
     pushdown_split_min_rows: int = Field(
         default=200_000, ge=0,
         description="split only when the table whose uid the query groups by has at least this "

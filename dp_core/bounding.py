@@ -43,29 +43,6 @@ def prefilter_types(uid_type: str, key_types: Sequence[str]) -> Prefilter | None
     return types
 
 
-PREFILTER_GROUPS_PER_USER = 5.0
-PREFILTER_KEPT_SHARE = 0.5
-"""Split pushdowns pick users' groups from their rows before aggregating them (`Prefilter`)
-where users have at least PREFILTER_GROUPS_PER_USER groups on average and keep at most
-PREFILTER_KEPT_SHARE of them (C_u); docs/architecture.md has the measurements behind both."""
-GROUPS_MIN_USERS = 100
-"""A sample of fewer users (the query's WHERE picks a few) chooses no prefilter."""
-
-
-def groups_per_user(groups: int, users: int) -> float | None:
-    """(user, group) pairs per user in a sample of users, or None for a sample too small to
-    decide on (fewer than GROUPS_MIN_USERS users): no one user decides the prefilter."""
-    return groups / users if users >= GROUPS_MIN_USERS else None
-
-
-def prefilter_wanted(ratio: float | None, max_groups: int) -> bool:
-    """Whether a split pushdown should pick users' groups from their rows before aggregating
-    them, given the sample's groups per user (`groups_per_user`) and C_u: where users have
-    many groups and keep few. The answer is the same either way; only its time differs."""
-    return ratio is not None and ratio >= PREFILTER_GROUPS_PER_USER and \
-        max_groups <= PREFILTER_KEPT_SHARE * ratio
-
-
 def _typed_hash(expr: str, type_name: str, seed: str) -> str:
     """`expr`'s hash keyed by `seed`; a NULL hashes as its type's `null` value keyed by `seed`
     with its lowest bit flipped, so that it is a group apart from '' (or 0), as in the plain

@@ -29,6 +29,8 @@ class Split:
     table: str
     uid_column: str
     rows: int
+    prefilter: bool = False
+    """Whether the ranges pick each user's groups from its rows first (`pushdown_prefilter`)."""
 
 
 def fmt(x: float) -> str:
@@ -133,10 +135,9 @@ def explain_lines(query: AnalyzedQuery, plan: DPQueryPlan, sql: Sequence[str],
         lines.append(f"Split: up to {split.ranges} pushdowns at once over ranges of "
                      f"{split.table}.{split.uid_column} (about {split.rows} rows), on free pool connections "
                      "in one snapshot; their rows and quantile trees add up")
-        if query.keys:
-            lines.append("  where users have many groups each, the ranges may pick each user's "
-                         "groups from its rows before aggregating them (the same choice of "
-                         "groups; chosen when the query runs, on a sample of the users)")
+        if split.prefilter:
+            lines.append("  the ranges pick each user's groups from its rows before aggregating "
+                         "them (pushdown_prefilter; the same choice of groups)")
     if query.outer is not None:
         lines.append("Post-processing: the query around the DP subquery runs over its released "
                      "rows only")

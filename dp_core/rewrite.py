@@ -56,27 +56,6 @@ from dp_core.tuning import ROW_EDGES, groups_threshold
 from dp_core.uid_ranges import UidRange, fill_range, null_uids, uid_in
 
 
-def groups_sql(query: AnalyzedQuery, uid_range: UidRange | None = None,
-               uid_not_null: bool = False) -> str:
-    """How many (user, group) pairs and users there are (of the users in `uid_range`; see
-    `ranged_pushdown` for `uid_not_null`): what a `Prefilter` is chosen by."""
-    if uid_range is None:
-        return _build(_groups_template(query), query)
-    import secrets
-
-    token = secrets.token_hex(8)
-    return fill_range(_build(_groups_template(query), query, token), token, uid_range,
-                      null_uids(query, uid_not_null))
-
-
-def _groups_template(query: AnalyzedQuery) -> str:
-    keys = [f"{PH}k{i} AS dp_k{i}" for i in range(len(query.keys))]
-    group_by = ", ".join(str(n) for n in range(1, len(keys) + 2))
-    return (f"WITH dp_per_user AS (SELECT {', '.join([f'{PH}uid AS dp_uid', *keys])} "
-            f"FROM {PH}from WHERE {PH}where GROUP BY {group_by}) "
-            "SELECT count(*) AS dp_groups, count(DISTINCT dp_uid) AS dp_users FROM dp_per_user")
-
-
 def binned(plan: DPQueryPlan) -> bool:
     """Whether the main statement returns its row-level sums per bin of the users' row
     counts (`dp_core.binned`): where T is chosen from the data and every other final adds

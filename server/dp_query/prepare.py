@@ -150,7 +150,7 @@ class Preparer:
                                   st.dp_clause.options if st.dp_clause is not None else ())
         try:
             await self._check_relations(query, conn)
-            await check_public_rows(query, conn)
+            fanout = await check_public_rows(query, conn)
             for _ in range(2):
                 # names of GROUP BY, then of HAVING and ORDER BY (read against its grouping),
                 # as Postgres reads them in the query's FROM
@@ -244,7 +244,7 @@ class Preparer:
         prepared = Prepared(query, plan, pd, statements, arg_types, key_types, key_oids,
                             param_oids, cache_key=cache_key, meaning=meaning,
                             timezone=request.timezone,
-                            clock_now=clock_now, tuned=tuned)
+                            clock_now=clock_now, tuned=tuned, fanout=fanout)
         if query.public_groups:
             odd = [query.keys[i] for i, o in enumerate(key_oids) if o not in ONE_TEXT_KEY_OIDS]
             if odd or (any(o in TEXT_KEY_OIDS for o in key_oids)

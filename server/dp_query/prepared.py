@@ -72,6 +72,8 @@ class Prepared:
     meaning: Any = None
     """What the text means in the session beside its parameters (settings, types, the
     schemas its names find, its relative dates as read): part of the question's key."""
+    fanout: float = 1.0
+    """The most public rows one protected row is joined with (`public_rows.check_public_rows`)."""
     public_keys: list[tuple[str, ...]] | None = None
     """Of a query of public groups, the key texts of every group it releases."""
     timezone: str | None = None

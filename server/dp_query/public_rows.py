@@ -14,6 +14,7 @@ from dp_core.fanout import (
     SUBLINK_READ_ROWS,
     check_row_bound,
     counted,
+    row_bound,
     selected_source,
 )
 from dp_core.probes import standalone_subqueries, sublink_read_counts
@@ -105,12 +106,14 @@ async def unique_columns(relation: Relation, conn: Any, depth: int = 0) -> set[s
     return found | {out for out in source.order if source.column(out) in below}
 
 
-async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
+async def check_public_rows(query: AnalyzedQuery, conn: Any) -> float:
     """54000 (before any charge) where the query's joins may give one protected row more than
     PUBLIC_ROWS_PER_ROW public rows (`dp_core.fanout`): each public table's unique columns
     from the catalog, and the rows of those it is not tied to on one, and of each IN
     subquery (uncorrelated: checked before), counted up to the limit (public data the
-    analysts may read; nothing of a protected table is read)."""
+    analysts may read; nothing of a protected table is read). Returns the joined rows' bound:
+    the most public rows one protected row is joined with (1 where every public item is tied
+    on a unique column)."""
     tables = {item.source.relation for item in query.public_items
               if item.source.relation is not None}
     unique: dict[Relation, set[str]] = {}
@@ -182,3 +185,4 @@ async def check_public_rows(query: AnalyzedQuery, conn: Any) -> None:
                 standalone_subqueries(query, in_lists=True,
                                       limit=PUBLIC_ROWS_PER_ROW * IN_COMPARISONS_PER_ROW + 1)]
     check_row_bound(query.public_items, is_unique, rows.__getitem__, in_lists, on_composite)
+    return row_bound(query.public_items, is_unique, rows.__getitem__, (), on_composite)

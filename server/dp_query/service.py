@@ -266,7 +266,7 @@ class DPService:
                 raise BindMismatch(f"bind message has {len(bind.result_formats)} result formats "
                                    f"but query has {columns} columns")
         # whether the pushdown may be split: from the catalog, reading no row (the split's
-        # sample and the prefilter's choice read the analyst's tables, after the charge)
+        # sample reads the analyst's tables, after the charge)
         candidate = await self.splitter.candidate(prepared, conn)
         plan = prepared.plan
         if st.kind is StatementKind.DP_EXPLAIN:
@@ -275,7 +275,9 @@ class DPService:
                 prepared.split_ranges = self.config.backend.pushdown_split
             lines = explain_lines(prepared.query, plan, prepared.sql, None if prepared.split is None
                                   else Split(prepared.split_ranges, prepared.split.table,
-                                             prepared.split.uid_column, prepared.split.rows),
+                                             prepared.split.uid_column, prepared.split.rows,
+                                             self.splitter.prefilter(prepared, prepared.split)
+                                             is not None),
                                   None if prepared.tuned is None
                                   else prepared.tuned.tuning.describe(),
                                   None if unpaid is None else unpaid.describe())

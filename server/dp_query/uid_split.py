@@ -12,10 +12,9 @@ import asyncpg
 from pglast import ast
 
 from config import Config
-from dp_core.bounding import Prefilter, groups_per_user, prefilter_types, prefilter_wanted
+from dp_core.bounding import Prefilter, prefilter_types
 from dp_core.pushdown_cache import PushdownCache
 from dp_core.query import AggKind, AnalyzedQuery, TablePolicy, TableRef
-from dp_core.rewrite import groups_sql
 from dp_core.uid_ranges import has_outer_join, uid_ranges
 from server.backend_setup import quote_ident
 from server.dp_query.key_types import ONE_TEXT_KEY_OIDS, TEXT_KEY_OIDS
@@ -35,9 +34,6 @@ rows (1% of the bench's 2M) the largest of 4 ranges had up to 1.33 times the mea
 and the answer waited for it; from 100,000, at most 1.1 times (7 ms here, once per
 _STATS_SECONDS)."""
 _PERCENTILES = [k / 100 for k in range(101)]
-_GROUPS_SLICES = 25
-"""(user, group) pairs per user are counted in the middle one of this many uid ranges."""
-_GROUPS_TIMEOUT = 10.0
 _CODE_POINT_ORDER = frozenset({"UTF8", "SQL_ASCII", "LATIN1"})
 """Server encodings whose byte order (COLLATE "C") is the code points' (Python's str order)."""
 
@@ -69,8 +65,6 @@ class UidSplitter:
         """(until when it holds, the table's size and uid type, or None) by table name."""
         self._histograms: dict[str, tuple[float, tuple[str, ...] | None]] = {}
         """(until when it holds, the uid's histogram in a sample, or None) by table name."""
-        self._groups_per_user: dict[Any, tuple[float, float | None]] = {}
-        """(until when it holds, groups per user) by query (`Prepared.cache_key`) and slice."""
 
     async def candidate(self, prepared: Prepared, conn: Any) -> UidColumn | None:
         """Whether the pushdown may be split by uid ranges, before any charge (and for
@@ -87,6 +81,13 @@ class UidSplitter:
             return None
         if any(a.kind is AggKind.COUNT_DISTINCT for a in prepared.query.aggregates):
             return None  # (distinct values do not add up over ranges of users: one value, many)
+        if prepared.fanout > 1:
+            # a public item joined on no unique key gives each protected row up to 100 rows:
+            # grouped by it, one user's rows make that many groups, each of which every range
+            # sends (it may be a candidate in another range), where the whole statement
+            # leaves the groups no user counts in to Postgres (red team, session 31: 5,492
+            # rows joined with 100 made 62 quanta split against 12 unsplit)
+            return None
         if prepared.query.ranges_after_joins or has_outer_join(prepared.query):
             # a range tests the rows' owner alone there (`uid_ranges._range_uids`), or after
             # the joins (`join_fence`): a side it does not filter would be read whole in each
@@ -116,7 +117,7 @@ class UidSplitter:
     async def split(self, prepared: Prepared, candidate: UidColumn, conn: Any) -> None:
         """After the charge: sets how the pushdown is split by uid ranges (`prepared.split`,
         `.ranged`, `.split_ranges`, `.prefilter`), from a sample of the uid column (remembered
-        for _STATS_SECONDS) and the prefilter's count of groups per user. Where that cannot
+        for _STATS_SECONDS) and the configured prefilter (`prefilter`). Where that cannot
         be done (the sample fails, a few users hold most rows, Postgres does not take a
         range's bounds for the query's uid) the pushdown runs unsplit, with the same answer."""
         b = self.config.backend
@@ -137,7 +138,7 @@ class UidSplitter:
             ranges = uid_ranges(split.histogram, b.pushdown_split)
             if len(ranges) < 2:
                 return
-            prefilter = await self._prefilter(prepared, split, conn)
+            prefilter = self.prefilter(prepared, split)
             # the ranges' bounds are the column's own values as text: checked here that
             # Postgres takes them for the query's uid (and that it plans each statement), in
             # a transaction: asyncpg prepares without a Sync, which leaves an implicit one
@@ -164,48 +165,22 @@ class UidSplitter:
         prepared.split, prepared.ranged, prepared.split_ranges = split, ranged, b.pushdown_split
         prepared.prefilter = prefilter
 
-    async def _prefilter(self, prepared: Prepared, split: UidColumn, conn: Any) -> Prefilter | None:
+    def prefilter(self, prepared: Prepared, split: UidColumn) -> Prefilter | None:
         """Whether the split pushdown picks users' groups from their rows before aggregating
-        them (`Prefilter`): where that is faster, for users with many groups, few of which
-        they keep. Counted on a slice of about 4% of the rows (remembered for
-        _STATS_SECONDS); where the pushdown runs unsplit (no pool connection free) it stays
-        as it is.
-
-        The answer does not depend on the choice: either way each user keeps C_u of its
-        groups chosen by a keyed hash with a fresh key, and the statements of one answer
-        all run split or all unsplit, so they keep the same groups. The choice shows only in
-        the time an answer takes (and the operators' metrics), never in EXPLAIN; a sample
-        of fewer than `GROUPS_MIN_USERS` users (a WHERE clause that picks a few) gets none,
-        and keys that read the uid get none, so that no one user decides it: its effect on
-        the average is its groups over the sample's users."""
-        query, plan = prepared.query, prepared.plan
-        if not query.keys or any(schema != "pg_catalog" for schema, _ in prepared.key_types) \
+        them (`Prefilter`): where the configuration says so (`pushdown_prefilter`) and the
+        query's keys and aggregates allow it. The answer does not depend on the choice: either
+        way each user keeps C_u of its groups chosen by a keyed hash with a fresh key, and the
+        statements of one answer all run split or all unsplit, so they keep the same groups.
+        It was chosen from a sample of the groups per user, with an exact threshold: one user
+        decided it, and the time an answer took told it (red team, session 31); the choice
+        now depends on the configuration, the query's text and the schema only."""
+        query = prepared.query
+        if not self.config.backend.pushdown_prefilter or not query.keys \
+                or any(schema != "pg_catalog" for schema, _ in prepared.key_types) \
                 or query.keys_read_uid or any(a.row_level for a in query.aggregates):
             # (row-level aggregates read every group of a user: none to drop)
             return None
-        types = prefilter_types(split.uid_type, [name for _, name in prepared.key_types])
-        slices = uid_ranges(split.histogram, _GROUPS_SLICES)
-        if types is None or len(slices) < 3:
-            return None
-        middle = slices[len(slices) // 2]
-        key = (prepared.cache_key, middle, split.uid_not_null)
-        now = time.monotonic()
-        cached = self._groups_per_user.get(key)
-        if cached is None or cached[0] < now:
-            try:
-                row = await conn.fetchrow(groups_sql(query, middle, split.uid_not_null),
-                                          timeout=min(_GROUPS_TIMEOUT,
-                                                      self.config.backend.statement_timeout))
-            except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as e:
-                log.warning("could not count the groups per user of a DP pushdown: %s", e)
-                row = None
-            ratio = None if row is None else groups_per_user(row["dp_groups"], row["dp_users"])
-            if len(self._groups_per_user) >= 1000:  # (bounded: fresh ones too, if need be)
-                fresh = {k: v for k, v in self._groups_per_user.items() if v[0] >= now}
-                self._groups_per_user = fresh if len(fresh) < 1000 else {}
-            cached = self._groups_per_user[key] = (now + _STATS_SECONDS, ratio)
-        ratio = cached[1]
-        return types if prefilter_wanted(ratio, plan.max_groups_contributed) else None
+        return prefilter_types(split.uid_type, [name for _, name in prepared.key_types])
 
     async def _uid_column(self, table: TableRef, conn: Any) -> UidColumn | None:
         """The table's size and its uid column's type, from the catalog (no histogram yet);

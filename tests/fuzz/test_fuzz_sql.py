@@ -20,7 +20,6 @@ import psycopg
 import pytest
 
 from config import Config
-from dp_core import bounding
 from tests.support.backend import ON_CITUS, Backend
 from tests.support.proxy import LoopThread, Proxy, budgets_reset, running_proxy, spent
 
@@ -155,16 +154,14 @@ def _query(rng: random.Random) -> tuple[str, bool]:
 
 
 @pytest.fixture(params=["plain", "prefiltered"])
-def split_proxy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+def split_proxy(request: pytest.FixtureRequest,
                 loop_thread: LoopThread, demo_config: Config, backend: Backend) -> Iterator[Proxy]:
     """The demo proxy, splitting every pushdown it can by uid ranges (also over small tables),
     so that the fuzzer runs that path too; "prefiltered": every split pushdown whose types
     allow it picks users' groups from their rows (whatever the groups per user). alice's and
     bob's budgets are full at the start, and again at the end."""
-    if request.param == "prefiltered":
-        monkeypatch.setattr(bounding, "PREFILTER_GROUPS_PER_USER", 0.0)
-        monkeypatch.setattr(bounding, "PREFILTER_KEPT_SHARE", float("inf"))
-    b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0})
+    b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0,
+                                               "pushdown_prefilter": request.param == "prefiltered"})
     with running_proxy(loop_thread, demo_config.model_copy(update={"backend": b}), backend) as px, \
             budgets_reset(px):
         yield px
@@ -221,7 +218,7 @@ def _paths_taken(proxy: Proxy) -> bool:
     pushdown prefilter) some was prefiltered."""
     split = [x for x in proxy.server.metrics.pushdown_split.collect()[0].samples
              if x.name.endswith("_total")]
-    if bounding.PREFILTER_GROUPS_PER_USER == 0:
+    if proxy.server.config.backend.pushdown_prefilter:
         return sum(x.value for x in split if x.labels["prefiltered"] == "yes") > 0
     return sum(x.value for x in split) > 0
 

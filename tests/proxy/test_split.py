@@ -19,12 +19,12 @@ from config import Config
 from dp_core.binned import Binned, binned_plan, binned_row
 from dp_core.bounding import Prefilter, prefilter_types
 from dp_core.release import add_rows, add_trees, tree_arrays, tree_order
-from dp_core.rewrite import binned, groups_sql, pushdown, ranged_pushdown
+from dp_core.rewrite import binned, pushdown, ranged_pushdown
 from dp_core.uid_ranges import uid_ranges
 from server.backend_setup import DEFAULT_ROLES
 from tests.support.backend import ON_CITUS, Backend
 from tests.support.engine import GOLDEN_CASES, build, golden_sql
-from tests.support.proxy import LoopThread, cancel_a_slow_dp_query, running_proxy
+from tests.support.proxy import LoopThread, budgets_reset, cancel_a_slow_dp_query, running_proxy
 
 pytestmark = pytest.mark.skipif(ON_CITUS, reason="the uid-range split is off on Citus by design "
                                                   "(Citus runs a pushdown on every shard at once)")
@@ -278,7 +278,8 @@ def _split_counter(text: str) -> float:
 
 def test_large_queries_run_split_through_the_proxy(loop_thread: LoopThread, demo_config: Config,
                                                    backend: Backend) -> None:
-    b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0})
+    b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0,
+                                               "pushdown_prefilter": True})
     config = demo_config.model_copy(update={"backend": b})
     with running_proxy(loop_thread, config, backend) as px:
         metrics = px.server.metrics
@@ -298,6 +299,17 @@ def test_large_queries_run_split_through_the_proxy(loop_thread: LoopThread, demo
                     "EXPLAIN SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.3) v.browser, "
                     f"ANON_COUNT(*) FROM {joined} GROUP BY v.browser").fetchall())
                 assert "Split:" not in plan, joined
+            # nor where a public item may give a protected row several rows (red team,
+            # session 31: grouped by it, each of a user's rows made up to 100 groups, which
+            # every range sent); a table joined on its unique key still splits
+            for joined, split in (("JOIN (VALUES (0, 'a'), (0, 'b'), (1, 'c')) AS t(u, x) "
+                                   "ON t.u = v.uid % 2", False),
+                                  ("CROSS JOIN (VALUES ('a'), ('b')) AS t(x)", False),
+                                  ("JOIN countries t ON t.code = v.country", True)):
+                plan = "\n".join(r[0] for r in conn.execute(
+                    "EXPLAIN SELECT v.browser, count(*) FROM visits v " + joined +
+                    " GROUP BY 1").fetchall())
+                assert ("Split:" in plan) == split, joined
             plan = "\n".join(r[0] for r in conn.execute(
                 "EXPLAIN SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.3) v.browser, ANON_COUNT(*) "
                 "FROM visits v JOIN purchases p USING (uid) GROUP BY v.browser").fetchall())
@@ -324,26 +336,32 @@ def test_large_queries_run_split_through_the_proxy(loop_thread: LoopThread, demo
                                 "0.9, 0, 3600) FROM visits GROUP BY browser").fetchall()
             assert rows and all(0 <= r[1] <= 3600 and 0 <= r[2] <= 3600 for r in rows)
             assert _split_counter(metrics.exposition().decode()) == before + 1
-            # users with many groups, few kept: each range picks users' groups from their rows
-            # before aggregating them; the answer is as any other, and EXPLAIN shows nothing
-            # that depends on the data (not the choice, not a range's bounds)
-            q = ("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.2) duration AS d, "
-                 "ANON_COUNT(*), ANON_AVG(duration, 0, 3600) FROM visits GROUP BY 1")
-            plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + q).fetchall())
-            assert "the ranges may pick each user's groups from its rows" in plan
-            assert "dp_rows AS" not in plan and "uid <" not in plan, plan
-            before = _prefiltered_counter(metrics.exposition().decode())
-            rows = conn.execute(q).fetchall()
-            assert rows and all(0 <= r[2] <= 3600 for r in rows)
-            assert _prefiltered_counter(metrics.exposition().decode()) == before + 1
-            # few groups per user, a key that reads the uid, or a WHERE that leaves few users
-            # in the sample: aggregated per user first
-            for key, where in (("country", ""), ("CASE WHEN uid > 0 THEN duration ELSE -1 END", ""),
-                               ("duration", " WHERE uid % 20 = 0")):
+            # pushdown_prefilter: each range picks users' groups from their rows before
+            # aggregating them, whatever the data (many groups per user or few, a WHERE that
+            # leaves few users: the choice was a sample's, which one user could decide, and
+            # the time told it); the answer is as any other, and EXPLAIN says so, without a
+            # range's bounds
+            for key, where in (("duration", ""), ("country", ""), ("duration", " WHERE uid % 20 = 0")):
+                q = (f"SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) {key} AS k, ANON_COUNT(*), "
+                     f"ANON_AVG(duration, 0, 3600) FROM visits{where} GROUP BY 1")
+                plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + q).fetchall())
+                assert "the ranges pick each user's groups from its rows" in plan
+                assert "dp_rows AS" not in plan and "uid <" not in plan, plan
                 before = _prefiltered_counter(metrics.exposition().decode())
-                conn.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) " + key +
-                             " AS k, ANON_COUNT(*) FROM visits" + where + " GROUP BY 1").fetchall()
-                assert _prefiltered_counter(metrics.exposition().decode()) == before, key
+                rows = conn.execute(q).fetchall()
+                # (a twentieth of the users by duration: no group above τ at ε 0.1, maybe)
+                assert (rows or where) and all(0 <= r[2] <= 3600 for r in rows)
+                assert _prefiltered_counter(metrics.exposition().decode()) == before + 1, key
+            # a key that reads the uid, or row-level aggregates (every group of a user counts):
+            # aggregated per user first
+            for sql in ("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) CASE WHEN uid > 0 THEN "
+                        "duration ELSE -1 END AS k, ANON_COUNT(*) FROM visits GROUP BY 1",
+                        "SELECT duration AS k, COUNT(*) FROM visits GROUP BY 1"):
+                plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql).fetchall())
+                assert "Split:" in plan and "pick each user's groups" not in plan, sql
+                before = _prefiltered_counter(metrics.exposition().decode())
+                conn.execute(sql).fetchall()
+                assert _prefiltered_counter(metrics.exposition().decode()) == before, sql
             # char(n) keys are split: their text drops the blanks that equality ignores
             plan = "\n".join(r[0] for r in conn.execute(
                 "EXPLAIN SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) country, "
@@ -463,6 +481,27 @@ def test_small_tables_or_split_1_are_not_split(loop_thread: LoopThread, demo_con
         assert "Split:" not in plan
 
 
+def test_no_prefilter_unless_configured(loop_thread: LoopThread, demo_config: Config,
+                                        backend: Backend) -> None:
+    """Red team, session 31: the prefilter was chosen from a sample of groups per user with
+    an exact threshold of 100 users, which a WHERE could meet with 99 and a target: the
+    answer's time (3 quanta) told whether the target had rows. It is the configuration's
+    now (off by default): a split query of many groups per user is aggregated per user
+    first, and EXPLAIN says nothing of a choice."""
+    b = demo_config.backend.model_copy(update={"pushdown_split": 3, "pushdown_split_min_rows": 0})
+    config = demo_config.model_copy(update={"backend": b})
+    q = ("SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.1) duration AS d, ANON_COUNT(*) "
+         "FROM visits GROUP BY 1")
+    with running_proxy(loop_thread, config, backend) as px, budgets_reset(px, ("alice",)), \
+            psycopg.connect(px.dsn(), autocommit=True) as conn:
+        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + q).fetchall())
+        assert "Split:" in plan and "pick each user's groups" not in plan
+        before = _split_counter(px.server.metrics.exposition().decode())
+        conn.execute(q).fetchall()
+        text = px.server.metrics.exposition().decode()
+        assert _split_counter(text) == before + 1 and _prefiltered_counter(text) == 0
+
+
 def test_cancel_a_running_split_query(loop_thread: LoopThread, demo_config: Config,
                                       backend: Backend) -> None:
     """A charged query split over ranges ends at its statement timeout whatever cancel comes
@@ -532,7 +571,10 @@ def test_prefiltered_pushdowns_keep_the_same_rows_and_add_up(backend: Backend) -
                 plan = replace(plan, max_groups_contributed=1)
                 pd = pushdown(query, plan, order_seed=5, prefilter=types)
                 whole = pd.statements()
-                users = (await conn.fetchrow(groups_sql(query)))["dp_users"]
+                # (each user counts once, C_u 1: the users the plain pushdown counts)
+                users = sum(r["dp_users"] for r in await conn.fetch(
+                    pushdown(query, plan, order_seed=5).statements()["main"])) \
+                    if "main" in whole else 0
                 table = "purchases" if "purchases" in text else "visits"
                 ranged = ranged_pushdown(query, plan, None, 5, types)
                 parts = [ranged.of(r).statements() for r in uid_ranges(hist[table], 3)]
