@@ -694,6 +694,33 @@ def test_one_users_extreme_values_make_no_query_fail(proxy: Proxy, backend: Back
             su.execute("ALTER TABLE visits DROP COLUMN big, DROP COLUMN raw")
 
 
+def test_one_users_huge_text_makes_no_query_fail(proxy: Proxy, backend: Backend,
+                                                 fresh_budgets: None) -> None:
+    """Red team, session 31: a user's 110 MB text (1.3 MB on disk, compressed), concatenated
+    ten times (which the cost model allows), passed Postgres's 1 GB limit on a value: a
+    charged generic failure (XX000, 54000 in the log) with the user's row, an answer without.
+    String functions that can grow a value read at most MAX_TEXT_CHARS characters of each."""
+    ten = ", ".join(["browser"] * 10)
+    queries = [f"SELECT count(*) FROM visits WHERE length(concat({ten})) > 0",
+               "SELECT count(*) FROM visits WHERE length(" + " || ".join(["browser"] * 4) +
+               ") > 0",
+               "SELECT count(*) FROM visits WHERE length(upper(concat(browser, browser))) > 0",
+               "SELECT count(*) FROM visits WHERE length(replace(browser, 'a', 'aaaaaaaaaa')) > 0"]
+    with psycopg.connect(backend.admin_dsn, autocommit=True) as su, \
+            psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        conn.execute("SET dp.epsilon = 0.1")
+        try:
+            su.execute("INSERT INTO visits (uid, browser, country, duration) "
+                       "VALUES (900002, repeat('a', 110000000), 'US', 1)")
+            for sql in queries:  # (concat and replace: XX000 before)
+                conn.execute(sql).fetchall()
+            # (of no text: refused when planned, as Postgres refuses upper(integer))
+            with pytest.raises(psycopg.errors.UndefinedFunction):
+                conn.execute("SELECT count(*) FROM visits WHERE upper(duration) > 'a'")
+        finally:
+            su.execute("DELETE FROM visits WHERE uid = 900002")
+
+
 def test_arithmetic_keeps_nulls_null(proxy: Proxy, backend: Backend,
                                      fresh_budgets: None) -> None:
     """A NULL operand makes the arithmetic NULL, as in Postgres: its total form clamped each
