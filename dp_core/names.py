@@ -6,8 +6,10 @@ column first (42702 where two of that name differ), else an input column; a name
 expression (`ORDER BY x + 1`) is an input column only. Which names are input columns, and which
 are grouped, is the database's to say: for each reference Postgres answers when the proxy
 prepares `probes.column_probe_sql` (never run), and the analysis runs again with the answers
-(`InputColumns`). The one extension: in HAVING, an output alias where no input column has the
-name, inside any expression (`HAVING n * 2 > 10`): a filter on released values, post-processing.
+(`InputColumns`). An expression equal to a GROUP BY expression as written is that key, the
+columns inside it unasked (`HAVING upper(browser) <> 'X'` of `GROUP BY upper(browser)`). The one
+extension: in HAVING, an output alias where no input column has the name, inside any
+expression (`HAVING n * 2 > 10`): a filter on released values, post-processing.
 """
 
 from __future__ import annotations

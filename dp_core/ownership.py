@@ -25,7 +25,6 @@ from dp_core.fanout import (
     using_ties,
 )
 from dp_core.join_fence import Scope, fence
-from dp_core.partials import NUMERIC_ROW_CLAMP
 from dp_core.public_reads import (
     no_aggregates_inside,
     public_relation,
@@ -34,6 +33,7 @@ from dp_core.public_reads import (
 )
 from dp_core.query import PublicSource, Relation, TablePolicy, TableRef
 from dp_core.sqlnodes import (
+    NUMERIC_ROW_CLAMP,
     OWNED_CLAUSES,
     const_number,
     from_names,
@@ -463,8 +463,9 @@ def _per_user_window(fc: Any, is_uid: Any, totalize: Totalizer) -> Any:
         # in one user's rows)
         raise refuse("window frames (ROWS or RANGE BETWEEN ...)", node_sql(fc))
     args = tuple(totalize(a, "window function argument") for a in (fc.args or ()))
-    if name in ("sum", "avg"):
-        args = tuple(totalize.number(a, f"{name}() of a number", node_sql(fc)) for a in args)
+    if name in ("sum", "avg"):  # (as a per-user aggregate's: `_per_user_aggregate`)
+        args = tuple(within_magnitude(totalize.number(a, f"{name}() of a number", node_sql(fc)),
+                                      NUMERIC_ROW_CLAMP) for a in args)
     fc.args = args or None
     over.partitionClause = tuple(p if is_uid(p) else totalize(p, "PARTITION BY")
                                  for p in over.partitionClause)

@@ -2,8 +2,8 @@
 
 Clamping `LEAST(GREATEST(v, L), U)` maps NaN to U (Postgres orders NaN above
 every number) and ±Infinity to U and L, so none survives to the output.
-Per-user partials are computed in `numeric`, which neither overflows nor
-fails on NaN or infinities.
+Per-user partials are computed in `numeric`, which fails on neither NaN nor
+infinities, and overflows on no sum: its rows are clamped to ±NUMERIC_ROW_CLAMP first.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import replace
 from dp_core.errors import FeatureNotSupported, InternalError
 from dp_core.query import AggKind, Aggregate, Bounds
 from dp_core.splice import PH
-from dp_core.sqlnodes import within_magnitude_sql
+from dp_core.sqlnodes import NUMERIC_ROW_CLAMP, within_magnitude_sql
 
 
 def num(x: float) -> str:
@@ -44,10 +44,6 @@ _FLOATS = frozenset({"float4", "float8"})
 NUMERIC_TYPES = _EXACT_INTEGERS | _FLOATS | {"numeric"}
 FLOAT_ROW_CLAMP = 1e290
 """Float rows are clamped to ±1e290 first, so a sum of up to 10^18 of them cannot overflow."""
-NUMERIC_ROW_CLAMP = 1e300
-"""numeric rows are clamped to ±1e300 before a user's sum: two rows near numeric's largest
-(10^131072) overflowed it, an error after the charge from one user's values (red team,
-session 31); a sum of 10^18 rows of 1e300 is far within it."""
 QUANTILE_ROW_CLAMP = 1e300
 """Numeric rows are clamped to ±1e300 before they become float8 for a quantile."""
 TINY = 1e-100
@@ -75,8 +71,6 @@ def _arg(i: int, arg_type: str | None) -> str:
     """The per-row argument of aggregate i, in a form whose sum cannot fail."""
     if arg_type in _EXACT_INTEGERS:
         return f"{PH}a{i}"
-    if arg_type == "numeric":
-        return within_magnitude_sql(f"({PH}a{i})::numeric", NUMERIC_ROW_CLAMP)
     if arg_type in _FLOATS:
         # NaN becomes +1e290, then the per-user clamp to U
         return _clamp_row(f"({PH}a{i})::float8", FLOAT_ROW_CLAMP, "float8")

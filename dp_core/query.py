@@ -396,7 +396,7 @@ class AnalyzedQuery:
 CANONICAL_KEY_TYPES = frozenset({"numeric", "float4", "float8"})
 """Key types whose equal values print differently, and which `canonical_key` writes as one."""
 COLLATED_KEY_TYPES = frozenset({"text", "varchar", "bpchar", "name",
-                                "_text", "_varchar", "_bpchar", "_name"})
+                                "_text", "_varchar", "_name"})
 """Key types whose equality follows a collation, which may be nondeterministic ('a' = 'A'
 under a case-insensitive ICU collation): `canonical_key` groups them under "C"."""
 

@@ -22,6 +22,11 @@ number literals in arithmetic must lie within it. (It was 1e300: a product or qu
 two 331-digit values costs 10–40 times one of small values, and an accepted expression of a
 few of them cost 5–10 µs per row, so a user's 5,000 rows showed through the time quantum:
 red team, session 30. At 68 digits an operator costs 2–3 times a small one.)"""
+NUMERIC_ROW_CLAMP = 1e300
+"""numeric rows are clamped to ±1e300 (`within_magnitude`) before a user's sum (a DP
+aggregate's, a per-user subquery's `sum()`/`avg()`, as an aggregate or over a window): two rows
+near numeric's largest (10^131072) overflowed it, an error after the charge from one user's
+values (red team, session 31); a sum of 10^18 rows of 1e300 is far within it."""
 MAX_SCALE = 30
 """Arithmetic's operands and results are rounded to MAX_SCALE decimals (`clamp_magnitude`):
 with the magnitude bound, every value has at most 68 digits. Numeric products are exact,
@@ -131,7 +136,7 @@ def within_magnitude(node: ast.Node, limit: float) -> ast.Node:
 
 
 def within_magnitude_sql(expr: str, limit: float) -> str:
-    """`within_magnitude` of the SQL text `expr` (numeric)."""
+    """`within_magnitude` of the SQL text `expr` (numeric), for SQL written as text."""
     return (f"pg_catalog.numeric_smaller(pg_catalog.numeric_larger({expr}, "
             f"(-{limit:g})::numeric), ({limit:g})::numeric)")
 

@@ -284,6 +284,8 @@ class Totalizer:
             if trailing % 2:
                 raise SyntaxError_("LIKE pattern must not end with escape character")
             node.lexpr = self._total(node.lexpr, ctx)
+            if kind == A_Expr_Kind.AEXPR_ILIKE:  # (Postgres lower()s the value: its workspace)
+                node.lexpr = self._text(node.lexpr, "ILIKE of a text", node_sql(node))
             return node
         raise refuse("this operator kind (regular expressions, SIMILAR TO, ...)", node_sql(node))
 
@@ -364,6 +366,14 @@ class Totalizer:
                                         rule=rule, sources=NUMBER_TYPES))
         return as_numeric(value)
 
+    def _text(self, node: ast.Node, rule: str, text: str) -> ast.Node:
+        """`node` (totalised), which must be a text (checked when the query is planned, as
+        `rule`), cut by `_bounded_text`."""
+        if not isinstance(node, ast.A_Const):
+            self.casts.append(CastCheck(copy.deepcopy(node), "text", text, self.scope,
+                                        rule=rule, sources=_TEXT_TYPES))
+        return _bounded_text(node)
+
     def _concatenation(self, node: ast.A_Expr, ctx: str) -> ast.A_Expr:
         """`a || b` of text cannot fail (as concat() cannot), but `||` of arrays can: each
         operand that is not a literal or another `||` must be text, which Postgres reports
@@ -377,9 +387,7 @@ class Totalizer:
                     isinstance(operand, ast.A_Expr) and operand.kind == A_Expr_Kind.AEXPR_OP
                     and operand.name and str(operand.name[-1].sval) == "||"):
                 continue
-            self.casts.append(CastCheck(copy.deepcopy(total), "text", text, self.scope,
-                                        rule="operands of || must be text"))
-            setattr(node, side, _bounded_text(total))
+            setattr(node, side, self._text(total, "operands of || must be text", text))
         return node
 
     def _width_bucket(self, fc: ast.FuncCall, args: list[Any], ctx: str) -> ast.Node:
@@ -439,7 +447,7 @@ class Totalizer:
                               "value, which cannot make it fail", node_sql(fc))
             args[:1] = [self._total(a, ctx) for a in args[:1]]
             if name in _GROWING_FUNCTIONS:
-                args[:1] = [_bounded_text(a) for a in args[:1]]
+                args[:1] = [self._text(a, f"{name}() of a text", node_sql(fc)) for a in args[:1]]
         elif name in ("date_trunc", "date_part", "extract"):
             unit = const_string(args[0]) if args else None
             if unit is None or unit.lower() not in DATE_UNITS:
@@ -466,9 +474,8 @@ class Totalizer:
         else:
             args = [self._total(a, ctx) for a in args]
             if name in _RECASED_FUNCTIONS and len(args) == 1:
-                # (of a type that is no text, as upper(integer), Postgres refuses substr()
-                # where it would refuse upper(): 42883 when the query is planned)
-                args = [_bounded_text(args[0])]
+                # (lower() and upper() of a range, its bounds, are refused with the rest)
+                args = [self._text(args[0], f"{name}() of a text", node_sql(fc))]
             elif name == "concat":
                 # (concat(x) is x's text, whatever its type: then cut)
                 args = [a if isinstance(a, ast.A_Const) else _bounded_text(ast.FuncCall(
@@ -479,24 +486,31 @@ class Totalizer:
 
 
 MAX_TEXT_CHARS = 1_000_000
-"""String functions that can make a value larger than what they read (`concat`, `||`, `lpad`,
-`rpad`, `replace`) or take a workspace several times its size (`upper`, `lower`, `initcap`:
+"""String functions that can make a value larger than what they read (`concat`, `||`,
+`replace`) or take a workspace several times its size (`upper`, `lower`, `initcap`, `ILIKE`:
 four bytes per byte outside the C locale) read at most this many characters of each value
 (`_bounded_text`): a user's value of 110 MB, `concat`enated ten times, passed Postgres's 1 GB
 limit on a value, an error (54000) after the charge that only that user's row made (red
 team, session 31). At four bytes a character and the cost model's 32 passes, no value they
-make nears 1 GB."""
-_GROWING_FUNCTIONS = frozenset({"lpad", "rpad", "replace"})
+make nears 1 GB. (`lpad` and `rpad` make exactly their literal length.)"""
+_GROWING_FUNCTIONS = frozenset({"replace"})
 """Of LITERAL_ARGUMENT_FUNCTIONS, those whose value can be larger than their first argument."""
 _RECASED_FUNCTIONS = frozenset({"upper", "lower", "initcap"})
 
 
+_TEXT_TYPES = frozenset({"text", "varchar", "bpchar", "name"})
+
+
 def _bounded_text(node: ast.Node) -> ast.Node:
-    """`node` (a text) cut to its first MAX_TEXT_CHARS characters (a literal as it is)."""
+    """`node` (a text) cut to its first MAX_TEXT_CHARS characters (a literal as it is). As
+    text: of another type, Postgres would refuse substr() before the proxy's own check of the
+    type (`Totalizer._text`) had its say."""
     if isinstance(node, ast.A_Const):
         return node
+    text = ast.TypeCast(arg=node, typeName=ast.TypeName(names=(ast.String(sval="pg_catalog"),
+                                                               ast.String(sval="text"))))
     return ast.FuncCall(funcname=(ast.String(sval="pg_catalog"), ast.String(sval="substr")),
-                        args=(node, ast.A_Const(val=ast.Integer(ival=1)),
+                        args=(text, ast.A_Const(val=ast.Integer(ival=1)),
                               ast.A_Const(val=ast.Integer(ival=MAX_TEXT_CHARS))))
 
 

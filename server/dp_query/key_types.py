@@ -10,6 +10,8 @@ from dp_core.query import CANONICAL_KEY_TYPES, COLLATED_KEY_TYPES, AnalyzedQuery
 from dp_core.sqlnodes import node_sql
 
 TEXT_KEY_OIDS = frozenset({18, 19, 25, 1042, 1043})
+"""Text key types ("char", name, text, bpchar, varchar): one group per spelling under a
+deterministic collation."""
 ONE_TEXT_KEY_OIDS = frozenset({16, 18, 19, 20, 21, 23, 25, 1042, 1043, 1082, 1083, 1114, 1184,
                                2950})
 """Group-key types whose text is one per value (bool, "char", name, integers, text, bpchar
@@ -22,15 +24,17 @@ HASHED_KEY_OIDS = frozenset({700, 701, 1021, 1022, 1186, 1187, 1231, 1700, 3802,
 (float4/8, interval ('1 day' = '24 hours'), numeric, jsonb, numrange, nummultirange and their
 arrays): a group's row and its quantile trees are matched by the hash (`Key.hashed`)."""
 RELEASED_KEY_OIDS = ONE_TEXT_KEY_OIDS | frozenset({
-    17, 26, 650, 774, 790, 829, 869, 1266, 1560, 1562, 3220,  # bytea oid cidr macaddr8 money
-    # macaddr inet timetz bit varbit pg_lsn
+    26, 650, 774, 790, 829, 869, 1266, 3220,  # oid cidr macaddr8 money macaddr inet timetz
+    # pg_lsn
     3904, 3908, 3910, 3912, 3926, 4451, 4533, 4534, 4535, 4536,  # ranges of exact types
-    651, 775, 791, 1000, 1001, 1002, 1003, 1005, 1007, 1009, 1015, 1016, 1028, 1040, 1041,
-    1115, 1182, 1183, 1185, 1270, 1561, 1563, 2951, 3905, 3909, 3911, 3913, 3927,  # arrays
+    651, 775, 791, 1000, 1002, 1003, 1005, 1007, 1009, 1015, 1016, 1028, 1040, 1041,
+    1115, 1182, 1183, 1185, 1270, 2951, 3221, 3905, 3909, 3911, 3913, 3927,  # arrays
 })
 """Built-in key types a group released by partition selection may have as they are: equal
 values are the same value, printed one way (a range of timestamps prints its bounds; arrays
 differing in bounds are not equal). Not bpchar[]: 'a' = 'a  ' in it, printed with the blanks.
+Not bytea, bit, varbit (nor their arrays): their text is 2 to 8 times their size, and a key's
+text of one user's value of a few hundred MB would pass Postgres's 1 GB limit, an error.
 Numeric and floats are grouped by one value of their equals, texts under "C"
 (`canonical_key`); enums (user types) are allowed by their catalog entry."""
 CANONICAL_KEY_OIDS = frozenset({700, 701, 1700})

@@ -101,10 +101,10 @@ class DPService:
     Order of events for one DP answer: the pushdown is prepared (`Preparer`; planning
     errors, which do not depend on data, are reported as they are and cost nothing); the
     ledger is charged and committed; only then do statements read the analyst's tables: the
-    split's sample of the uid and the prefilter's count of groups per user
-    (`UidSplitter.split`), then the pushdown (`PushdownRunner`), as the pushdown role with a
-    statement timeout; noise and thresholding are applied; the released rows go back to the
-    client through the session's own backend connection as a small VALUES query, so
+    split's sample of the uid (`UidSplitter.split`), then the pushdown (`PushdownRunner`), as
+    the pushdown role with a statement timeout; noise and thresholding are applied; the
+    released rows go back to the client through the session's own backend connection as a
+    small VALUES query, so
     Postgres encodes them in the format the client asked for. A failure after the charge
     returns one generic error that names no row or value.
     """

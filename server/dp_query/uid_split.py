@@ -15,6 +15,7 @@ from config import Config
 from dp_core.bounding import Prefilter, prefilter_types
 from dp_core.pushdown_cache import PushdownCache
 from dp_core.query import AggKind, AnalyzedQuery, TablePolicy, TableRef
+from dp_core.release import only_counted_groups
 from dp_core.uid_ranges import has_outer_join, uid_ranges
 from server.backend_setup import quote_ident
 from server.dp_query.key_types import ONE_TEXT_KEY_OIDS, TEXT_KEY_OIDS
@@ -81,12 +82,13 @@ class UidSplitter:
             return None
         if any(a.kind is AggKind.COUNT_DISTINCT for a in prepared.query.aggregates):
             return None  # (distinct values do not add up over ranges of users: one value, many)
-        if prepared.fanout > 1:
+        if prepared.fanout > 1 and only_counted_groups(prepared.query):
             # a public item joined on no unique key gives each protected row up to 100 rows:
             # grouped by it, one user's rows make that many groups, each of which every range
-            # sends (it may be a candidate in another range), where the whole statement
-            # leaves the groups no user counts in to Postgres (red team, session 31: 5,492
-            # rows joined with 100 made 62 quanta split against 12 unsplit)
+            # of a row-level query sends (it may be a candidate in another range), where the
+            # whole statement leaves the groups no user counts in to Postgres (red team,
+            # session 31: 5,492 rows joined with 100 made 62 quanta split against 12
+            # unsplit); per-user aggregates keep each user's counted groups only, either way
             return None
         if prepared.query.ranges_after_joins or has_outer_join(prepared.query):
             # a range tests the rows' owner alone there (`uid_ranges._range_uids`), or after

@@ -302,14 +302,18 @@ def test_large_queries_run_split_through_the_proxy(loop_thread: LoopThread, demo
             # nor where a public item may give a protected row several rows (red team,
             # session 31: grouped by it, each of a user's rows made up to 100 groups, which
             # every range sent); a table joined on its unique key still splits
-            for joined, split in (("JOIN (VALUES (0, 'a'), (0, 'b'), (1, 'c')) AS t(u, x) "
-                                   "ON t.u = v.uid % 2", False),
-                                  ("CROSS JOIN (VALUES ('a'), ('b')) AS t(x)", False),
-                                  ("JOIN countries t ON t.code = v.country", True)):
+            # (per-user aggregates keep each user's counted groups only: still split)
+            values = "JOIN (VALUES (0, 'a'), (0, 'b'), (1, 'c')) AS t(u, x) ON t.u = v.uid % 2"
+            for joined, agg, split in ((values, "count(*)", False),
+                                       ("CROSS JOIN (VALUES ('a'), ('b')) AS t(x)", "count(*)",
+                                        False),
+                                       ("JOIN countries t ON t.code = v.country", "count(*)",
+                                        True),
+                                       (values, "ANON_COUNT(*)", True)):
                 plan = "\n".join(r[0] for r in conn.execute(
-                    "EXPLAIN SELECT v.browser, count(*) FROM visits v " + joined +
-                    " GROUP BY 1").fetchall())
-                assert ("Split:" in plan) == split, joined
+                    f"EXPLAIN SELECT v.browser, {agg} FROM visits v {joined} "
+                    "GROUP BY 1").fetchall())
+                assert ("Split:" in plan) == split, (joined, agg)
             plan = "\n".join(r[0] for r in conn.execute(
                 "EXPLAIN SELECT WITH ANONYMIZATION OPTIONS(epsilon=0.3) v.browser, ANON_COUNT(*) "
                 "FROM visits v JOIN purchases p USING (uid) GROUP BY v.browser").fetchall())
