@@ -701,7 +701,9 @@ def test_one_users_huge_text_makes_no_query_fail(proxy: Proxy, backend: Backend,
     """Red team, session 31: a user's 110 MB text (1.3 MB on disk, compressed), concatenated
     ten times (which the cost model allows), passed Postgres's 1 GB limit on a value: a
     charged generic failure (XX000, 54000 in the log) with the user's row, an answer without.
-    String functions that can grow a value read at most MAX_TEXT_CHARS characters of each."""
+    String functions that can grow a value read at most MAX_TEXT_CHARS characters of each;
+    COUNT(DISTINCT x) gathers digests of large values (ten such texts of one user passed the
+    limit on an array)."""
     ten = ", ".join(["browser"] * 10)
     queries = [f"SELECT count(*) FROM visits WHERE length(concat({ten})) > 0",
                "SELECT count(*) FROM visits WHERE length(" + " || ".join(["browser"] * 4) +
@@ -709,6 +711,9 @@ def test_one_users_huge_text_makes_no_query_fail(proxy: Proxy, backend: Backend,
                "SELECT count(*) FROM visits WHERE length(upper(concat(browser, browser))) > 0",
                "SELECT count(*) FROM visits WHERE length(replace(browser, 'a', 'aaaaaaaaaa')) > 0",
                "SELECT count(*) FROM visits WHERE browser ILIKE '%b%' OR lower(browser) = 'x'"]
+    # (each user's distinct values were gathered whole in one array: ten passed 1 GB)
+    distinct = ["SELECT COUNT(DISTINCT browser) FROM visits",
+                "SELECT ANON_COUNT(DISTINCT browser, 20) FROM visits"]
     with psycopg.connect(backend.admin_dsn, autocommit=True) as su, \
             psycopg.connect(proxy.dsn(), autocommit=True) as conn:
         conn.execute("SET dp.epsilon = 0.1")
@@ -716,6 +721,11 @@ def test_one_users_huge_text_makes_no_query_fail(proxy: Proxy, backend: Backend,
             su.execute("INSERT INTO visits (uid, browser, country, duration) "
                        "VALUES (900002, repeat('a', 110000000), 'US', 1)")
             for sql in queries:  # (concat and replace: XX000 before)
+                conn.execute(sql).fetchall()
+            su.execute("INSERT INTO visits (uid, browser, country, duration) "
+                       "SELECT 900002, repeat('a', 110000000) || g, 'US', 1 "
+                       "FROM generate_series(1, 9) AS g")
+            for sql in distinct:  # (XX000 before)
                 conn.execute(sql).fetchall()
             # (of no text: refused when planned, as Postgres refuses upper(integer))
             with pytest.raises(psycopg.errors.FeatureNotSupported, match=r"upper\(\) of a text"):
