@@ -47,6 +47,15 @@ from dp_core.sqlnodes import (
     refuse,
     walk_nodes,
 )
+from dp_core.text_bounds import (
+    GROWING_FUNCTIONS,
+    ONE_ARGUMENT_FUNCTIONS,
+    RECASED_FUNCTIONS,
+    SEARCHING_FUNCTIONS,
+    TEXT_TYPES,
+    bounded_text,
+    in_c,
+)
 
 
 @dataclass
@@ -284,6 +293,8 @@ class Totalizer:
             if trailing % 2:
                 raise SyntaxError_("LIKE pattern must not end with escape character")
             node.lexpr = self._total(node.lexpr, ctx)
+            if kind == A_Expr_Kind.AEXPR_LIKE:
+                node.rexpr = in_c(node.rexpr)
             if kind == A_Expr_Kind.AEXPR_ILIKE:  # (Postgres lower()s the value: its workspace)
                 node.lexpr = self._text(node.lexpr, "ILIKE of a text", node_sql(node))
             return node
@@ -371,8 +382,8 @@ class Totalizer:
         `rule`), cut by `_bounded_text`."""
         if not isinstance(node, ast.A_Const):
             self.casts.append(CastCheck(copy.deepcopy(node), "text", text, self.scope,
-                                        rule=rule, sources=_TEXT_TYPES))
-        return _bounded_text(node)
+                                        rule=rule, sources=TEXT_TYPES))
+        return bounded_text(node)
 
     def _concatenation(self, node: ast.A_Expr, ctx: str) -> ast.A_Expr:
         """`a || b` of text cannot fail (as concat() cannot), but `||` of arrays can: each
@@ -446,7 +457,9 @@ class Totalizer:
                 raise refuse(f"{name}() but as {name}{shape}: literal arguments after the "
                               "value, which cannot make it fail", node_sql(fc))
             args[:1] = [self._total(a, ctx) for a in args[:1]]
-            if name in _GROWING_FUNCTIONS:
+            if name in SEARCHING_FUNCTIONS:
+                args[1] = in_c(args[1])
+            if name in GROWING_FUNCTIONS:
                 args[:1] = [self._text(a, f"{name}() of a text", node_sql(fc)) for a in args[:1]]
         elif name in ("date_trunc", "date_part", "extract"):
             unit = const_string(args[0]) if args else None
@@ -473,51 +486,16 @@ class Totalizer:
             args[0] = self.number(self._total(args[0], ctx), f"{name}() of a number", node_sql(fc))
         else:
             args = [self._total(a, ctx) for a in args]
-            if name in _RECASED_FUNCTIONS and len(args) == 1:
+            if name in RECASED_FUNCTIONS and len(args) == 1:
                 # (lower() and upper() of a range, its bounds, are refused with the rest)
                 args = [self._text(args[0], f"{name}() of a text", node_sql(fc))]
             elif name == "concat":
                 # (concat(x) is x's text, whatever its type: then cut)
-                args = [a if isinstance(a, ast.A_Const) else _bounded_text(ast.FuncCall(
+                args = [a if isinstance(a, ast.A_Const) else bounded_text(ast.FuncCall(
                     funcname=(ast.String(sval="pg_catalog"), ast.String(sval="concat")),
                     args=(a,))) for a in args]
         fc.args = tuple(args)
         return fc
-
-
-MAX_TEXT_CHARS = 1_000_000
-"""String functions that can make a value larger than what they read (`concat`, `||`,
-`replace`) or take a workspace several times its size (`upper`, `lower`, `initcap`, `ILIKE`:
-four bytes per byte outside the C locale) read at most this many characters of each value
-(`_bounded_text`): a user's value of 110 MB, `concat`enated ten times, passed Postgres's 1 GB
-limit on a value, an error (54000) after the charge that only that user's row made (red
-team, session 31). At four bytes a character and the cost model's 32 passes, no value they
-make nears 1 GB. (`lpad` and `rpad` make exactly their literal length.)"""
-_GROWING_FUNCTIONS = frozenset({"replace"})
-"""Of LITERAL_ARGUMENT_FUNCTIONS, those whose value can be larger than their first argument."""
-_RECASED_FUNCTIONS = frozenset({"upper", "lower", "initcap"})
-
-
-_TEXT_TYPES = frozenset({"text", "varchar", "bpchar", "name"})
-
-
-def _bounded_text(node: ast.Node) -> ast.Node:
-    """`node` (a text) cut to its first MAX_TEXT_CHARS characters (a literal as it is). As
-    text: of another type, Postgres would refuse substr() before the proxy's own check of the
-    type (`Totalizer._text`) had its say."""
-    if isinstance(node, ast.A_Const):
-        return node
-    text = ast.TypeCast(arg=node, typeName=ast.TypeName(names=(ast.String(sval="pg_catalog"),
-                                                               ast.String(sval="text"))))
-    return ast.FuncCall(funcname=(ast.String(sval="pg_catalog"), ast.String(sval="substr")),
-                        args=(text, ast.A_Const(val=ast.Integer(ival=1)),
-                              ast.A_Const(val=ast.Integer(ival=MAX_TEXT_CHARS))))
-
-
-ONE_ARGUMENT_FUNCTIONS = {
-    "length": "length(bytes, encoding) fails on an unknown encoding and on bytes invalid in it",
-}
-"""Allowed functions whose other overloads can fail on a row's value: one argument only."""
 
 
 _MIXED_BY = {A_Expr_Kind.AEXPR_DISTINCT: "IS DISTINCT FROM",

@@ -498,6 +498,36 @@ def test_a_text_key_under_a_nondeterministic_collation_is_grouped_by_its_bytes(
         admin.close()
 
 
+def test_substring_searches_under_a_nondeterministic_collation_answer(
+        loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
+    """Postgres refuses LIKE and substring searches (strpos, position, replace, split_part)
+    under a nondeterministic collation on each row that reaches them: `CASE WHEN uid = 42
+    THEN browser LIKE 'C%' END` failed after the charge only where user 42 had rows. Their
+    literal is under "C", which decides the search. (Needs an ICU build of Postgres, as the
+    test above.)"""
+    admin = psycopg.connect(backend.admin_dsn, autocommit=True)
+    try:
+        admin.execute("CREATE COLLATION dp_test_ci2 (provider = icu, "
+                      "locale = 'und-u-ks-level2', deterministic = false)")
+    except psycopg.Error as e:
+        admin.close()
+        pytest.skip(f"no nondeterministic collation on this Postgres: {e}")
+    try:
+        admin.execute("ALTER TABLE visits ALTER COLUMN browser TYPE text COLLATE dp_test_ci2")
+        with running_proxy(loop_thread, demo_config, backend) as px, budgets_reset(px), \
+                psycopg.connect(px.dsn(), autocommit=True) as conn:
+            conn.execute("SET dp.epsilon = 0.1")
+            for search in ("browser LIKE 'C%'", "strpos(browser, 'h') > 0",
+                           "position('h' IN browser) > 0", "replace(browser, 'a', 'b') = 'x'",
+                           "split_part(browser, 'r', 1) = 'C'"):
+                conn.execute("SELECT count(*) FROM visits WHERE CASE WHEN uid = 42 THEN "
+                             f"{search} END").fetchall()
+    finally:
+        admin.execute('ALTER TABLE visits ALTER COLUMN browser TYPE text COLLATE "default"')
+        admin.execute("DROP COLLATION dp_test_ci2")
+        admin.close()
+
+
 def test_a_key_of_a_type_whose_equal_values_print_differently_is_refused(
         loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
     """A composite of numbers is one group for '(1.0)' and '(1.00)', printed from one of its
