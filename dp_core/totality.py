@@ -379,7 +379,7 @@ class Totalizer:
 
     def _text(self, node: ast.Node, rule: str, text: str) -> ast.Node:
         """`node` (totalised), which must be a text (checked when the query is planned, as
-        `rule`), cut by `_bounded_text`."""
+        `rule`), cut by `bounded_text`."""
         if not isinstance(node, ast.A_Const):
             self.casts.append(CastCheck(copy.deepcopy(node), "text", text, self.scope,
                                         rule=rule, sources=TEXT_TYPES))
