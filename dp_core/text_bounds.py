@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 from pglast import ast
+from pglast.enums import A_Expr_Kind
 
 MAX_TEXT_CHARS = 1_000_000
 """String functions that can make a value larger than what they read (`concat`, `||`,
@@ -29,6 +32,24 @@ def in_c(node: ast.Node) -> ast.Node:
     """A literal text under the "C" collation."""
     return ast.CollateClause(arg=node, collname=(ast.String(sval="pg_catalog"),
                                                  ast.String(sval="C")))
+
+
+def like_of_lowered(value: ast.Node, pattern: ast.Node, negated: bool) -> ast.A_Expr:
+    """`value ILIKE pattern` (`value` a text already bounded) as Postgres computes it in a
+    multibyte database, `lower(value) LIKE lower(pattern)`, the pattern lowered under the
+    value's collation (a CASE of both never taking the value: its collation, which the
+    pattern's, a literal's default, yields to), and the LIKE under "C" (see
+    SEARCHING_FUNCTIONS): Postgres refuses ILIKE under a nondeterministic collation on each
+    row that reaches it, an error only the rows make; lower() it computes under any."""
+    def lower(arg: ast.Node) -> ast.FuncCall:
+        return ast.FuncCall(funcname=(ast.String(sval="pg_catalog"), ast.String(sval="lower")),
+                            args=(arg,))
+    collated = ast.CaseExpr(args=(ast.CaseWhen(expr=ast.A_Const(val=ast.Boolean(boolval=False)),
+                                               result=copy.deepcopy(value)),),
+                            defresult=pattern)
+    return ast.A_Expr(kind=A_Expr_Kind.AEXPR_LIKE, name=(ast.String(sval="!~~" if negated
+                                                                    else "~~"),),
+                      lexpr=lower(value), rexpr=in_c(lower(collated)))
 
 
 def bounded_text(node: ast.Node) -> ast.Node:

@@ -55,6 +55,7 @@ from dp_core.text_bounds import (
     TEXT_TYPES,
     bounded_text,
     in_c,
+    like_of_lowered,
 )
 
 
@@ -296,7 +297,8 @@ class Totalizer:
             if kind == A_Expr_Kind.AEXPR_LIKE:
                 node.rexpr = in_c(node.rexpr)
             if kind == A_Expr_Kind.AEXPR_ILIKE:  # (Postgres lower()s the value: its workspace)
-                node.lexpr = self._text(node.lexpr, "ILIKE of a text", node_sql(node))
+                value = self._text(node.lexpr, "ILIKE of a text", node_sql(node))
+                return like_of_lowered(value, node.rexpr, str(node.name[-1].sval) == "!~~*")
             return node
         raise refuse("this operator kind (regular expressions, SIMILAR TO, ...)", node_sql(node))
 

@@ -509,18 +509,20 @@ def _browser_case_insensitive(backend: Backend) -> Iterator[None]:
 
 def test_substring_searches_under_a_nondeterministic_collation_answer(
         loop_thread: LoopThread, demo_config: Config, backend: Backend) -> None:
-    """Postgres refuses LIKE and substring searches (strpos, position, replace, split_part)
-    under a nondeterministic collation on each row that reaches them: `CASE WHEN uid = 42
-    THEN browser LIKE 'C%' END` failed after the charge only where user 42 had rows. Their
-    literal is under "C", which decides the search. (Needs an ICU build of Postgres, as the
-    test above.)"""
+    """Postgres refuses LIKE, ILIKE and substring searches (strpos, position, replace,
+    split_part) under a nondeterministic collation on each row that reaches them: `CASE WHEN
+    uid = 42 THEN browser LIKE 'C%' END` failed after the charge only where user 42 had rows.
+    Their literal is under "C", which decides the search; ILIKE is lower(x) LIKE
+    lower(pattern), lowered under x's collation. (Needs an ICU build of Postgres, as the test
+    above.)"""
     with _browser_case_insensitive(backend), \
             running_proxy(loop_thread, demo_config, backend) as px, budgets_reset(px), \
             psycopg.connect(px.dsn(), autocommit=True) as conn:
         conn.execute("SET dp.epsilon = 0.1")
         for search in ("browser LIKE 'C%'", "strpos(browser, 'h') > 0",
                        "position('h' IN browser) > 0", "replace(browser, 'a', 'b') = 'x'",
-                       "split_part(browser, 'r', 1) = 'C'"):
+                       "split_part(browser, 'r', 1) = 'C'", "browser ILIKE 'c%'",
+                       "browser NOT ILIKE '%É%'"):
             conn.execute("SELECT count(*) FROM visits WHERE CASE WHEN uid = 42 THEN "
                          f"{search} END").fetchall()
 
