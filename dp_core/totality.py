@@ -297,8 +297,8 @@ class Totalizer:
             if kind == A_Expr_Kind.AEXPR_LIKE:
                 node.rexpr = in_c(node.rexpr)
             if kind == A_Expr_Kind.AEXPR_ILIKE:  # (Postgres lower()s the value: its workspace)
-                value = self._text(node.lexpr, "ILIKE of a text", node_sql(node))
-                return like_of_lowered(value, node.rexpr, str(node.name[-1].sval) == "!~~*")
+                return like_of_lowered(self._text(node.lexpr, "ILIKE of a text", node_sql(node)),
+                                       node.rexpr, str(node.name[-1].sval) == "!~~*")
             return node
         raise refuse("this operator kind (regular expressions, SIMILAR TO, ...)", node_sql(node))
 
