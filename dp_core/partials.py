@@ -159,6 +159,16 @@ _FIXED_SIZE_TYPES = frozenset({"int2", "int4", "int8", "float4", "float8", "bool
                                "money", "oid", "char", "inet", "cidr", "macaddr", "macaddr8"})
 
 
+_DIGESTED_TYPES = frozenset({"text", "varchar", "bpchar", "bytea"})
+
+
+def digested_whole(arg_type: str | None) -> bool:
+    """Whether COUNT(DISTINCT x) of this type gathers x without making its text (`_distinct_value`):
+    of the others, the server checks that their text stays near their size."""
+    return arg_type is None or arg_type in _FIXED_SIZE_TYPES or arg_type in _DIGESTED_TYPES \
+        or arg_type == "numeric"
+
+
 def _distinct_value(i: int, arg_type: str | None) -> str:
     """What COUNT(DISTINCT x) collects of each row: x itself where its type's values are of a
     few bytes, else an md5 of one text of its equal values (texts' own, a numeric's without
@@ -169,7 +179,7 @@ def _distinct_value(i: int, arg_type: str | None) -> str:
     a = f"{PH}a{i}"
     if arg_type is None or arg_type in _FIXED_SIZE_TYPES:
         return a
-    if arg_type in ("text", "varchar", "bpchar", "bytea"):
+    if arg_type in _DIGESTED_TYPES:
         return f"md5({a})"
     if arg_type == "numeric":
         return f"md5(trim_scale({a})::text)"

@@ -58,6 +58,24 @@ def argument_probe_sql(query: AnalyzedQuery) -> str | None:
     return _probe_sql(query, exprs, inner)
 
 
+def order_probe_sql(query: AnalyzedQuery, operands: list[tuple[Any, Any]]) -> str:
+    """`SELECT (SELECT 1 FROM <its FROM> WHERE FALSE ORDER BY value LIMIT 1), ...` for each
+    (value, the inner query whose FROM it reads or None): prepared, never run, so that
+    Postgres says whether it can order (and so compare) the values' type, an array's or a
+    composite's by its parts', which it otherwise looks up when a row first reaches the
+    comparison (`ja = ja` of a json[] failed only where a row had one)."""
+    cols = [f"(SELECT 1 FROM {PH}from_o{i} WHERE FALSE ORDER BY {PH}o{i} LIMIT 1) AS o{i}"
+            for i in range(len(operands))]
+    stmt = parse_sql(f"SELECT {', '.join(cols)}")[0].stmt
+    nodes = {f"{PH}o{i}": value for i, (value, _) in enumerate(operands)}
+    froms = {f"{PH}from_o{i}": tuple(query.from_clause if scope is None else scope.fromClause)
+             for i, (_, scope) in enumerate(operands)}
+    Splice(nodes, query.from_clause, froms)(stmt)
+    if query.ctes:
+        stmt.withClause = ast.WithClause(ctes=tuple(copy.deepcopy(query.ctes)))
+    return str(RawStream()(stmt))
+
+
 def standalone_subqueries(query: AnalyzedQuery, in_lists: bool = False,
                           limit: int | None = None) -> list[str]:
     """Each IN or EXISTS subquery of `query` as a statement of its own (with the query's WITH

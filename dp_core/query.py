@@ -110,6 +110,10 @@ class CastCheck:
     sources: frozenset[str] | None = None
     """The source types accepted, where the check is not of a cast to `target` (a date/time
     function's unit, which fails on every value of the other types)."""
+    output: bool = False
+    """A value's text (a cast to text or varchar, concat()): total, but for types whose text
+    can pass Postgres's 1 GB limit on a value (`server.dp_query.type_shapes`), which the
+    server refuses instead."""
 
 
 @dataclass(frozen=True)

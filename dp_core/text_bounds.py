@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 from pglast import ast
-from pglast.enums import A_Expr_Kind
+from pglast.enums import A_Expr_Kind, MinMaxOp
 
 MAX_TEXT_CHARS = 1_000_000
 """String functions that can make a value larger than what they read (`concat`, `||`,
@@ -69,3 +69,17 @@ ONE_ARGUMENT_FUNCTIONS = {
     "length": "length(bytes, encoding) fails on an unknown encoding and on bytes invalid in it",
 }
 """Allowed functions whose other overloads can fail on a row's value: one argument only."""
+
+
+def capped_bit_length(value: ast.Node) -> ast.Node:
+    """bit_length(value) of a text: Postgres computes octet_length(x) * 8 in int4, which
+    overflows from 256 MiB (a user's text of 256 MiB, 3 MB on disk, made the query fail after
+    the charge; red team, session 32). Here the octets are taken at most to 2^28 - 1, so the
+    bits stay within int4 (a value of 256 MiB or more gives 2,147,483,640)."""
+    octets = ast.FuncCall(funcname=(ast.String(sval="pg_catalog"), ast.String(sval="octet_length")),
+                          args=(ast.TypeCast(arg=value, typeName=ast.TypeName(names=(
+                              ast.String(sval="pg_catalog"), ast.String(sval="text")))),))
+    capped = ast.MinMaxExpr(op=MinMaxOp.IS_LEAST,
+                            args=(octets, ast.A_Const(val=ast.Integer(ival=2**28 - 1))))
+    return ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval="*"),), lexpr=capped,
+                      rexpr=ast.A_Const(val=ast.Integer(ival=8)))

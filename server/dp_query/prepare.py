@@ -27,10 +27,12 @@ from dp_core.errors import (
     ProgramLimitExceeded,
 )
 from dp_core.names import InputColumns
+from dp_core.partials import digested_whole
 from dp_core.plan import DPQueryPlan, make_plan
 from dp_core.probes import argument_probe_sql, column_probe_sql, standalone_subqueries
 from dp_core.pushdown_cache import PushdownCache
 from dp_core.query import (
+    AggKind,
     AnalyzedQuery,
     Bounds,
     KeyDomain,
@@ -52,6 +54,11 @@ from server.dp_query.key_types import (
 from server.dp_query.prepared import Prepared, answer_sql
 from server.dp_query.public_rows import check_public_rows
 from server.dp_query.request import DPRequest
+from server.dp_query.type_shapes import (
+    check_comparisons,
+    check_text_outputs,
+    probed_shapes,
+)
 from server.wire.params import param_text
 
 
@@ -178,9 +185,18 @@ class Preparer:
                 attrs = await self._probe(query, conn)
                 types = {a.name: a.type.name for a in attrs}
             arg_types = {int(name[1:]): t for name, t in types.items() if name[0] == "a"}
+            shapes = await probed_shapes(attrs, conn)
             check_casts(query.casts, [types[f"c{i}"] for i in range(len(query.casts))])
-            check_mixes(query.mixes, [[types[f"m{i}_{j}"] for j in range(len(m.operands))]
+            check_text_outputs({c.text: shapes[f"c{i}"] for i, c in enumerate(query.casts)
+                                if c.output})
+            check_text_outputs({a.output_name: shapes[f"a{i}"]
+                                for i, a in enumerate(query.aggregates)
+                                if a.kind is AggKind.COUNT_DISTINCT and f"a{i}" in shapes
+                                and not digested_whole(types[f"a{i}"])})
+            # (an array's or a domain's values converted as their elements' or base's)
+            check_mixes(query.mixes, [[shapes[f"m{i}_{j}"].name for j in range(len(m.operands))]
                                       for i, m in enumerate(query.mixes)])
+            await check_comparisons(query, shapes, conn)
             probed_keys = {int(a.name[1:]): a.type for a in attrs if a.name[0] == "k"}
             query = await canonical_keys(query, probed_keys, conn)
             if query.has_quantiles:

@@ -696,6 +696,82 @@ def test_one_users_extreme_values_make_no_query_fail(proxy: Proxy, backend: Back
             su.execute("ALTER TABLE visits DROP COLUMN big, DROP COLUMN raw")
 
 
+def test_values_of_arrays_domains_and_composites_make_no_query_fail(
+        proxy: Proxy, backend: Backend, fresh_budgets: None) -> None:
+    """Red team, session 32: errors only one user's values made, after the charge (XX000):
+    ceil()/round()/floor() of a numeric of 131072 digits overflowed it; bit_length() of a
+    256 MiB text overflowed int4; arrays of numeric and float8 (or date and timestamp) brought
+    to one type converted each element (1e400 to float8); `ja = ja` of json[], `cp = cp` of a
+    composite with a json field, `pa IN (pa)` of point[] looked the parts' equality up when a
+    row reached them; a varbit's text is 8 times its size (135 MB made 1.08 GB). Now each is
+    answered whatever the rows, or refused before any charge from the types alone."""
+    answered = ["SELECT count(*) FROM visits WHERE CASE WHEN uid = 900003 THEN ceil(n) > 0 END",
+                "SELECT count(*) FROM visits WHERE round(n, -2) > 0 OR floor(-n) < 0",
+                "SELECT count(*) FROM visits WHERE bit_length(tx) > 0",
+                "SELECT count(*) FROM visits WHERE na = na AND na IN (na) AND NOT na < na"]
+    refused = ["SELECT count(*) FROM visits WHERE COALESCE(na, fa) IS NOT NULL",
+               "SELECT count(*) FROM visits WHERE CASE WHEN uid = 900003 THEN na ELSE fa END "
+               "IS NOT NULL",
+               "SELECT count(*) FROM visits WHERE GREATEST(da, ta) IS NOT NULL",
+               "SELECT count(*) FROM visits WHERE COALESCE(dn, f) > 0",
+               "SELECT count(*) FROM visits WHERE ja = ja",
+               "SELECT count(*) FROM visits WHERE ja IS DISTINCT FROM ja",
+               "SELECT count(*) FROM visits WHERE cp = cp",
+               "SELECT count(*) FROM visits WHERE pa IN (pa)",
+               "SELECT count(*) FROM visits WHERE vb::text > '1'",
+               "SELECT count(*) FROM visits WHERE length(concat(vb)) > 1",
+               "SELECT count(*) FROM visits WHERE CAST(raw AS varchar) > 'a'",
+               "SELECT COUNT(DISTINCT vb) FROM visits",
+               "SELECT count(*) FROM visits WHERE bit_length(vb) > 0"]
+    with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
+        su.execute("CREATE TYPE dp_test_jpair AS (a int, b json)")
+        su.execute("CREATE DOMAIN dp_test_num AS numeric")
+        su.execute("ALTER TABLE visits ADD COLUMN n numeric, ADD COLUMN f float8, "
+                   "ADD COLUMN dn dp_test_num, ADD COLUMN na numeric[], ADD COLUMN fa float8[], "
+                   "ADD COLUMN da date[], ADD COLUMN ta timestamp[], ADD COLUMN ja json[], "
+                   "ADD COLUMN cp dp_test_jpair, ADD COLUMN pa point[], ADD COLUMN vb varbit, "
+                   "ADD COLUMN raw bytea, ADD COLUMN tx text")
+        try:
+            su.execute("UPDATE visits SET n = duration, f = duration, dn = duration, "
+                       "na = ARRAY[duration], fa = ARRAY[duration], tx = browser, "
+                       "da = ARRAY['2020-01-01'::date], ta = ARRAY['2020-01-01'::timestamp], "
+                       "vb = B'101', raw = '\\x01'")
+            outcomes: dict[str, list[str]] = {sql: [] for sql in answered + refused}
+            with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+                conn.execute("SET dp.epsilon = 0.1")
+                for round_ in range(2):
+                    if round_:
+                        su.execute(
+                            "INSERT INTO visits (uid, browser, country, duration, n, f, dn, na, "
+                            "fa, da, ta, ja, cp, pa, tx) SELECT 900003, 'Chrome', 'US', 10, "
+                            "(repeat('9', 131072) || '.5')::numeric, 1, 1e400, ARRAY[1e400], "
+                            "ARRAY[1.0], ARRAY['294277-01-01'::date], ARRAY['2020-01-01'::"
+                            "timestamp], ARRAY['{}'::json], ROW(1, '{}')::dp_test_jpair, "
+                            "ARRAY[point(1, 2)], repeat('a', 268435456)")
+                    for sql in outcomes:
+                        before = spent(conn)
+                        try:
+                            conn.execute(sql).fetchall()
+                            outcomes[sql].append("answered")
+                        except psycopg.errors.FeatureNotSupported:
+                            assert spent(conn) == before, sql
+                            outcomes[sql].append("refused")
+                        except psycopg.errors.InternalError_:
+                            outcomes[sql].append("failed after the charge")
+            assert {sql: o for sql, o in outcomes.items() if sql in answered} == \
+                {sql: ["answered", "answered"] for sql in answered}
+            assert {sql: o for sql, o in outcomes.items() if sql in refused} == \
+                {sql: ["refused", "refused"] for sql in refused}
+        finally:
+            su.execute("DELETE FROM visits WHERE uid = 900003")
+            su.execute("ALTER TABLE visits DROP COLUMN n, DROP COLUMN f, DROP COLUMN dn, "
+                       "DROP COLUMN na, DROP COLUMN fa, DROP COLUMN da, DROP COLUMN ta, "
+                       "DROP COLUMN ja, DROP COLUMN cp, DROP COLUMN pa, DROP COLUMN vb, "
+                       "DROP COLUMN raw, DROP COLUMN tx")
+            su.execute("DROP TYPE dp_test_jpair")
+            su.execute("DROP DOMAIN dp_test_num")
+
+
 def test_one_users_huge_text_makes_no_query_fail(proxy: Proxy, backend: Backend,
                                                  fresh_budgets: None) -> None:
     """Red team, session 31: a user's 110 MB text (1.3 MB on disk, compressed), concatenated

@@ -1,0 +1,141 @@
+"""What a probed type is under its domains: its base type, an array's element, a composite."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+
+from dp_core.errors import FeatureNotSupported
+from dp_core.probes import order_probe_sql
+from dp_core.query import AnalyzedQuery
+
+_BASES = """
+WITH RECURSIVE d(root, cur) AS (
+    SELECT o, o FROM unnest($1::oid[]) AS o
+  UNION ALL
+    SELECT d.root, t.typbasetype FROM d JOIN pg_catalog.pg_type t ON t.oid = d.cur
+    WHERE t.typtype = 'd')
+SELECT d.root, b.typname, b.typtype::text AS typtype, b.typcategory = 'A' AND b.typelem <> 0 AS is_array,
+       b.typelem
+FROM d JOIN pg_catalog.pg_type b ON b.oid = d.cur WHERE b.typtype <> 'd'"""
+"""Each type (oid) under its domains (a domain over a domain too): its base's name, typtype,
+whether it is an array, and its element type."""
+
+TEXT_OUTPUT_BASES = frozenset({
+    "text", "varchar", "bpchar", "name", "char", "json", "int2", "int4", "int8", "float4",
+    "float8", "numeric", "bool", "date", "time", "timetz", "timestamp", "timestamptz",
+    "interval", "uuid", "inet", "cidr", "macaddr", "macaddr8", "money", "oid",
+})
+"""Base types whose text is at most about their size (a text's own, json's as stored) or
+small (numbers, dates, addresses): a value's text stays within Postgres's 1 GB limit. Not
+bytea (twice its size), bit and varbit (8 times: a user's varbit of 135 MB made 1.08 GB of
+text, an error after the charge; red team, session 32), jsonb (escapes, up to 6 times), nor
+arrays, composites and the rest, whose text can be several times their size."""
+
+
+@dataclass(frozen=True)
+class TypeShape:
+    """A type under its domains."""
+
+    name: str
+    """Its base type's name; of an array, its element's (under its domains): Postgres converts
+    an array by converting each element."""
+    kind: str
+    """That type's typtype: b (base), c (composite), e (enum), r (range), m (multirange), p
+    (pseudo: `record`)."""
+    array: bool
+
+    @property
+    def container(self) -> bool:
+        """Whether Postgres looks up its parts' equality and order only when a row reaches a
+        comparison of it (an array's, a composite's, a record's)."""
+        return self.array or self.kind in ("c", "p")
+
+    @property
+    def text_is_bounded(self) -> bool:
+        """Whether its text stays near its size (TEXT_OUTPUT_BASES, enums, ranges of them)."""
+        return not self.array and (self.kind in ("e", "r") or
+                                   (self.kind == "b" and self.name in TEXT_OUTPUT_BASES))
+
+
+async def type_shapes(conn: Any, oids: Iterable[int]) -> dict[int, TypeShape]:
+    """Each type of `oids` as `TypeShape`: one catalog read, two where arrays are among them."""
+    wanted = sorted(set(oids))
+    if not wanted:
+        return {}
+    rows = {int(r["root"]): r for r in await conn.fetch(_BASES, wanted)}
+    elements = {int(r["typelem"]) for r in rows.values() if r["is_array"]}
+    under = {int(r["root"]): r for r in await conn.fetch(_BASES, sorted(elements))} \
+        if elements else {}
+    out = {}
+    for oid, r in rows.items():
+        if r["is_array"]:
+            e = under[int(r["typelem"])]
+            out[oid] = TypeShape(str(e["typname"]), str(e["typtype"]), True)
+        else:
+            out[oid] = TypeShape(str(r["typname"]), str(r["typtype"]), False)
+    return out
+
+
+def check_text_outputs(texts: Mapping[str, TypeShape]) -> None:
+    """Refuse (0A000, before any charge) a value whose text the query makes (a cast to text,
+    concat(), COUNT(DISTINCT)'s digest) where its type's text can be several times its size:
+    `texts` maps what the query wrote to the value's type."""
+    for text, shape in texts.items():
+        if not shape.text_is_bounded:
+            what = f"{shape.name}[]" if shape.array else shape.name
+            raise FeatureNotSupported(
+                f"not allowed in a DP query (the text of a {what} value: it can be several "
+                f"times the value's size, past Postgres's 1 GB limit on one value): {text}",
+                hint="cast to text only texts, numbers, dates and times, addresses, enums")
+
+
+_FIRST_USER_OID = 16384
+
+
+async def probed_shapes(attrs: Iterable[Any], conn: Any) -> dict[str, TypeShape]:
+    """The shape of each probed column's type (asyncpg's attributes), by column name: built-in
+    base types as they are, the others (arrays, domains, composites, ranges, extensions')
+    from the catalog."""
+    attrs = list(attrs)
+    ask = {a.type.oid for a in attrs if (a.type.kind != "scalar" or a.type.oid >= _FIRST_USER_OID)}
+    found = await type_shapes(conn, ask)
+    out = {}
+    for a in attrs:
+        if a.type.oid in found:
+            out[a.name] = found[a.type.oid]
+        else:
+            out[a.name] = TypeShape(a.type.name, "p" if a.type.name == "record" else "b", False)
+    return out
+
+
+async def check_comparisons(query: AnalyzedQuery, shapes: Mapping[str, TypeShape],
+                            conn: Any) -> None:
+    """Refuse (before any charge) comparisons of arrays and composites whose parts Postgres
+    cannot order: it looks their equality and order up when a row first reaches them (`ja =
+    ja` of a json[], `cp = cp` of a composite with a json field: 42883 only where a row had
+    one; red team, session 32). Which it can, Postgres says for each such value when it
+    plans `ORDER BY` of it (`order_probe_sql`); a `record` (a subquery's ROW()) is refused."""
+    operands = []
+    for i, mix in enumerate(query.mixes):
+        if mix.kind != "compare" and mix.text != "GREATEST or LEAST":
+            continue
+        for j, op in enumerate(mix.operands):
+            shape = shapes[f"m{i}_{j}"]
+            if not shape.container:
+                continue
+            if shape.kind == "p":
+                raise FeatureNotSupported(
+                    f"not allowed in a DP query (a comparison of {shape.name} values, whose "
+                    f"parts Postgres compares only as rows reach it): {mix.text}")
+            operands.append((op, mix.scope if mix.scopes is None else mix.scopes[j]))
+    if operands:
+        try:
+            await conn.prepare(order_probe_sql(query, operands))
+        except asyncpg.PostgresError as e:
+            raise FeatureNotSupported(
+                "not allowed in a DP query (a comparison of arrays or composites whose parts "
+                f"Postgres cannot order: {e})") from None
