@@ -67,4 +67,5 @@ async def canonical_keys(query: AnalyzedQuery, types: Mapping[int, Any],
                      "alike (text, integers, dates, enums), such as a number made from it "
                      "(extract(epoch FROM ...), round(...))")
     return query.with_canonical_keys({i: t.name for i, t in types.items()
-                                      if t.name in CANONICAL_KEY_TYPES | COLLATED_KEY_TYPES})
+                                      if t.name in CANONICAL_KEY_TYPES | COLLATED_KEY_TYPES
+                                      or t.name.endswith("[]")})

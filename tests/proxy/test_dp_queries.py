@@ -772,6 +772,36 @@ def test_values_of_arrays_domains_and_composites_make_no_query_fail(
             su.execute("DROP DOMAIN dp_test_num")
 
 
+def test_long_keys_are_grouped_by_their_first_characters(proxy: Proxy, backend: Backend,
+                                                          fresh_budgets: None) -> None:
+    """Red team, session 32: each (user, group) row hashes, sorts, copies and sends its key
+    several times, so one user's key of 200 million characters (2.3 MB on disk) took 11
+    quanta more than without it. A text key is grouped and released by its first KEY_CHARS
+    characters (two keys alike that far are one group), an array key where it has at most
+    KEY_CHARS elements (else as NULL)."""
+    from dp_core.query import KEY_CHARS
+    with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
+        su.execute("ALTER TABLE visits ADD COLUMN arr int4[]")
+        try:
+            su.execute("INSERT INTO visits (uid, browser, country, duration, arr) "
+                       "SELECT u, repeat('L', 5000) || (u % 2)::text, 'US', 10, "
+                       "CASE WHEN u % 2 = 0 THEN ARRAY[1] ELSE array_fill(7, ARRAY[2000]) END "
+                       "FROM generate_series(900100, 900299) AS u")
+            with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+                conn.execute("SET dp.epsilon = 4")
+                rows = conn.execute("SELECT browser, count(DISTINCT uid) FROM visits "
+                                    "WHERE browser LIKE 'LLL%' GROUP BY browser").fetchall()
+                assert [(len(k), k[0]) for k, _ in rows] == [(KEY_CHARS, "L")]
+                assert abs(rows[0][1] - 200) <= 5
+                keys = {tuple(k) if k is not None else None for k, _ in conn.execute(
+                    "SELECT arr, count(DISTINCT uid) FROM visits WHERE uid >= 900100 "
+                    "GROUP BY arr").fetchall()}
+                assert keys == {(1,), None}
+        finally:
+            su.execute("DELETE FROM visits WHERE uid >= 900100 AND uid < 900300")
+            su.execute("ALTER TABLE visits DROP COLUMN arr")
+
+
 def test_one_users_huge_text_makes_no_query_fail(proxy: Proxy, backend: Backend,
                                                  fresh_budgets: None) -> None:
     """Red team, session 31: a user's 110 MB text (1.3 MB on disk, compressed), concatenated
