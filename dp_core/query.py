@@ -424,7 +424,10 @@ def canonical_key(expr: ast.Node, type_name: str) -> ast.Node:
         expr = _bounded_array(expr)
     elif type_name in COLLATED_KEY_TYPES:
         cut = _func("substr", _cast(expr, "text"), _int(1), _int(KEY_CHARS))
-        expr = cut if type_name == "text" else _cast(cut, type_name)
+        # (bpchar unqualified: pglast prints pg_catalog.bpchar as char, which is char(1))
+        expr = cut if type_name == "text" else ast.TypeCast(arg=cut, typeName=ast.TypeName(
+            names=(ast.String(sval="bpchar"),) if type_name == "bpchar" else
+            (ast.String(sval="pg_catalog"), ast.String(sval=type_name))))
     if type_name in COLLATED_KEY_TYPES:
         return ast.CollateClause(arg=expr, collname=(ast.String(sval="pg_catalog"),
                                                      ast.String(sval="C")))

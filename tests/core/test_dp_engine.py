@@ -451,6 +451,9 @@ def test_a_selected_key_grouped_by_position_or_expression_is_one_key() -> None:
              'pg_catalog."C"'),
     ("varchar", 'CAST(pg_catalog.substr(CAST(browser AS pg_catalog.text), 1, 1000) AS varchar) '
                 'COLLATE pg_catalog."C"'),
+    # (not `char`, which Postgres reads as char(1): 'FR' and 'FI' were one group 'F')
+    ("bpchar", 'CAST(pg_catalog.substr(CAST(browser AS pg_catalog.text), 1, 1000) AS bpchar) '
+               'COLLATE pg_catalog."C"'),
     ("text[]", "CASE WHEN pg_catalog.cardinality(browser) <= 1000 AND pg_catalog.octet_length("
                "pg_catalog.array_to_string(browser, '')) <= 4000 THEN browser END COLLATE "
                'pg_catalog."C"'),
