@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -463,6 +464,7 @@ def _per_user_window(fc: Any, is_uid: Any, totalize: Totalizer) -> Any:
         # in one user's rows)
         raise refuse("window frames (ROWS or RANGE BETWEEN ...)", node_sql(fc))
     args = tuple(totalize(a, "window function argument") for a in (fc.args or ()))
+    _compared(name, args, totalize)
     if name in ("sum", "avg"):  # (as a per-user aggregate's: `_per_user_aggregate`)
         args = tuple(within_magnitude(totalize.number(a, f"{name}() of a number", node_sql(fc)),
                                       NUMERIC_ROW_CLAMP) for a in args)
@@ -479,6 +481,15 @@ def _per_user_window(fc: Any, is_uid: Any, totalize: Totalizer) -> Any:
     return fc
 
 
+def _compared(name: str, args: tuple[Any, ...], totalize: Totalizer) -> None:
+    """min() and max() compare their argument's values: noted as a comparison (`TypeMix`),
+    which the server refuses for arrays and composites whose parts Postgres cannot order (it
+    looks that up when a user's second value reaches it: `max(ja)` of a json[])."""
+    if name in ("min", "max"):
+        for a in args:
+            totalize.mix("compare", [a, copy.deepcopy(a)], f"{name}()")
+
+
 def _per_user_expression(val: Any, grouped: bool, totalize: Totalizer) -> Any:
     """A select-list item of an inner query: total, with per-user aggregates made total too."""
     if isinstance(val, ast.FuncCall) and func_name(val) in _PER_USER_AGGREGATES:
@@ -490,6 +501,7 @@ def _per_user_expression(val: Any, grouped: bool, totalize: Totalizer) -> Any:
                           "built in", node_sql(val))
         name = func_name(val)
         args = tuple(totalize(a, "aggregate argument") for a in (val.args or ()))
+        _compared(name, args, totalize)
         if name in ("sum", "avg"):
             # exact, in numeric, each row within ±NUMERIC_ROW_CLAMP: no overflow for any
             # user's rows (two near numeric's largest overflowed it)

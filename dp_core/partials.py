@@ -130,7 +130,7 @@ def partial(i: int, agg: Aggregate, arg_type: str | None) -> str:
             # pushdown would fail on the data, after the charge
             raise FeatureNotSupported(
                 f"{agg.output_name}: COUNT(DISTINCT x) of an array (type {arg_type})",
-                hint="count a scalar, e.g. the array's text: x::text")
+                hint="count a scalar made from it, e.g. cardinality(x)")
         # the user's distinct values, at most k of them: a fixed choice among its own values
         # (by a hash of their text, so that users with many values do not all keep the same
         # smallest ones, which would make the count smaller than it need be)

@@ -199,9 +199,9 @@ class Totalizer:
             node.arg = self._total(node.arg, ctx)
             node.args = tuple(self._total(w, ctx) for w in node.args)
             node.defresult = self._total(node.defresult, ctx)
-            self._mix("choose", [*(w.result for w in node.args), node.defresult], "CASE")
+            self.mix("choose", [*(w.result for w in node.args), node.defresult], "CASE")
             for w in node.args if node.arg is not None else ():
-                self._mix("compare", [node.arg, w.expr], "CASE x WHEN")
+                self.mix("compare", [node.arg, w.expr], "CASE x WHEN")
             return node
         if isinstance(node, ast.CaseWhen):
             node.expr = self._total(node.expr, ctx)
@@ -209,7 +209,7 @@ class Totalizer:
             return node
         if isinstance(node, (ast.CoalesceExpr, ast.MinMaxExpr)):
             node.args = tuple(self._total(a, ctx) for a in node.args)
-            self._mix("choose", list(node.args), "COALESCE" if isinstance(node, ast.CoalesceExpr)
+            self.mix("choose", list(node.args), "COALESCE" if isinstance(node, ast.CoalesceExpr)
                       else "GREATEST or LEAST")
             return node
         if isinstance(node, ast.TypeCast):
@@ -227,7 +227,7 @@ class Totalizer:
                 # values are converted when it runs, which only a row reaching it makes happen)
                 column = ast.SubLink(subLinkType=SubLinkType.EXPR_SUBLINK,
                                      subselect=copy.deepcopy(link.subselect))
-                self._mix("compare", [link.testexpr, column], "IN, ANY or ALL (SELECT ...)",
+                self.mix("compare", [link.testexpr, column], "IN, ANY or ALL (SELECT ...)",
                           constant=(_constant(link.testexpr), False))
             return link
         if isinstance(node, ast.SQLValueFunction):
@@ -242,7 +242,7 @@ class Totalizer:
         if kind == A_Expr_Kind.AEXPR_OP:
             if op in TOTAL_OPERATORS:
                 node.lexpr, node.rexpr = self._total(node.lexpr, ctx), self._total(node.rexpr, ctx)
-                self._mix("compare", [node.lexpr, node.rexpr], op)
+                self.mix("compare", [node.lexpr, node.rexpr], op)
                 return node
             if op in ARITHMETIC:
                 # exact numeric arithmetic cannot overflow on column values; x/0 is NULL
@@ -282,12 +282,12 @@ class Totalizer:
             values = [node.lexpr, *(node.rexpr if isinstance(node.rexpr, tuple) else
                                     (node.rexpr,))]
             what = _MIXED_BY.get(kind, "IN")
-            self._mix("compare", values, what)
+            self.mix("compare", values, what)
             listed = [v for v in values[1:] if not isinstance(v, ast.ColumnRef)]
             if kind == A_Expr_Kind.AEXPR_IN and len(listed) > 1:
                 # (Postgres makes them an array of one type, chosen with the tested value's,
                 # which it compares with each: `x = ANY (ARRAY[...])`)
-                self._mix("choose", [values[0], *listed], what,
+                self.mix("choose", [values[0], *listed], what,
                           constant=(None, *(_constant(v) for v in listed)))
             return node
         if kind in (A_Expr_Kind.AEXPR_LIKE, A_Expr_Kind.AEXPR_ILIKE):
@@ -342,7 +342,7 @@ class Totalizer:
         raise refuse(f"casts of column values to {target} (they can fail on some values)",
                       node_sql(node))
 
-    def _mix(self, kind: str, operands: list[Any], text: str,
+    def mix(self, kind: str, operands: list[Any], text: str,
              constant: tuple[bool | None, ...] | None = None) -> None:
         """Note values Postgres brings to one type (`TypeMix`): each literal shape once (an IN
         list of a thousand values is a few types; each operand is a column of the probe)."""

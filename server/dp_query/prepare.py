@@ -187,12 +187,12 @@ class Preparer:
             arg_types = {int(name[1:]): t for name, t in types.items() if name[0] == "a"}
             shapes = await probed_shapes(attrs, conn)
             check_casts(query.casts, [types[f"c{i}"] for i in range(len(query.casts))])
-            check_text_outputs({c.text: shapes[f"c{i}"] for i, c in enumerate(query.casts)
-                                if c.output})
-            check_text_outputs({a.output_name: shapes[f"a{i}"]
+            check_text_outputs([(c.text, shapes[f"c{i}"]) for i, c in enumerate(query.casts)
+                                if c.output])
+            check_text_outputs([(a.output_name, shapes[f"a{i}"])
                                 for i, a in enumerate(query.aggregates)
                                 if a.kind is AggKind.COUNT_DISTINCT and f"a{i}" in shapes
-                                and not digested_whole(types[f"a{i}"])})
+                                and not digested_whole(types[f"a{i}"])])
             # (an array's or a domain's values converted as their elements' or base's)
             check_mixes(query.mixes, [[shapes[f"m{i}_{j}"].name for j in range(len(m.operands))]
                                       for i, m in enumerate(query.mixes)])

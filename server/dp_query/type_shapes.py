@@ -80,11 +80,12 @@ async def type_shapes(conn: Any, oids: Iterable[int]) -> dict[int, TypeShape]:
     return out
 
 
-def check_text_outputs(texts: Mapping[str, TypeShape]) -> None:
+def check_text_outputs(texts: Iterable[tuple[str, TypeShape]]) -> None:
     """Refuse (0A000, before any charge) a value whose text the query makes (a cast to text,
     concat(), COUNT(DISTINCT)'s digest) where its type's text can be several times its size:
-    `texts` maps what the query wrote to the value's type."""
-    for text, shape in texts.items():
+    `texts` pairs what the query wrote (each argument of one concat() the same) with the
+    value's type."""
+    for text, shape in texts:
         if not shape.text_is_bounded:
             what = f"{shape.name}[]" if shape.array else shape.name
             raise FeatureNotSupported(
@@ -121,8 +122,9 @@ async def check_comparisons(query: AnalyzedQuery, shapes: Mapping[str, TypeShape
     plans `ORDER BY` of it (`order_probe_sql`); a `record` (a subquery's ROW()) is refused."""
     operands = []
     for i, mix in enumerate(query.mixes):
-        if mix.kind != "compare" and mix.text != "GREATEST or LEAST":
-            continue
+        if mix.kind != "compare" and mix.text != "GREATEST or LEAST" \
+                and not mix.text.startswith("USING ("):
+            continue  # (CASE and COALESCE choose a value, comparing none)
         for j, op in enumerate(mix.operands):
             shape = shapes[f"m{i}_{j}"]
             if not shape.container:

@@ -722,7 +722,15 @@ def test_values_of_arrays_domains_and_composites_make_no_query_fail(
                "SELECT count(*) FROM visits WHERE length(concat(vb)) > 1",
                "SELECT count(*) FROM visits WHERE CAST(raw AS varchar) > 'a'",
                "SELECT COUNT(DISTINCT vb) FROM visits",
-               "SELECT count(*) FROM visits WHERE bit_length(vb) > 0"]
+               "SELECT count(*) FROM visits WHERE bit_length(vb) > 0",
+               # (review: each argument of one concat() checked, not only the last)
+               "SELECT count(*) FROM visits WHERE length(concat(raw, browser)) > 1",
+               # (review: a USING join compares its columns; min() and max() their values)
+               "SELECT count(*) FROM visits JOIN purchases USING (uid, ja)",
+               "SELECT count(*) FROM (SELECT uid, max(ja) AS m FROM visits GROUP BY uid) t "
+               "WHERE m IS NOT NULL",
+               "SELECT count(*) FROM (SELECT uid, min(ja) OVER (PARTITION BY uid) AS m "
+               "FROM visits) t WHERE m IS NOT NULL"]
     with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
         su.execute("CREATE TYPE dp_test_jpair AS (a int, b json)")
         su.execute("CREATE DOMAIN dp_test_num AS numeric")
@@ -731,6 +739,7 @@ def test_values_of_arrays_domains_and_composites_make_no_query_fail(
                    "ADD COLUMN da date[], ADD COLUMN ta timestamp[], ADD COLUMN ja json[], "
                    "ADD COLUMN cp dp_test_jpair, ADD COLUMN pa point[], ADD COLUMN vb varbit, "
                    "ADD COLUMN raw bytea, ADD COLUMN tx text")
+        su.execute("ALTER TABLE purchases ADD COLUMN ja json[]")
         try:
             su.execute("UPDATE visits SET n = duration, f = duration, dn = duration, "
                        "na = ARRAY[duration], fa = ARRAY[duration], tx = browser, "
@@ -747,7 +756,10 @@ def test_values_of_arrays_domains_and_composites_make_no_query_fail(
                             "(repeat('9', 131072) || '.5')::numeric, 1, 1e400, ARRAY[1e400], "
                             "ARRAY[1.0], ARRAY['294277-01-01'::date], ARRAY['2020-01-01'::"
                             "timestamp], ARRAY['{}'::json], ROW(1, '{}')::dp_test_jpair, "
-                            "ARRAY[point(1, 2)], repeat('a', 268435456)")
+                            "ARRAY[point(1, 2)], CASE WHEN g = 1 THEN repeat('a', 268435456) "
+                            "END FROM generate_series(1, 2) AS g")
+                        su.execute("INSERT INTO purchases (uid, category, amount, ja) "
+                                   "VALUES (900003, 'x', 1, ARRAY['{}'::json])")
                     for sql in outcomes:
                         before = spent(conn)
                         try:
@@ -764,10 +776,12 @@ def test_values_of_arrays_domains_and_composites_make_no_query_fail(
                 {sql: ["refused", "refused"] for sql in refused}
         finally:
             su.execute("DELETE FROM visits WHERE uid = 900003")
+            su.execute("DELETE FROM purchases WHERE uid = 900003")
             su.execute("ALTER TABLE visits DROP COLUMN n, DROP COLUMN f, DROP COLUMN dn, "
                        "DROP COLUMN na, DROP COLUMN fa, DROP COLUMN da, DROP COLUMN ta, "
                        "DROP COLUMN ja, DROP COLUMN cp, DROP COLUMN pa, DROP COLUMN vb, "
                        "DROP COLUMN raw, DROP COLUMN tx")
+            su.execute("ALTER TABLE purchases DROP COLUMN ja")
             su.execute("DROP TYPE dp_test_jpair")
             su.execute("DROP DOMAIN dp_test_num")
 
