@@ -446,8 +446,13 @@ def canonical_key(expr: ast.Node, type_name: str) -> ast.Node:
 
 def _bounded_array(expr: ast.Node) -> ast.Node:
     """`expr` (an array) where it has at most KEY_CHARS elements and KEY_CHARS * 4 bytes of
-    their text, else NULL (`KEY_CHARS`); its size read once (the count first)."""
+    their text, else NULL (`KEY_CHARS`). Its stored size is asked first (read from its
+    header, never decompressed): at most 16 bytes an element more than that, so it keeps
+    every array the rest keeps, and a larger one is not read at all."""
     small = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(
+        ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval="<="),),
+                   lexpr=_func("pg_column_size", copy.deepcopy(expr)),
+                   rexpr=_int(KEY_CHARS * 20 + 64)),
         ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval="<="),),
                    lexpr=_func("cardinality", copy.deepcopy(expr)), rexpr=_int(KEY_CHARS)),
         ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval="<="),),
