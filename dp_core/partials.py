@@ -166,7 +166,7 @@ def digested_whole(arg_type: str | None) -> bool:
     """Whether COUNT(DISTINCT x) of this type gathers x without making its text (`_distinct_value`):
     of the others, the server checks that their text stays near their size."""
     return arg_type is None or arg_type in _FIXED_SIZE_TYPES or arg_type in _DIGESTED_TYPES \
-        or arg_type == "numeric"
+        or arg_type in ("numeric", "jsonb")
 
 
 def _distinct_value(i: int, arg_type: str | None) -> str:
@@ -183,6 +183,9 @@ def _distinct_value(i: int, arg_type: str | None) -> str:
         return f"md5({a})"
     if arg_type == "numeric":
         return f"md5(trim_scale({a})::text)"
+    if arg_type == "jsonb":
+        # (its text can be several times its size; its hash is of its equal values' one form)
+        return f"pg_catalog.jsonb_hash_extended({a}, 0)"
     return f"md5(({a})::text)"
 
 
