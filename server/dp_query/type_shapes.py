@@ -27,13 +27,15 @@ whether it is an array, and its element type."""
 TEXT_OUTPUT_BASES = frozenset({
     "text", "varchar", "bpchar", "name", "char", "json", "int2", "int4", "int8", "float4",
     "float8", "numeric", "bool", "date", "time", "timetz", "timestamp", "timestamptz",
-    "interval", "uuid", "inet", "cidr", "macaddr", "macaddr8", "money", "oid",
+    "interval", "uuid", "inet", "cidr", "macaddr", "macaddr8", "money", "oid", "xml",
+    "int4range", "int8range", "numrange", "daterange", "tsrange", "tstzrange",
 })
-"""Base types whose text is at most about their size (a text's own, json's as stored) or
-small (numbers, dates, addresses): a value's text stays within Postgres's 1 GB limit. Not
-bytea (twice its size), bit and varbit (8 times: a user's varbit of 135 MB made 1.08 GB of
-text, an error after the charge; red team, session 32), jsonb (escapes, up to 6 times), nor
-arrays, composites and the rest, whose text can be several times their size."""
+"""Base types whose text is at most about their size (a text's own, json's and xml's as
+stored) or small (numbers, dates, addresses, the built-in ranges of them): a value's text
+stays within Postgres's 1 GB limit. Not bytea (twice its size), bit and varbit (8 times: a
+user's varbit of 135 MB made 1.08 GB of text, an error after the charge; red team, session
+32), jsonb (escapes, up to 6 times), nor arrays, composites and the rest, whose text can be
+several times their size."""
 
 
 @dataclass(frozen=True)
@@ -56,9 +58,10 @@ class TypeShape:
 
     @property
     def text_is_bounded(self) -> bool:
-        """Whether its text stays near its size (TEXT_OUTPUT_BASES, enums, ranges of them)."""
-        return not self.array and (self.kind in ("e", "r") or
-                                   (self.kind == "b" and self.name in TEXT_OUTPUT_BASES))
+        """Whether its text stays near its size (TEXT_OUTPUT_BASES, the built-in ranges,
+        enums; not a range over texts, whose bounds' quotes double in it)."""
+        return not self.array and (self.kind == "e" or (self.kind in ("b", "r") and
+                                                        self.name in TEXT_OUTPUT_BASES))
 
 
 async def type_shapes(conn: Any, oids: Iterable[int]) -> dict[int, TypeShape]:
