@@ -109,7 +109,7 @@ _ISOLATION_FUNCTIONS = {
                      "pg_last_committed_xact", "pg_xact_commit_timestamp",
                      "pg_xact_commit_timestamp_origin", "txid_status", "pg_xact_status",
                      "pg_control_checkpoint", "pg_control_system", "pg_control_init",
-                     "pg_control_recovery"), _COUNTERS),
+                     "pg_control_recovery", "mxid_age", "pg_get_multixact_members"), _COUNTERS),
     "pg_notify": _CHANNELS,
     **dict.fromkeys(ADVISORY_LOCKS, _LOCKS),
     **dict.fromkeys(("citus_table_size", "citus_relation_size", "citus_total_relation_size",
@@ -118,7 +118,9 @@ _ISOLATION_FUNCTIONS = {
     **dict.fromkeys(("citus_dist_stat_activity", "citus_worker_stat_activity",
                      "citus_lock_waits", "citus_locks"), _STATISTICS_FUNCTIONS),
     **dict.fromkeys(("query_to_xml", "query_to_xmlschema", "query_to_xml_and_xmlschema",
-                     "ts_stat", "ts_rewrite"), _QUERY_TEXT),
+                     "ts_stat", "ts_rewrite", "cursor_to_xml", "cursor_to_xmlschema",
+                     *(f"{what}_to_xml{form}" for what in ("table", "schema", "database")
+                       for form in ("", "schema", "_and_xmlschema"))), _QUERY_TEXT),
 }
 """Functions refused (by their last name, with any schema) besides `pg_stat_*` and `lo_*`
 ones: pg_column_size, pg_size_pretty, pg_backend_pid stay."""
@@ -144,7 +146,8 @@ REACH_WORDS = (
     "txid_status", "xact_status", "pg_control_", "advisory_", "view", "comment", "index",
     "vacuum", "analyze", "analyse", "cluster", "statistics",
     "function", "procedure", "rule", "aggregate", "operator", "inout", "language", "extension",
-    "role", "authorization", "alter", "query_to_xml", "ts_stat", "ts_rewrite", "citus_",
+    "role", "authorization", "alter", "_to_xml", "ts_stat", "ts_rewrite", "citus_",
+    "multixact", "mxid_age",
     "pg_dist_", "get_shard_id", "get_rebalance")
 """Words of everything `reach_refusal` refuses, each statement by a keyword it must
 have: CREATE TRIGGER and EVENT TRIGGER say EXECUTE FUNCTION or PROCEDURE, CREATE CAST says

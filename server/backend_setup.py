@@ -251,7 +251,12 @@ HARDENED_FUNCTIONS = (
     f"{', '.join(repr(f) for f in ADVISORY_LOCKS)}, "
     "'pg_lock_status', 'pg_prepared_xact', 'pg_isolation_test_session_is_blocked', "
     "'pg_notify', 'query_to_xml', 'query_to_xmlschema', 'query_to_xml_and_xmlschema', "
-    "'ts_stat', 'citus_table_size', 'citus_relation_size', 'citus_total_relation_size', "
+    "'ts_stat', 'ts_rewrite', 'table_to_xml', 'table_to_xmlschema', "
+    "'table_to_xml_and_xmlschema', 'schema_to_xml', 'schema_to_xmlschema', "
+    "'schema_to_xml_and_xmlschema', 'database_to_xml', 'database_to_xmlschema', "
+    "'database_to_xml_and_xmlschema', 'cursor_to_xml', 'cursor_to_xmlschema', "
+    "'mxid_age', 'pg_get_multixact_members', 'citus_table_size', 'citus_relation_size', "
+    "'citus_total_relation_size', "
     "'citus_shard_sizes', 'get_rebalance_progress', 'citus_stat_activity', "
     "'citus_stat_statements', 'citus_stat_tenants', 'citus_stat_tenants_local')"
 )

@@ -68,6 +68,22 @@ def fingerprint(sql: str) -> str:
         return hashlib.sha256(sql.encode()).hexdigest()[:16]
 
 
+LEDGER_QUERY_CHARS = 20_000
+"""The most characters of a query's text the ledger keeps (`logged_text`): refusals and reused
+answers cost nothing, and each 30 MB query (a comment of random text) appended 30 MB the
+append-only ledger could never shed, about 22 MB a second from one session (red team,
+session 32)."""
+
+
+def logged_text(sql: str) -> str:
+    """`sql` as the ledger keeps it: whole up to LEDGER_QUERY_CHARS characters, else their
+    first ones, its length and a SHA-256 of the whole."""
+    if len(sql) <= LEDGER_QUERY_CHARS:
+        return sql
+    digest = hashlib.sha256(sql.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{sql[:LEDGER_QUERY_CHARS]} [... {len(sql)} characters in all, sha256 {digest}]"
+
+
 class Ledger:
     """Ledger operations over the ledger role's own pool (no analyst SQL runs as that role)."""
 
@@ -325,7 +341,7 @@ class Ledger:
                 f"query, mechanisms) VALUES ($1, 'charge', $2, $3, 'charged', $4, $5, $6) "
                 "RETURNING id",
                 analyst, to_numeric(cost.epsilon), to_numeric(cost.delta),
-                fingerprint(sql) if token is None else token, sql,
+                fingerprint(sql) if token is None else token, logged_text(sql),
                 json.dumps(mechanisms))
         return Charged(ledger_id, tuple(unpaid))
 
@@ -357,14 +373,15 @@ class Ledger:
         """Append an uncharged event (a refused or failed query) for the audit trail."""
         await (conn or self.pool).execute(
             f"INSERT INTO {self.s}.ledger (analyst, kind, outcome, fingerprint, query) "
-            "VALUES ($1, 'refused', $2, $3, $4)", analyst, outcome[:500], fingerprint(sql), sql)
+            "VALUES ($1, 'refused', $2, $3, $4)", analyst, outcome[:500], fingerprint(sql),
+            logged_text(sql))
 
     async def record_reuse(self, analyst: str, sql: str, released: str) -> None:
         """Append the event of an answer given again (no cost) for the audit trail."""
         await self.pool.execute(
             f"INSERT INTO {self.s}.ledger (analyst, kind, outcome, fingerprint, query) "
             "VALUES ($1, 'reuse', $2, $3, $4)", analyst,
-            f"answer reused (first released at {released})", fingerprint(sql), sql)
+            f"answer reused (first released at {released})", fingerprint(sql), logged_text(sql))
 
     async def reset(self, analyst: str, by_admin: str) -> Budget:
         s = self.s

@@ -906,17 +906,26 @@ del Path
 
 
 def test_refused_and_failed_attempts_are_audited(proxy: Proxy, fresh_budgets: None) -> None:
+    """Refusals and reused answers cost nothing, so the ledger keeps at most
+    LEDGER_QUERY_CHARS characters of a query's text (red team, session 32: a 30 MB comment
+    on a refused query appended 30 MB to the append-only ledger, about 22 MB a second)."""
+    from server.ledger import LEDGER_QUERY_CHARS
+    comment = "/* " + "x" * (3 * LEDGER_QUERY_CHARS) + " */"
     with psycopg.connect(proxy.dsn("bob"), autocommit=True) as bob:
         with pytest.raises(psycopg.errors.FeatureNotSupported):
             bob.execute("SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE random() > 0")
         with pytest.raises(psycopg.Error):
             bob.execute("SELECT WITH ANONYMIZATION OPTIONS(epsilon=5) ANON_COUNT(*) FROM visits")
+        with pytest.raises(psycopg.errors.FeatureNotSupported):
+            bob.execute(f"SELECT ANON_COUNT(*) FROM visits WHERE random() > 0 {comment}")
     with psycopg.connect(proxy.dsn("admin"), autocommit=True) as admin:
         rows = admin.execute("SELECT kind, epsilon, outcome, query FROM dp_ledger('bob') "
-                             "ORDER BY id DESC LIMIT 2").fetchall()
-    assert [r[0] for r in rows] == ["refused", "refused"]
-    assert rows[0][2].startswith("53400: privacy budget exhausted") and float(rows[0][1]) == 0
-    assert rows[1][2].startswith("0A000:") and "random()" in rows[1][3]
+                             "ORDER BY id DESC LIMIT 3").fetchall()
+    assert [r[0] for r in rows] == ["refused", "refused", "refused"]
+    assert LEDGER_QUERY_CHARS < len(rows[0][3]) < LEDGER_QUERY_CHARS + 200
+    assert rows[0][3].startswith("SELECT ANON_COUNT(*)") and "characters in all" in rows[0][3]
+    assert rows[1][2].startswith("53400: privacy budget exhausted") and float(rows[1][1]) == 0
+    assert rows[2][2].startswith("0A000:") and "random()" in rows[2][3]
 
 
 def test_subqueries_and_ctes_end_to_end(proxy: Proxy, fresh_budgets: None) -> None:

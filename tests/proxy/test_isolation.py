@@ -92,6 +92,12 @@ STATISTICS = [
     # an analyst holding the ledger's migration lock held up every reload (and its own removal)
     "SELECT pg_advisory_lock(hashtext('dp-proxy ledger migration'))",
     "SELECT pg_try_advisory_xact_lock(1)",
+    # red team, session 32: harden left ts_rewrite (SQL from text) and the multixact counter
+    "SELECT ts_rewrite('a & b'::tsquery, 'SELECT ''a''::tsquery, ''c''::tsquery')",
+    "SELECT mxid_age('1'::xid)",
+    "SELECT * FROM pg_get_multixact_members('1')",
+    "SELECT table_to_xml('countries', true, false, '')",
+    "SELECT schema_to_xml('public', true, false, '')",
 ]
 
 
