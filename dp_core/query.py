@@ -419,7 +419,9 @@ def canonical_key(expr: ast.Node, type_name: str) -> ast.Node:
     (`COLLATED_KEY_TYPES`) are grouped under the "C" collation: under a nondeterministic one
     'a' = 'A' would be one group printed from one of its rows; under every deterministic
     collation equal texts are the same bytes, so the groups are the same (bpchar's equal
-    values may differ in trailing blanks, which their text, the released one, drops)."""
+    values may differ in trailing blanks, which their text, the released one, drops).
+    Texts are cut to KEY_CHARS characters, arrays kept within KEY_CHARS elements (else NULL):
+    each (user, group) row handles its key several times (`KEY_CHARS`)."""
     if type_name.endswith("[]"):
         expr = _bounded_array(expr)
     elif type_name in COLLATED_KEY_TYPES:
