@@ -15,6 +15,7 @@ from dp_core.errors import (
     InternalError,
 )
 from dp_core.sqlnodes import walk_nodes
+from dp_core.text_bounds import as_text
 
 Relation = tuple[str | None, str]
 """An unprotected table a DP query reads: (schema as written, or None; name)."""
@@ -425,8 +426,7 @@ def canonical_key(expr: ast.Node, type_name: str) -> ast.Node:
     if type_name.endswith("[]"):
         expr = _bounded_array(expr)
     elif type_name in COLLATED_KEY_TYPES:
-        cut: ast.Node = _func("substr", _cast(copy.deepcopy(expr), "text"), _int(1),
-                              _int(KEY_CHARS))
+        cut: ast.Node = _func("substr", as_text(copy.deepcopy(expr)), _int(1), _int(KEY_CHARS))
         # (bpchar unqualified: pglast prints pg_catalog.bpchar as char, which is char(1))
         cut = cut if type_name == "text" else ast.TypeCast(arg=cut, typeName=ast.TypeName(
             names=(ast.String(sval="bpchar"),) if type_name == "bpchar" else
@@ -482,7 +482,3 @@ def _func(name: str, *args: ast.Node) -> ast.FuncCall:
 def _int(value: int) -> ast.A_Const:
     return ast.A_Const(val=ast.Integer(ival=value))
 
-
-def _cast(expr: ast.Node, type_name: str) -> ast.Node:
-    return ast.TypeCast(arg=expr, typeName=ast.TypeName(names=(ast.String(sval="pg_catalog"),
-                                                               ast.String(sval=type_name))))

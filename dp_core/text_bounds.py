@@ -52,14 +52,19 @@ def like_of_lowered(value: ast.Node, pattern: ast.Node, negated: bool) -> ast.A_
                       lexpr=lower(value), rexpr=in_c(lower(collated)))
 
 
+def as_text(node: ast.Node) -> ast.TypeCast:
+    """`CAST(node AS pg_catalog.text)`."""
+    return ast.TypeCast(arg=node, typeName=ast.TypeName(names=(ast.String(sval="pg_catalog"),
+                                                               ast.String(sval="text"))))
+
+
 def bounded_text(node: ast.Node) -> ast.Node:
     """`node` (a text) cut to its first MAX_TEXT_CHARS characters (a literal as it is). As
     text: of another type, Postgres would refuse substr() before the proxy's own check of the
     type (`totality.Totalizer._text`) had its say."""
     if isinstance(node, ast.A_Const):
         return node
-    text = ast.TypeCast(arg=node, typeName=ast.TypeName(names=(ast.String(sval="pg_catalog"),
-                                                               ast.String(sval="text"))))
+    text = as_text(node)
     return ast.FuncCall(funcname=(ast.String(sval="pg_catalog"), ast.String(sval="substr")),
                         args=(text, ast.A_Const(val=ast.Integer(ival=1)),
                               ast.A_Const(val=ast.Integer(ival=MAX_TEXT_CHARS))))
@@ -77,8 +82,7 @@ def capped_bit_length(value: ast.Node) -> ast.Node:
     the charge; red team, session 32). Here the octets are taken at most to 2^28 - 1, so the
     bits stay within int4 (a value of 256 MiB or more gives 2,147,483,640)."""
     octets = ast.FuncCall(funcname=(ast.String(sval="pg_catalog"), ast.String(sval="octet_length")),
-                          args=(ast.TypeCast(arg=value, typeName=ast.TypeName(names=(
-                              ast.String(sval="pg_catalog"), ast.String(sval="text")))),))
+                          args=(as_text(value),))
     capped = ast.MinMaxExpr(op=MinMaxOp.IS_LEAST,
                             args=(octets, ast.A_Const(val=ast.Integer(ival=2**28 - 1))))
     return ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval="*"),), lexpr=capped,

@@ -11,6 +11,7 @@ import asyncpg
 from dp_core.errors import FeatureNotSupported
 from dp_core.probes import order_probe_sql
 from dp_core.query import AnalyzedQuery
+from server.dp_query.key_types import FIRST_USER_OID
 
 _BASES = """
 WITH RECURSIVE d(root, cur) AS (
@@ -97,15 +98,12 @@ def check_text_outputs(texts: Iterable[tuple[str, TypeShape]]) -> None:
                 hint="cast to text only texts, numbers, dates and times, addresses, enums")
 
 
-_FIRST_USER_OID = 16384
-
-
 async def probed_shapes(attrs: Iterable[Any], conn: Any) -> dict[str, TypeShape]:
     """The shape of each probed column's type (asyncpg's attributes), by column name: built-in
     base types as they are, the others (arrays, domains, composites, ranges, extensions')
     from the catalog."""
     attrs = list(attrs)
-    ask = {a.type.oid for a in attrs if (a.type.kind != "scalar" or a.type.oid >= _FIRST_USER_OID)}
+    ask = {a.type.oid for a in attrs if (a.type.kind != "scalar" or a.type.oid >= FIRST_USER_OID)}
     found = await type_shapes(conn, ask)
     out = {}
     for a in attrs:
