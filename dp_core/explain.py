@@ -95,8 +95,9 @@ def explain_lines(query: AnalyzedQuery, plan: DPQueryPlan, sql: Sequence[str],
                      "selection, nothing spent on it")
     if query.joins_capped:
         lines.append(f"Protected tables joined row by row: each reads at most "
-                     f"{JOIN_ROWS_PER_USER} rows of a user (chosen by a hash of each row's "
-                     "place), so one user's rows cannot multiply the work past their square")
+                     f"{JOIN_ROWS_PER_USER} rows of a user (a table's chosen by a hash of "
+                     "each row's place, a subquery's at random), so one user's rows cannot "
+                     "multiply the work past their square")
     for q in plan.approx_bounds:
         assert q.aggregate is not None
         lines.append(f"APPROX_BOUNDS for {visible_name(query, q.aggregate)}: log-scale "

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from pglast import ast, parse_sql
+from pglast import ast
 from pglast.enums import JoinType
 
 from dp_core.catalogue import SYSTEM_SCHEMAS
@@ -33,6 +33,7 @@ from dp_core.public_reads import (
     reads_protected,
 )
 from dp_core.query import PublicSource, Relation, TablePolicy, TableRef
+from dp_core.sql_parse import parse_sql
 from dp_core.sqlnodes import (
     NUMERIC_ROW_CLAMP,
     OWNED_CLAUSES,
@@ -57,14 +58,17 @@ def _capped(node: Any, table: TableRef) -> ast.RangeSubselect:
     """`node`, a protected FROM item, as a subquery of the same name that reads at most
     JOIN_ROWS_PER_USER rows of each user, chosen from the user's own rows alone: those of a
     table with the lowest hash of their place in it (ctid: cheap, and the same in each
-    statement of one snapshot), those of an inner query with the lowest hash of the whole
-    row. Its columns are the item's and dp_rn (the row's rank within its user's): a condition
-    on the uid still reaches the table's index."""
+    statement of one snapshot), those of an inner query at random (each row its own draw).
+    An inner query's rows have no place, and their values are not read for the choice: its
+    whole row would be made of every column it selects (300 columns of one 4 MB value make a
+    row past Postgres's 1 GB, an error only that user's rows cause). Its columns are the
+    item's and dp_rn (the row's rank within its user's): a condition on the uid still
+    reaches the table's index."""
     alias, uid = _quote(table.alias), _quote(table.uid_column)
-    row = f"{alias}::text" if table.derived else f"{alias}.ctid::text"
+    rank = "random()" if table.derived else f"hashtextextended({alias}.ctid::text, 0)"
     sub = parse_sql(
         f"SELECT * FROM (SELECT {alias}.*, row_number() OVER (PARTITION BY {alias}.{uid} "
-        f"ORDER BY hashtextextended({row}, 0)) AS dp_rn FROM dp_capped) AS dp_c "
+        f"ORDER BY {rank}) AS dp_rn FROM dp_capped) AS dp_c "
         f"WHERE dp_c.dp_rn <= {JOIN_ROWS_PER_USER}")[0].stmt
     sub.fromClause[0].subquery.fromClause = (node,)
     return ast.RangeSubselect(subquery=sub, alias=ast.Alias(aliasname=table.alias))
@@ -273,7 +277,7 @@ class FromAnalysis:
 
     def capped_joins(self, items: tuple[Any, ...]) -> tuple[Any, ...]:
         """`items` (this scope's FROM) where two protected items are joined row by row: each
-        then reads at most JOIN_ROWS_PER_USER rows of each user (picked by a hash of the row),
+        then reads at most JOIN_ROWS_PER_USER rows of each user (`_capped` says which),
         so that the join makes at most JOIN_ROWS_PER_USER² rows of one user, whatever that
         user's rows (DESIGN §3.11: no construct lets one user's rows multiply the work)."""
         rows = [t for t in self.tables if not t.per_user]

@@ -788,6 +788,48 @@ def test_values_of_arrays_domains_and_composites_make_no_query_fail(
             su.execute("DROP DOMAIN dp_test_num")
 
 
+def test_inner_queries_joined_row_by_row_read_no_whole_row(
+        proxy: Proxy, backend: Backend, fresh_budgets: None) -> None:
+    """Red team, session 33: an inner query joined row by row with another protected item
+    had each user's rows chosen by a hash of its whole row's text, which Postgres makes of
+    every column it selects: 300 columns of one user's 4 MB value made a row past 1 GB, and
+    the query failed after the charge (XX000) only because that user's rows were there. Now
+    its rows are chosen at random: every form below is answered, with the user or without."""
+    copies = ", ".join(f"{{col}} AS c{i}" for i in range(300))
+    forms = [
+        f"SELECT count(*) FROM visits v JOIN (SELECT uid, {copies.format(col='category')} "
+        "FROM purchases) p USING (uid)",
+        f"SELECT count(*) FROM (SELECT uid, {copies.format(col='b')} FROM (SELECT uid, "
+        "CASE WHEN uid = 900004 THEN category END AS b FROM purchases) q) p "
+        "JOIN visits v ON v.uid = p.uid",
+        f"WITH p AS (SELECT uid, {copies.format(col='category')} FROM purchases) "
+        "SELECT v.browser, count(*) FROM visits v JOIN p USING (uid) GROUP BY v.browser",
+        f"SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM (SELECT uid, "
+        f"{copies.format(col='category')} FROM purchases) p, visits v WHERE p.uid = v.uid",
+    ]
+    with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
+        try:
+            outcomes: dict[str, list[str]] = {sql: [] for sql in forms}
+            with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+                conn.execute("SET dp.epsilon = 0.1")
+                for round_ in range(2):
+                    if round_:
+                        su.execute("INSERT INTO purchases (uid, category, amount) VALUES "
+                                   "(900004, repeat('x', 4000000) || md5('a'), 1)")
+                        su.execute("INSERT INTO visits (uid, browser, country, duration) "
+                                   "VALUES (900004, 'Chrome', 'US', 10)")
+                    for sql in forms:
+                        try:
+                            conn.execute(sql).fetchall()
+                            outcomes[sql].append("answered")
+                        except psycopg.errors.InternalError_:
+                            outcomes[sql].append("failed after the charge")
+            assert outcomes == {sql: ["answered", "answered"] for sql in forms}
+        finally:
+            su.execute("DELETE FROM visits WHERE uid = 900004")
+            su.execute("DELETE FROM purchases WHERE uid = 900004")
+
+
 def test_long_keys_are_grouped_by_their_first_characters(proxy: Proxy, backend: Backend,
                                                           fresh_budgets: None) -> None:
     """Red team, session 32: each (user, group) row hashes, sorts, copies and sends its key
