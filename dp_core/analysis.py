@@ -21,7 +21,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from typing import Any
 
-from pglast import ast, parse_sql
+from pglast import ast
 from pglast.enums import A_Expr_Kind, BoolExprType, NullTestType
 from pglast.parser import ParseError
 from pglast.visitors import Visitor
@@ -52,6 +52,7 @@ from dp_core.query import (
     SelectItem,
     TablePolicy,
 )
+from dp_core.sql_parse import parse_sql
 from dp_core.sqlnodes import (
     OWNED_CLAUSES,
     func_name,

@@ -18,11 +18,12 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from pglast import ast, parse_sql
+from pglast import ast
 from pglast.enums import A_Expr_Kind, SQLValueFunctionOp
 from pglast.stream import RawStream
 from pglast.visitors import Skip, Visitor
 
+from dp_core.sql_parse import parse_sql
 from dp_core.sqlnodes import walk_nodes
 
 CLOCK_FUNCTIONS = frozenset({"now", "transaction_timestamp", "statement_timestamp"})

@@ -60,11 +60,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pglast import ast, parse_sql
+from pglast import ast
 from pglast.enums import A_Expr_Kind, BoolExprType, JoinType, NullTestType
 
 from dp_core.join_items import filtered, sentinel
 from dp_core.join_keys import column, is_key, lenient, outside, reads, unnamed_key
+from dp_core.sql_parse import parse_sql
 from dp_core.sqlnodes import conjuncts, from_name, from_names, node_sql, refuse
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pglast import ast, parse_sql
+from pglast import ast
 from pglast.enums import BoolExprType
 
+from dp_core.sql_parse import parse_sql
 from dp_core.sqlnodes import from_name
 
 

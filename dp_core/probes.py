@@ -5,12 +5,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pglast import ast, parse_sql
+from pglast import ast
 from pglast.enums import GroupingSetKind, LimitOption, SetOperation
 from pglast.stream import RawStream
 
 from dp_core.query import AggKind, AnalyzedQuery
 from dp_core.splice import PH, Splice
+from dp_core.sql_parse import parse_sql
 
 
 def _probe_sql(query: AnalyzedQuery, exprs: dict[str, Any],

@@ -8,7 +8,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from pglast import ast, parse_sql
+from pglast import ast
 from pglast.enums import (
     VariableSetKind,
 )
@@ -16,6 +16,7 @@ from pglast.stream import RawStream
 from pglast.visitors import Visitor
 
 from dp_core.errors import FeatureNotSupported, InternalError
+from dp_core.sql_parse import parse_sql
 
 TypeRef = tuple[str, str]
 """(schema, type name) of a result column, e.g. ("pg_catalog", "int8")."""

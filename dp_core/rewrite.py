@@ -23,7 +23,7 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pglast import ast, parse_sql
+from pglast import ast
 from pglast.enums import BoolExprType
 from pglast.stream import RawStream
 
@@ -52,6 +52,7 @@ from dp_core.quantiles import EDGES, LEAVES, LEVEL_DIVISORS, LEVEL_OFFSETS
 from dp_core.query import AggKind, AnalyzedQuery, Bounds
 from dp_core.result import quoted
 from dp_core.splice import PH, Splice
+from dp_core.sql_parse import parse_sql
 from dp_core.tuning import ROW_EDGES, groups_threshold
 from dp_core.uid_ranges import UidRange, fill_range, null_uids, uid_in
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pglast import parser
 
 from dp_core.errors import SyntaxError_
+from dp_core.sql_parse import scan
 
 DP_KEYWORDS = frozenset({"anonymization", "differential_privacy"})
 OPTION_NAMES = frozenset({"epsilon", "delta", "max_groups_contributed", "noise",
@@ -56,7 +57,7 @@ def strip_dp_clauses(sql: str) -> tuple[str, tuple[DPClause, ...]]:
     if not might_have_dp_clause(sql):
         return sql, ()
     try:
-        tokens = list(parser.scan(sql))
+        tokens = list(scan(sql))
     except parser.ParseError as e:
         raise SyntaxError_(str(e)) from None
     raw = sql  # token offsets index characters

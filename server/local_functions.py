@@ -9,13 +9,14 @@ from collections.abc import Sequence
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from pglast import ast, parse_sql
+from pglast import ast
 from pglast.visitors import Visitor
 
 from dp_core.classify import LOCAL_FUNCTIONS
 from dp_core.errors import FeatureNotSupported, InternalError, InvalidParameterValue
 from dp_core.explain import fmt
 from dp_core.result import result_sql
+from dp_core.sql_parse import parse_sql
 from dp_core.sqlnodes import const_number, const_string, walk_nodes
 from dp_core.table_tuning import TableTuning
 from server.ledger import BUDGET_COLUMNS, LEDGER_COLUMNS, Ledger, require_admin

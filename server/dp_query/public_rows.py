@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pglast import ast, parse_sql
+from pglast import ast
 
 from dp_core.errors import ProgramLimitExceeded, UndefinedTable
 from dp_core.fanout import (
@@ -19,6 +19,7 @@ from dp_core.fanout import (
 )
 from dp_core.probes import standalone_subqueries, sublink_read_counts
 from dp_core.query import AnalyzedQuery, Relation, TieKey
+from dp_core.sql_parse import parse_sql
 from dp_core.sqlnodes import func_name, walk_nodes
 from server.backend_setup import quote_ident
 
