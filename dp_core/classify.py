@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,7 @@ from dp_core.errors import DPError, InsufficientPrivilege, SyntaxError_
 from dp_core.parsetree import const_int, func_name, range_vars, walk
 from dp_core.reach import REACH_WORDS, reach_refusal
 from dp_core.setting_changes import SettingAtBind, SettingChanges
+from dp_core.sql_parse import scan
 from dp_core.syntax import DPClause, strip_dp_clauses
 
 LOCAL_FUNCTIONS = frozenset({"dp_budget", "dp_total_budgets", "dp_ledger", "dp_reset_budget",
@@ -313,6 +315,7 @@ class Classifier:
         stmts = tree.get("stmts", [])
         if not stmts:
             return (Statement(StatementKind.EMPTY, sql, stripped),)
+        offsets = [c.select_offset for c in clauses]
         out = []
         for item in stmts:
             start = item.get("stmt_location", 0)
@@ -321,8 +324,10 @@ class Classifier:
             text_stripped = piece.strip()
             # (each clause's offset in the statement's own text, as its parse tree counts)
             lead = start + len(piece[: len(piece) - len(piece.lstrip())].encode("utf-8"))
-            own = [replace(c, select_offset=c.select_offset - lead) for c in clauses
-                   if start <= c.select_offset < start + length]
+            # (the clauses are in text order: those of this statement found by bisection)
+            first = bisect_left(offsets, start)
+            own = [replace(c, select_offset=c.select_offset - lead)
+                   for c in clauses[first:bisect_left(offsets, start + length)]]
             text = raw[start : start + length].decode("utf-8").strip()
             node = item.get("stmt", {})
             out.append(self._one(node, text, text_stripped, own))
@@ -345,7 +350,8 @@ class Classifier:
         isolation = reach_refusal(node)
         if isolation is not None:
             return make(StatementKind.REFUSED, refusal=isolation)
-        if (clauses or protected or _local_function(body)) and _copies_to_server(ntype, body):
+        if (clauses or protected or _local_function(body)) \
+                and _copies_to_server(ntype, body, stripped):
             return self._refuse(make, protected, "a DP answer can only be copied TO STDOUT: "
                                 "it is released to the client, never written on the server",
                                 "COPY (...) TO STDOUT, or psql's \\copy (...) TO 'file'")
@@ -443,11 +449,20 @@ _WRAPPERS = ("DeclareCursorStmt", "CopyStmt")
 cursor or copied to the client."""
 
 
-def _copies_to_server(ntype: str, body: Mapping[str, Any]) -> bool:
+def _copies_to_server(ntype: str, body: Mapping[str, Any], sql: str) -> bool:
     """A COPY of a query to a file or program: never a DP answer's (the restricted role could
-    not write it anyway, but only after the answer was charged)."""
-    return ntype == "CopyStmt" and "query" in body \
-        and (body.get("filename") is not None or bool(body.get("is_program")))
+    not write it anyway, but only after the answer was charged). The JSON tree leaves an
+    empty file name out, as it does STDOUT: `TO ''` is told apart by its tokens."""
+    if ntype != "CopyStmt" or "query" not in body:
+        return False
+    if body.get("filename") is not None or body.get("is_program"):
+        return True
+    depth = 0
+    for t in scan(sql):  # (STDOUT outside the query's parentheses)
+        depth += (t.name == "ASCII_40") - (t.name == "ASCII_41")
+        if depth == 0 and t.name == "STDOUT":
+            return False
+    return True
 
 
 _SESSION_WORDS = ("standard_conforming_strings", "client_encoding", "names", "set_config",

@@ -12,7 +12,6 @@ against it).
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import numpy as np
@@ -22,20 +21,24 @@ from pglast.parser import parse_sql_json
 
 from dp_core.errors import StatementTooComplex
 
-SLOW_SCAN_BYTES = 20_000
-"""The most multibyte bytes a text scanned by pglast itself may have (below)."""
+SLOW_SCAN_WORK = 10_000_000
+"""The most tokens × multibyte bytes of a text scanned by pglast itself (`scan`)."""
+_EMPTY_TEXTS = {"String": "sval", "Float": "fval", "BitString": "bsval"}
 _AS_X = bytes.maketrans(bytes(range(0x80, 0x100)), b"x" * 0x80)
-_TAG_WITH_MULTIBYTE = re.compile(r"\$[^\s$\x80-\U0010ffff]*[\x80-\U0010ffff]")
-"""A $ and a multibyte character after it in the same word: maybe a dollar-quote tag's."""
 
 
 def parse_sql(sql: str) -> tuple[ast.RawStmt, ...]:
     """The statements of `sql`, as `pglast.parse_sql` gives them (its ParseError too)."""
     if sql.isascii():  # (no multibyte character: pglast's own offsets cost nothing)
         return _pglast_parse_sql(sql)
-    tree = json.loads(parse_sql_json(sql))
-    build = _Builder(sql)
-    return tuple(build.raw_stmt(s) for s in tree.get("stmts", ()))
+    try:
+        tree = json.loads(parse_sql_json(sql))
+        build = _Builder(sql)
+        return tuple(build.raw_stmt(s) for s in tree.get("stmts", ()))
+    except RecursionError:  # (pglast builds its tree in C: a Python walk of it is limited)
+        raise StatementTooComplex("a statement nested too deeply to read",
+                                  hint="write long sums or concatenations with fewer "
+                                       "levels, e.g. concat(a, b, c)") from None
 
 
 def scan(sql: str) -> list[parser.Token]:
@@ -44,24 +47,41 @@ def scan(sql: str) -> list[parser.Token]:
     Postgres's lexer reads a byte of a multibyte character as it reads a letter, so x's in
     its place make the same tokens, except that a word with a multibyte character is never
     a keyword (no keyword has "xx" in it) and that dollar-quote tags are compared whole: a
-    text with such a tag is scanned by pglast, if it is short enough (54001 otherwise)."""
+    dollar-quoted string whose closing tag is not its opening one in `sql` (two tags of
+    multibyte characters alike in x's) is scanned by pglast, if that is cheap enough (54001
+    otherwise)."""
     if sql.isascii():
-        return parser.scan(sql)
-    if _TAG_WITH_MULTIBYTE.search(sql):
-        if len(sql.encode("utf-8")) - len(sql) > SLOW_SCAN_BYTES:
-            raise StatementTooComplex(
-                f"a DP clause in a text with a dollar-quote tag of non-ASCII characters and "
-                f"more than {SLOW_SCAN_BYTES} bytes of such characters",
-                hint="write the tags of dollar quotes in ASCII")
         return parser.scan(sql)
     offsets = _Offsets(sql)
     ascii_sql = sql.encode("utf-8").translate(_AS_X).decode("ascii")
+    multibyte = len(ascii_sql) - len(sql)
     try:
-        tokens = parser.scan(ascii_sql)
+        found = parser.scan(ascii_sql)
     except parser.ParseError as e:
+        if "$" in sql:  # (maybe a string ended too early: its true end is pglast's to find)
+            return _slow_scan(sql, len(sql) * multibyte)
         raise offsets.error(sql, e) from None
-    return [parser.Token(offsets.inside(t.start), offsets.inside(t.end), t.name, t.kind)
-            for t in tokens]
+    tokens = [parser.Token(offsets.inside(t.start), offsets.inside(t.end), t.name, t.kind)
+              for t in found]
+    if all(_same_tags(sql[t.start:t.end + 1]) for t in tokens if sql[t.start] == "$"):
+        return tokens
+    return _slow_scan(sql, len(tokens) * multibyte)
+
+
+def _slow_scan(sql: str, work: int) -> list[parser.Token]:
+    """pglast's own scan of `sql`, where its `work` (tokens × multibyte bytes) is small."""
+    if work > SLOW_SCAN_WORK:
+        raise StatementTooComplex(
+            "a DP clause in a text whose dollar-quote tags of non-ASCII characters would "
+            "take too long to compare", hint="write the tags of dollar quotes in ASCII")
+    return parser.scan(sql)
+
+
+def _same_tags(token: str) -> bool:
+    """A token starting with $ (a parameter, or a dollar-quoted string): for the string, its
+    closing tag is its opening one."""
+    tag, sep, _ = token[1:].partition("$")
+    return not sep or (token.endswith(f"${tag}$") and len(token) >= 2 * len(tag) + 4)
 
 
 class _Offsets:
@@ -121,6 +141,8 @@ class _Builder(_Offsets):
     def typed(self, kind: str, fields: dict[str, Any]) -> Any:
         if kind == "A_Const":
             return self._const(fields)
+        if kind in _EMPTY_TEXTS:  # (the JSON leaves an empty text out; pglast gives '')
+            return getattr(ast, kind)(fields.get(_EMPTY_TEXTS[kind], ""))
         cls = getattr(ast, kind)
         # (pglast writes a field named as a Python keyword with a trailing _: def_)
         values = {name: self._value(info.c_type, fields.get(name.rstrip("_")))

@@ -64,6 +64,7 @@ def strip_dp_clauses(sql: str) -> tuple[str, tuple[DPClause, ...]]:
     pieces: list[str] = []
     done = 0
     clauses = []
+    counted = counted_to = 0
     in_dp_statement = False
     """Since a DP clause, up to the end of its statement: BigQuery's COUNT(*, bounds) is read
     there as ANON_COUNT(*, U) is everywhere."""
@@ -86,7 +87,10 @@ def strip_dp_clauses(sql: str) -> tuple[str, tuple[DPClause, ...]]:
             pieces.append(sql[done:start])
             pieces.append(" " * len(sql[start:end].encode("utf-8")))
             done = end
-            clauses.append(DPClause(len(sql[: t.start].encode("utf-8")), options))
+            # (the SELECT's byte offset, counted on from the last clause's: linear in the text)
+            counted += len(sql[counted_to : t.start].encode("utf-8"))
+            counted_to = t.start
+            clauses.append(DPClause(counted, options))
             in_dp_statement = True
             i = j
         elif t.name == "ASCII_59":

@@ -473,3 +473,18 @@ def test_refusals_give_examples_over_the_table_refused() -> None:
     (st,) = rides.classify("CREATE FUNCTION pg_temp.f() RETURNS int LANGUAGE sql AS 'SELECT 1'")
     assert st.refusal is not None and "FROM" not in (st.refusal.hint or "")
     assert "(none)" not in st.refusal.message
+
+
+def test_a_dp_answer_is_copied_to_the_client_only(classifier: Classifier) -> None:
+    """Review, session 33: libpg_query's JSON leaves an empty file name out, as it does
+    STDOUT, so `COPY (DP query) TO ''` was taken for a copy to the client, charged, and
+    failed after the charge (XX000). TO STDOUT is now read from the statement's tokens."""
+    dp = "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE browser <> ')('"
+    for target in ("STDOUT", "STDOUT WITH (FORMAT csv)", "STDOUT -- é"):
+        (st,) = classifier.classify(f"COPY ({dp}) TO {target}")
+        assert st.kind is not StatementKind.REFUSED, target
+    for target in ("''", "'' -- é", "'/tmp/x'", "PROGRAM 'cat'", "'' WITH (FORMAT csv)"):
+        for query in (dp, "SELECT count(*) FROM visits", "SELECT * FROM dp_budget()"):
+            (st,) = classifier.classify(f"COPY ({query}) TO {target}")
+            assert st.refusal is not None and "TO STDOUT" in (st.refusal.hint or ""), \
+                (query, target)
