@@ -159,7 +159,9 @@ class PushdownRunner:
     async def run(self, prepared: Prepared, conn: Any) -> PushdownRun:
         """Run the pushdown (after the charge): APPROX_BOUNDS first, then main and trees.
 
-        All statements see one snapshot and keep the same rows per user (one order seed).
+        All statements see one snapshot and keep the same groups per user (one order
+        seed); a subquery joined row by row has its rows drawn afresh in each statement
+        (`ownership._capped`), each bounding every user alone.
         Where the pushdown may be split (`UidColumn`) and the pool has connections free, each
         statement runs as one per uid range, at once, on connections that share the snapshot,
         and their rows (and trees) are added up.
