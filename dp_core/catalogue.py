@@ -76,6 +76,7 @@ FAILING_CONVERSIONS: dict[str, dict[str, frozenset[str]]] = {
     "compare": _COMPARED,
     "choose": {**_COMPARED, "date": frozenset({"timestamp", "timestamptz"}),
                "timestamp": frozenset({"timestamptz"})},
+    "concatenate": {},  # (text of each: only their collations merge, `check_collations`)
 }
 """The implicit conversions (pg_cast's, between built-in types) Postgres may apply to a value
 that it compares with, or chooses among, values of another type, and that fail on some

@@ -134,7 +134,8 @@ class TypeMix:
     when the pushdown is planned), or None where Postgres never converts it (an IN's tested
     value, whose type only takes part in choosing its list's)."""
     kind: str
-    """"compare" or "choose"."""
+    """"compare", "choose", or "concatenate" (`||`, concat(): texts, whose collations only
+    merge)."""
     text: str
     """What brings them to one type (CASE, COALESCE, =, IN, ...), for the refusal message."""
     scope: ast.SelectStmt | None = None

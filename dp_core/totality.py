@@ -407,6 +407,7 @@ class Totalizer:
                     and operand.name and str(operand.name[-1].sval) == "||"):
                 continue
             setattr(node, side, self._text(total, "operands of || must be text", text))
+        self.mix("concatenate", [node.lexpr, node.rexpr], "||")  # (their collations merge)
         return node
 
     def _width_bucket(self, fc: ast.FuncCall, args: list[Any], ctx: str) -> ast.Node:
@@ -514,6 +515,7 @@ class Totalizer:
                 args = [a if isinstance(a, ast.A_Const) else bounded_text(ast.FuncCall(
                     funcname=(ast.String(sval="pg_catalog"), ast.String(sval="concat")),
                     args=(a,))) for a in args]
+                self.mix("concatenate", list(args), "concat()")
         fc.args = tuple(args)
         return fc
 

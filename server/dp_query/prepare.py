@@ -55,6 +55,7 @@ from server.dp_query.prepared import Prepared, answer_sql
 from server.dp_query.public_rows import check_public_rows
 from server.dp_query.request import DPRequest
 from server.dp_query.type_shapes import (
+    check_collations,
     check_comparisons,
     check_text_outputs,
     probed_shapes,
@@ -197,6 +198,7 @@ class Preparer:
             check_mixes(query.mixes, [[shapes[f"m{i}_{j}"].name for j in range(len(m.operands))]
                                       for i, m in enumerate(query.mixes)])
             await check_comparisons(query, shapes, conn)
+            await check_collations(query, shapes, conn)
             probed_keys = {int(a.name[1:]): a.type for a in attrs if a.name[0] == "k"}
             query = await canonical_keys(query, probed_keys, conn)
             if query.has_quantiles:

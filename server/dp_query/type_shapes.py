@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
+from pglast import ast
+from pglast.enums import LimitOption, SetOperation
 
 from dp_core.errors import FeatureNotSupported
 from dp_core.probes import order_probe_sql
-from dp_core.query import AnalyzedQuery
+from dp_core.query import AnalyzedQuery, TypeMix
 from server.dp_query.key_types import FIRST_USER_OID
 
 _BASES = """
@@ -142,3 +145,74 @@ async def check_comparisons(query: AnalyzedQuery, shapes: Mapping[str, TypeShape
             raise FeatureNotSupported(
                 "not allowed in a DP query (a comparison of arrays or composites whose parts "
                 f"Postgres cannot order: {e})") from None
+
+
+COLLATABLE_BASES = frozenset({"text", "varchar", "bpchar", "name", "citext"})
+"""Base types with a collation (an array's elements' too)."""
+_COLLATION_ERRORS = frozenset({"42P21", "42P22"})
+"""collation_mismatch, indeterminate_collation."""
+
+
+async def check_collations(query: AnalyzedQuery, shapes: Mapping[str, TypeShape],
+                           conn: Any) -> None:
+    """Refuse (before any charge) texts of two collations brought together where Postgres
+    would have to choose one: a comparison, GREATEST, CASE or COALESCE, `||` or concat()
+    of a "C" column and a "POSIX" (or ICU) one, or of a subquery's text that a literal's
+    COLLATE "C" made "C". Postgres plans them, and fails only when a row reaches the
+    comparison or a function that needs the collation ("could not determine which collation
+    to use", red team, session 33: XX000 after the charge only where one user's row did).
+    It refuses `ORDER BY` of a value whose collation it cannot determine when it parses it,
+    so each such mix is prepared as `ORDER BY CASE WHEN false THEN a ... ELSE b END`."""
+    probes = [_collation_probe(i, mix, shapes) for i, mix in enumerate(query.mixes)]
+    found = [p for p in probes if p is not None]
+    if not found:
+        return
+    try:
+        await conn.prepare(order_probe_sql(query, [v for v, _, _ in found]))
+        return
+    except asyncpg.PostgresError as e:
+        if e.sqlstate in _COLLATION_ERRORS:
+            raise _mixed_collations(e, found) from None
+    for value, mix, _ in found:  # (one probe failed otherwise: each on its own)
+        try:
+            await conn.prepare(order_probe_sql(query, [value]))
+        except asyncpg.PostgresError as e:
+            if e.sqlstate in _COLLATION_ERRORS:
+                raise _mixed_collations(e, [(value, mix, None)]) from None
+
+
+def _collation_probe(i: int, mix: TypeMix, shapes: Mapping[str, TypeShape]
+                     ) -> tuple[tuple[Any, Any], TypeMix, None] | None:
+    """(the CASE of the mix's texts that are not literals, where to read it), or None where
+    fewer than two are texts."""
+    texts = [j for j in range(len(mix.operands)) if mix.constant[j] is not True
+             and shapes[f"m{i}_{j}"].name in COLLATABLE_BASES]
+    if len(texts) < 2:
+        return None
+    if mix.scopes is not None:  # (a USING column: each side's, read in a subquery of its own)
+        sides = [ast.RangeSubselect(lateral=False, subquery=ast.SelectStmt(
+                     targetList=(ast.ResTarget(val=copy.deepcopy(mix.operands[j])),),
+                     fromClause=copy.deepcopy(mix.scopes[j].fromClause or ()),
+                     op=SetOperation.SETOP_NONE, limitOption=LimitOption.LIMIT_OPTION_DEFAULT),
+                     alias=ast.Alias(aliasname=f"dp_side{j}")) for j in texts]
+        ref: Any = mix.operands[texts[0]]
+        column = str(ref.fields[-1].sval)
+        values: list[Any] = [ast.ColumnRef(fields=(ast.String(sval=f"dp_side{j}"), ast.String(sval=column)))
+                  for j in texts]
+        scope: Any = ast.SelectStmt(fromClause=tuple(sides), op=SetOperation.SETOP_NONE,
+                                    limitOption=LimitOption.LIMIT_OPTION_DEFAULT)
+    else:
+        values, scope = [copy.deepcopy(mix.operands[j]) for j in texts], mix.scope
+    case = ast.CaseExpr(args=tuple(ast.CaseWhen(expr=ast.A_Const(val=ast.Boolean(boolval=False)),
+                                                result=v) for v in values[:-1]),
+                        defresult=values[-1])
+    return (case, scope), mix, None
+
+
+def _mixed_collations(e: asyncpg.PostgresError, found: list[Any]) -> FeatureNotSupported:
+    what = ", ".join(sorted({mix.text for _, mix, _ in found}))
+    return FeatureNotSupported(
+        f"not allowed in a DP query (texts of different collations brought together, which "
+        f"Postgres resolves only when a row reaches them: {e}; in one of: {what})",
+        hint="compare and combine texts of one collation (a column's with literals, or with "
+             "columns of the same collation)")

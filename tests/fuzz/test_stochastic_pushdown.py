@@ -101,6 +101,11 @@ SHAPES = {
     "subquery kept by a left join": f"{DP}) ANON_COUNT(*) FROM (SELECT uid, max(duration) AS d "
                                     "FROM visits WHERE duration > 2 GROUP BY uid) s "
                                     "LEFT JOIN purchases p ON p.uid = s.uid",
+    # a subquery of many rows per user joined row by row: each side reads at most 100 rows
+    # of a user, a subquery's drawn at random (`ownership._capped`)
+    "subquery joined row by row": f"{DP}) ANON_SUM(v.duration, 0, 10) FROM visits v JOIN "
+                                  "(SELECT uid, amount FROM purchases WHERE amount >= 0) p "
+                                  "ON p.uid = v.uid",
     "rows counted, U = 3": f"{DP}) ANON_COUNT(*, 3) FROM visits",
     "distinct values, k = 2": f"{DP}) ANON_COUNT(DISTINCT browser, 2) FROM visits",
     "gaussian": f"{DP}, delta=1e-5, noise='gaussian') ANON_SUM(duration, 0, 10) FROM visits",

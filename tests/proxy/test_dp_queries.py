@@ -788,6 +788,67 @@ def test_values_of_arrays_domains_and_composites_make_no_query_fail(
             su.execute("DROP DOMAIN dp_test_num")
 
 
+def test_texts_of_different_collations_brought_together_are_refused_before_the_charge(
+        proxy: Proxy, backend: Backend, fresh_budgets: None) -> None:
+    """Red team, session 33: Postgres plans a comparison, GREATEST, NULLIF, CASE, `||` or
+    concat() of a "C" text and a "POSIX" one, and fails only when a row reaches it (or a
+    function that needs the collation): `CASE WHEN uid = 900046 THEN ca = cb END` failed
+    after the charge only with that user's row. A literal's COLLATE "C" that the proxy adds
+    (replace()) made a subquery's text "C" too. Now each is refused before any charge, from
+    the query and the schema alone; texts of one collation, or with the default's, pass."""
+    refused = [
+        "SELECT count(*) FROM visits WHERE CASE WHEN uid = 900046 THEN ca = cb END",
+        "SELECT count(*) FROM (SELECT uid, replace(browser, 'a', 'a') AS r, cb FROM visits) s "
+        "WHERE CASE WHEN uid = 900046 THEN r = cb END",
+        "SELECT count(*) FROM visits WHERE greatest(ca, cb) > 'a'",
+        "SELECT count(*) FROM visits WHERE upper(ca || cb) > 'a'",
+        "SELECT count(*) FROM visits WHERE upper(concat(ca, cb)) > 'a'",
+        "SELECT count(*) FROM (SELECT uid, max(ca || cb) AS m FROM visits GROUP BY uid) t "
+        "WHERE m IS NOT NULL",
+        "SELECT count(*) FROM visits WHERE NULLIF(cb, ca) IS NOT NULL",
+        "SELECT count(*) FROM visits WHERE CASE cb WHEN ca THEN 1 END = 1",
+        "SELECT count(*) FROM visits WHERE cb BETWEEN ca AND browser",
+        "SELECT count(*) FROM visits WHERE ca IN (cb, 'x')",
+        "SELECT count(*) FROM visits JOIN purchases USING (uid, ca)",
+    ]
+    answered = ["SELECT count(*) FROM visits WHERE ca = browser OR cb > 'a'",
+                "SELECT count(*) FROM visits WHERE length(ca) + length(cb) > 0",
+                "SELECT count(*) FROM visits WHERE upper(cb || browser) > 'a'",
+                "SELECT count(*) FROM visits JOIN purchases p USING (uid) WHERE p.ca = cb"]
+    with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
+        su.execute('ALTER TABLE visits ADD COLUMN ca text COLLATE "C", '
+                   'ADD COLUMN cb text COLLATE "POSIX"')
+        su.execute('ALTER TABLE purchases ADD COLUMN ca text COLLATE "POSIX"')
+        try:
+            outcomes: dict[str, list[str]] = {sql: [] for sql in refused + answered}
+            with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+                conn.execute("SET dp.epsilon = 0.1")
+                for round_ in range(2):
+                    if round_:
+                        su.execute("INSERT INTO visits (uid, browser, country, duration, ca, "
+                                   "cb) VALUES (900046, 'Chrome', 'US', 10, 'x', 'y'), "
+                                   "(900046, 'Chrome', 'US', 11, 'z', 'w')")
+                        su.execute("INSERT INTO purchases (uid, category, amount, ca) VALUES "
+                                   "(900046, 'x', 1, 'x')")
+                    for sql in outcomes:
+                        before = spent(conn)
+                        try:
+                            conn.execute(sql).fetchall()
+                            outcomes[sql].append("answered")
+                        except psycopg.errors.FeatureNotSupported:
+                            assert spent(conn) == before, sql
+                            outcomes[sql].append("refused")
+                        except psycopg.errors.InternalError_:
+                            outcomes[sql].append("failed after the charge")
+            assert outcomes == {**{sql: ["refused", "refused"] for sql in refused},
+                                **{sql: ["answered", "answered"] for sql in answered}}
+        finally:
+            su.execute("DELETE FROM visits WHERE uid = 900046")
+            su.execute("DELETE FROM purchases WHERE uid = 900046")
+            su.execute("ALTER TABLE visits DROP COLUMN ca, DROP COLUMN cb")
+            su.execute("ALTER TABLE purchases DROP COLUMN ca")
+
+
 def test_inner_queries_joined_row_by_row_read_no_whole_row(
         proxy: Proxy, backend: Backend, fresh_budgets: None) -> None:
     """Red team, session 33: an inner query joined row by row with another protected item
