@@ -464,7 +464,9 @@ def test_a_selected_key_grouped_by_position_or_expression_is_one_key() -> None:
     ("int4[]", "CASE WHEN pg_catalog.pg_column_size(browser) <= 20064 AND "
                "pg_catalog.cardinality(browser) <= 1000 AND pg_catalog.octet_length("
                "pg_catalog.array_to_string(browser, '')) <= 4000 THEN browser END"),
-    ("numeric", "pg_catalog.trim_scale(browser)"),
+    ("numeric", "CASE WHEN pg_catalog.pg_column_size(browser) <= 1000 AND pg_catalog.scale("
+                "browser) <= 1000 AND pg_catalog.abs(browser) < 1e1000 THEN "
+                "pg_catalog.trim_scale(browser) END"),
     ("float8", "CASE WHEN browser = CAST(0 AS double precision) THEN CAST(0 AS "
                "double precision) ELSE browser END"),
     ("int4", "browser")])
@@ -473,7 +475,7 @@ def test_a_key_is_grouped_by_one_spelling_of_its_equal_values(type_name: str,
     """The pushdown groups a key as `canonical_key` writes it for its probed type: texts
     under "C" (a nondeterministic collation's 'a' = 'A' would print one row's spelling) and
     cut to KEY_CHARS characters, arrays of at most KEY_CHARS elements, numeric without
-    trailing zeros, floats' -0 as 0; other types as they are."""
+    trailing zeros (a column's of bounded size), floats' -0 as 0; other types as they are."""
     query, plan, _ = build("SELECT WITH ANONYMIZATION browser, ANON_COUNT(*) FROM visits "
                            "GROUP BY browser")
     query = query.with_canonical_keys({0: type_name} if type_name != "int4" else {})
