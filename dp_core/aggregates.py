@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -95,9 +96,9 @@ def no_nested_intervals(stmt: ast.SelectStmt) -> None:
 def dp_aggregates_in(val: Any) -> list[Any]:
     """DP aggregate calls inside an expression (not inside subqueries), in order."""
     found = []
-    stack = [val]
+    stack = deque([val])  # (breadth first, in order: popleft, not list.pop(0))
     while stack:
-        cur = stack.pop(0)
+        cur = stack.popleft()
         if isinstance(cur, ast.SubLink):
             continue
         if isinstance(cur, ast.FuncCall) and is_dp_aggregate(func_name(cur)) \

@@ -16,6 +16,7 @@ that is one, aggregated, filtered, sorted: what BI tools send) is split off firs
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
@@ -272,8 +273,9 @@ def analyze(stmt: ast.SelectStmt, policy: Mapping[str, TablePolicy], plain_form:
 
     named = [(str(t.name), t.val) for t in stmt.targetList or ()
              if isinstance(t, ast.ResTarget) and t.name and t.val is not None]
+    uses = Counter(name for name, _ in named)
     aliases = {name: val for name, val in named if aggregate_call(val, plain_form) is not None
-               and sum(1 for other, _ in named if other == name) == 1}
+               and uses[name] == 1}
     """Output names of DP aggregates, which DP_INTERVAL_LOW / HIGH may name (a name two
     select-list items have names neither)."""
     intervals: list[tuple[int, str, str, Any, Any]] = []

@@ -508,9 +508,9 @@ class Totalizer:
                 # (lower() and upper() of a range, its bounds, are refused with the rest)
                 args = [self._text(args[0], f"{name}() of a text", node_sql(fc))]
             elif name == "concat":
-                # (concat(x) is x's text, whatever its type: then cut)
-                self.casts.extend(CastCheck(copy.deepcopy(a), "text", node_sql(fc), self.scope,
-                                            output=True)
+                # (concat(x) is x's text, whatever its type: then cut; printed once, not n times)
+                text = node_sql(fc)
+                self.casts.extend(CastCheck(copy.deepcopy(a), "text", text, self.scope, output=True)
                                   for a in args if not isinstance(a, ast.A_Const))
                 args = [a if isinstance(a, ast.A_Const) else bounded_text(ast.FuncCall(
                     funcname=(ast.String(sval="pg_catalog"), ast.String(sval="concat")),

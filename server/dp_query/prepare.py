@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -25,6 +26,7 @@ from dp_core.errors import (
     InternalError,
     InvalidParameterValue,
     ProgramLimitExceeded,
+    StatementTooComplex,
 )
 from dp_core.names import InputColumns
 from dp_core.partials import digested_whole
@@ -118,6 +120,19 @@ class Preparer:
     async def prepare(self, request: DPRequest, st: Statement, bind: p.Bind | None,
                       param_types: Sequence[int] = (), conn: Any = None,
                       tunings: TuningsSource | None = None) -> Prepared:
+        """`_prepare`, where a query too large for the analysis's recursion gets 54001 (not
+        an internal error: 1,500 select items and keys exceeded it comparing nodes)."""
+        try:
+            return await self._prepare(request, st, bind, param_types, conn, tunings)
+        except RecursionError:
+            raise StatementTooComplex(
+                "a DP query too large to analyse (its expressions or lists nest or repeat "
+                "past what the proxy reads)",
+                hint="write fewer select items, keys or nested expressions") from None
+
+    async def _prepare(self, request: DPRequest, st: Statement, bind: p.Bind | None,
+                       param_types: Sequence[int] = (), conn: Any = None,
+                       tunings: TuningsSource | None = None) -> Prepared:
         """Analyse and plan `st` and prepare its pushdown; raises DPError on refusal.
 
         With `conn` (a pushdown connection the caller holds) the prepared statement
@@ -127,7 +142,7 @@ class Preparer:
         """
         if conn is None:
             async with self.pool.acquire() as own:
-                return await self.prepare(request, st, bind, param_types, own, tunings)
+                return await self._prepare(request, st, bind, param_types, own, tunings)
         params = None if bind is None else \
             await self.bind_params(bind, param_types, request.codec, request.encoding)
         unit = st.dp_clause.option("privacy_unit_column") if st.dp_clause is not None else None
@@ -135,7 +150,9 @@ class Preparer:
         columns: InputColumns | None = None
         # what the text means in the session: the tables its names find in the session's
         # search_path, and its relative dates fixed now (catalog reads and constants only)
-        parsed = parse_select(st.stripped_sql, params)
+        # (parsed and analysed in a thread: that work grows with the text, and the event
+        # loop serves the worker's other sessions meanwhile)
+        parsed = await asyncio.to_thread(parse_select, st.stripped_sql, params)
         try:
             schemas = None if request.search_path is None else \
                 await relation_schemas(conn, parsed, request.search_path)
@@ -153,7 +170,7 @@ class Preparer:
                            columns=columns, schemas=schemas,
                            dp_at=None if st.dp_clause is None else st.dp_clause.select_offset)
 
-        query = analysis()
+        query = await asyncio.to_thread(analysis)
         settings = query_settings(request.settings, request.caps,
                                   st.dp_clause.options if st.dp_clause is not None else ())
         try:
@@ -165,7 +182,7 @@ class Preparer:
                 if not query.name_checks:
                     break
                 columns = {**(columns or {}), **await self._input_columns(query, conn)}
-                query = analysis()
+                query = await asyncio.to_thread(analysis)
             if query.name_checks:
                 raise InternalError()
             attrs = await self._probe(query, conn)
@@ -182,7 +199,7 @@ class Preparer:
             if integers:
                 # integer arithmetic as Postgres types it: analysed again with that known,
                 # so that `duration / 60` truncates and keeps its type (`_as_integer`)
-                query = analysis(integers)
+                query = await asyncio.to_thread(analysis, integers)
                 attrs = await self._probe(query, conn)
                 types = {a.name: a.type.name for a in attrs}
             arg_types = {int(name[1:]): t for name, t in types.items() if name[0] == "a"}
