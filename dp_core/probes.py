@@ -28,7 +28,8 @@ def _probe_sql(query: AnalyzedQuery, exprs: dict[str, Any],
     stmt = parse_sql(f"SELECT {', '.join(cols)} FROM {PH}from WHERE FALSE")[0].stmt
     nodes = {f"{PH}{name}": node for name, node in exprs.items()}
     nodes.update((f"{PH}{name}", arg) for name, (arg, _) in inner.items())
-    froms = {f"{PH}from_{name}": tuple(scope.fromClause) for name, (_, scope) in inner.items()}
+    froms = {f"{PH}from_{name}": tuple(scope.fromClause or ())  # (a subquery may have none)
+             for name, (_, scope) in inner.items()}
     Splice(nodes, query.from_clause, froms)(stmt)
     if query.ctes:
         stmt.withClause = ast.WithClause(ctes=tuple(copy.deepcopy(query.ctes)))
@@ -69,7 +70,8 @@ def order_probe_sql(query: AnalyzedQuery, operands: list[tuple[Any, Any]]) -> st
             for i in range(len(operands))]
     stmt = parse_sql(f"SELECT {', '.join(cols)}")[0].stmt
     nodes = {f"{PH}o{i}": value for i, (value, _) in enumerate(operands)}
-    froms = {f"{PH}from_o{i}": tuple(query.from_clause if scope is None else scope.fromClause)
+    froms = {f"{PH}from_o{i}": tuple((query.from_clause if scope is None else
+                                      scope.fromClause) or ())
              for i, (_, scope) in enumerate(operands)}
     Splice(nodes, query.from_clause, froms)(stmt)
     if query.ctes:

@@ -1405,3 +1405,17 @@ def test_row_level_and_per_user_aggregates_in_one_query(proxy: Proxy, fresh_budg
         assert abs(u - true_u) < 0.1 * true_u and abs(du - true_u) < 0.1 * true_u, (b, u, du)
         if true_n >= 20_000:  # (a quarter of bias at most, where T weighs heavy users down)
             assert 0.75 * true_n - 2 * width < n < 1.1 * true_n + 2 * width, (b, n, true_n, width)
+
+
+def test_a_subquery_without_from_in_a_dp_query_is_probed(proxy: Proxy,
+                                                         fresh_budgets: None) -> None:
+    """Red team, session 33: arithmetic in an IN subquery with no FROM (`IN (SELECT 1e308 *
+    10)`) was probed as `FROM <its FROM>` of nothing: a TypeError, the connection closed
+    with "internal error in dp-proxy (this is a bug)". Now it is answered (the arithmetic
+    made total as anywhere)."""
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        conn.execute("SET dp.epsilon = 0.1")
+        for sql in ["SELECT count(*) FROM visits WHERE duration IN (SELECT 1e308::float8 * 10)",
+                    "SELECT count(*) FROM visits WHERE duration IN (SELECT 2 * 3 WHERE TRUE)",
+                    "SELECT count(*) FROM visits WHERE (duration + 1) IN (SELECT 7 + 1)"]:
+            assert len(conn.execute(sql).fetchall()) == 1, sql
