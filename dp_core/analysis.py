@@ -38,10 +38,10 @@ from dp_core.aggregates import (
 )
 from dp_core.cost import Linear, RowWorkBudget
 from dp_core.errors import (
-    StatementTooComplex,
     SyntaxError_,
 )
 from dp_core.fanout import table_columns
+from dp_core.limits import check_limits
 from dp_core.names import InputColumns, Names, column_name
 from dp_core.ownership import FromAnalysis, group_expressions, owned_subquery
 from dp_core.public_reads import semi_join
@@ -103,25 +103,6 @@ def _unaliased_tables(stmt: ast.Node) -> frozenset[tuple[str, str]]:
                      and not n.catalogname)
 
 
-MAX_NESTING = 64
-"""How deep a DP query's syntax tree may be: the analysis walks and copies it recursively."""
-
-
-def _nesting(root: Any) -> int:
-    """The depth of the syntax tree under `root`, in nodes (without recursion)."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(root, 0)]
-    while stack:
-        cur, depth = stack.pop()
-        if isinstance(cur, ast.Node):
-            depth += 1
-            deepest = max(deepest, depth)
-            stack.extend((getattr(cur, name), depth) for name in cur)
-        elif isinstance(cur, (tuple, list)):
-            stack.extend((item, depth) for item in cur)
-    return deepest
-
-
 def parse_select(stripped_sql: str, params: Mapping[int, ast.Node] | None = None) -> ast.SelectStmt:
     """Parse one SELECT (the DP clause already blanked), bind `$n` parameters as constants and
     write `schema.table.column` references as `table.column`."""
@@ -137,10 +118,7 @@ def parse_select(stripped_sql: str, params: Mapping[int, ast.Node] | None = None
         stmt = stmt.query  # (a cursor is declared over the released answer, or it is copied)
     if not isinstance(stmt, ast.SelectStmt):
         raise refuse("only SELECT", type(stmt).__name__)
-    if _nesting(stmt) > MAX_NESTING:
-        raise StatementTooComplex(
-            f"a DP query nests expressions more than {MAX_NESTING} levels deep",
-            hint="write long sums or concatenations with fewer levels, e.g. concat(a, b, c)")
+    check_limits(stmt)
     if params:
         _ParamBinder(params)(stmt)
     tables = _unaliased_tables(stmt)

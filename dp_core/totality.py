@@ -65,12 +65,10 @@ from dp_core.text_bounds import (
 
 @dataclass
 class Findings:
-    """What the analysis of one query collects in all its scopes, for checks that need
-    Postgres (types, privileges) or the whole query (the work per row)."""
+    """What the analysis of one query collects in all its scopes, for checks needing Postgres."""
 
     casts: list[CastCheck] = field(default_factory=list)
-    """Casts whose totality depends on their argument's type, which Postgres reports when
-    the proxy prepares `argument_probe_sql`."""
+    """Casts whose totality depends on their argument's type (`argument_probe_sql`)."""
     arithmetic: list[ArithmeticCheck] = field(default_factory=list)
     """Arithmetic operators of the analyst's text, whose types the proxy asks Postgres."""
     output_sizes: dict[Any, Linear] = field(default_factory=dict)
@@ -122,8 +120,7 @@ class Totalizer:
                  scope: ast.SelectStmt | None = None,
                  integer_types: Mapping[int, str] | None = None) -> None:
         self.protected_names = protected_names
-        self.findings = Findings() if findings is None else findings
-        """Shared by the query's scopes."""
+        self.findings = Findings() if findings is None else findings  # (the scopes share it)
         self.casts = self.findings.casts
         self.arithmetic = self.findings.arithmetic
         self.relations = self.findings.relations
@@ -200,8 +197,8 @@ class Totalizer:
             node.args = tuple(self._total(w, ctx) for w in node.args)
             node.defresult = self._total(node.defresult, ctx)
             self.mix("choose", [*(w.result for w in node.args), node.defresult], "CASE")
-            for w in node.args if node.arg is not None else ():
-                self.mix("compare", [node.arg, w.expr], "CASE x WHEN")
+            if node.arg is not None:
+                self.mix("compare", [node.arg, *(w.expr for w in node.args)], "CASE x WHEN", pairs=True)
             return node
         if isinstance(node, ast.CaseWhen):
             node.expr = self._total(node.expr, ctx)
@@ -343,16 +340,18 @@ class Totalizer:
                       node_sql(node))
 
     def mix(self, kind: str, operands: list[Any], text: str,
-             constant: tuple[bool | None, ...] | None = None) -> None:
+             constant: tuple[bool | None, ...] | None = None, pairs: bool = False) -> None:
         """Note values Postgres brings to one type (`TypeMix`): each literal shape once (an IN
-        list of a thousand values is a few types; each operand is a column of the probe)."""
-        # (a parameter not bound yet, describing a statement: its type is the client's, and
-        # the query is checked again with its value when it is executed)
+        list of a thousand values is a few types; each operand is a column of the probe), no
+        parameter (bound, the query is checked again). `pairs`: the first operand with each
+        other one, read and copied once (CASE x WHEN: x per WHEN was quadratic)."""
         values: list[Any] = []
         flags: list[bool | None] = []
         shapes: set[tuple[str, ...] | None] = set()
         for j, v in enumerate(operands):
             if v is None or any(isinstance(n, ast.ParamRef) for n in walk_nodes(v)):
+                if pairs and j == 0:
+                    return  # (x not known: nothing to pair)
                 continue
             shape = _literal_shape(v)
             if shape is not None and shape in shapes:
@@ -360,9 +359,10 @@ class Totalizer:
             shapes.add(shape)
             values.append(copy.deepcopy(v))
             flags.append(_constant(v) if constant is None else constant[j])
-        if len(values) > 1:
-            self.findings.mixes.append(TypeMix(tuple(values), tuple(flags), kind, text,
-                                               self.scope))
+        for at in [(0, k) for k in range(1, len(values))] if pairs else [range(len(values))]:
+            if len(at) > 1:
+                mixed = tuple(values[k] for k in at), tuple(flags[k] for k in at)
+                self.findings.mixes.append(TypeMix(*mixed, kind, text, self.scope))
 
     def using(self, join: ast.JoinExpr) -> None:
         """Note each USING column of `join`: Postgres compares its two sides' columns, and

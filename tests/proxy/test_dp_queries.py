@@ -8,6 +8,7 @@ import re
 import threading
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import psycopg
@@ -696,6 +697,20 @@ def test_one_users_extreme_values_make_no_query_fail(proxy: Proxy, backend: Back
             su.execute("ALTER TABLE visits DROP COLUMN big, DROP COLUMN raw")
 
 
+def _outcome(conn: psycopg.Connection[Any], sql: str) -> str:
+    """What became of `sql`: answered, refused (0A000, nothing charged) or failed after the
+    charge (XX000)."""
+    before = spent(conn)
+    try:
+        conn.execute(sql).fetchall()
+        return "answered"
+    except psycopg.errors.FeatureNotSupported:
+        assert spent(conn) == before, sql
+        return "refused"
+    except psycopg.errors.InternalError_:
+        return "failed after the charge"
+
+
 def test_values_of_arrays_domains_and_composites_make_no_query_fail(
         proxy: Proxy, backend: Backend, fresh_budgets: None) -> None:
     """Red team, session 32: errors only one user's values made, after the charge (XX000):
@@ -763,15 +778,7 @@ def test_values_of_arrays_domains_and_composites_make_no_query_fail(
                         su.execute("INSERT INTO purchases (uid, category, amount, ja) "
                                    "VALUES (900003, 'x', 1, ARRAY['{}'::json])")
                     for sql in outcomes:
-                        before = spent(conn)
-                        try:
-                            conn.execute(sql).fetchall()
-                            outcomes[sql].append("answered")
-                        except psycopg.errors.FeatureNotSupported:
-                            assert spent(conn) == before, sql
-                            outcomes[sql].append("refused")
-                        except psycopg.errors.InternalError_:
-                            outcomes[sql].append("failed after the charge")
+                        outcomes[sql].append(_outcome(conn, sql))
             assert {sql: o for sql, o in outcomes.items() if sql in answered} == \
                 {sql: ["answered", "answered"] for sql in answered}
             assert {sql: o for sql, o in outcomes.items() if sql in refused} == \
@@ -831,15 +838,7 @@ def test_texts_of_different_collations_brought_together_are_refused_before_the_c
                         su.execute("INSERT INTO purchases (uid, category, amount, ca) VALUES "
                                    "(900046, 'x', 1, 'x')")
                     for sql in outcomes:
-                        before = spent(conn)
-                        try:
-                            conn.execute(sql).fetchall()
-                            outcomes[sql].append("answered")
-                        except psycopg.errors.FeatureNotSupported:
-                            assert spent(conn) == before, sql
-                            outcomes[sql].append("refused")
-                        except psycopg.errors.InternalError_:
-                            outcomes[sql].append("failed after the charge")
+                        outcomes[sql].append(_outcome(conn, sql))
             assert outcomes == {**{sql: ["refused", "refused"] for sql in refused},
                                 **{sql: ["answered", "answered"] for sql in answered}}
         finally:
@@ -880,11 +879,7 @@ def test_inner_queries_joined_row_by_row_read_no_whole_row(
                         su.execute("INSERT INTO visits (uid, browser, country, duration) "
                                    "VALUES (900004, 'Chrome', 'US', 10)")
                     for sql in forms:
-                        try:
-                            conn.execute(sql).fetchall()
-                            outcomes[sql].append("answered")
-                        except psycopg.errors.InternalError_:
-                            outcomes[sql].append("failed after the charge")
+                        outcomes[sql].append(_outcome(conn, sql))
             assert outcomes == {sql: ["answered", "answered"] for sql in forms}
         finally:
             su.execute("DELETE FROM visits WHERE uid = 900004")
