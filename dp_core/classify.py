@@ -457,11 +457,12 @@ def _copies_to_server(ntype: str, body: Mapping[str, Any], sql: str) -> bool:
         return False
     if body.get("filename") is not None or body.get("is_program"):
         return True
-    depth = 0
-    for t in scan(sql):  # (STDOUT outside the query's parentheses)
+    depth, after_to = 0, False
+    for t in scan(sql):  # (the word after the TO outside the query's parentheses)
+        if after_to:
+            return t.name not in ("STDOUT", "STDIN")  # (TO STDIN is read as TO STDOUT)
         depth += (t.name == "ASCII_40") - (t.name == "ASCII_41")
-        if depth == 0 and t.name == "STDOUT":
-            return False
+        after_to = depth == 0 and t.name == "TO"
     return True
 
 

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -85,6 +86,15 @@ def table_policy(t: TableConfig) -> TablePolicy:
          for c, b in t.columns.items() if b.public_keys is not None or b.public_keys_from})
 
 
+_ANALYSIS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dp-analysis")
+"""Threads of their own for DP queries' parse and analysis (not the default executor's,
+which releases answers: a burst of long analyses must not hold those up)."""
+
+
+async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(_ANALYSIS, fn, *args)
+
+
 def _planned(query: AnalyzedQuery, settings: QuerySettings, **options: Any) -> DPQueryPlan:
     """`make_plan` for the query's settings (ε, δ, C_u, noise, selection) and `options`."""
     return make_plan(query, settings.epsilon, settings.delta, settings.max_groups_contributed,
@@ -152,7 +162,7 @@ class Preparer:
         # search_path, and its relative dates fixed now (catalog reads and constants only)
         # (parsed and analysed in a thread: that work grows with the text, and the event
         # loop serves the worker's other sessions meanwhile)
-        parsed = await asyncio.to_thread(parse_select, st.stripped_sql, params)
+        parsed = await _in_thread(parse_select, st.stripped_sql, params)
         try:
             schemas = None if request.search_path is None else \
                 await relation_schemas(conn, parsed, request.search_path)
@@ -170,7 +180,7 @@ class Preparer:
                            columns=columns, schemas=schemas,
                            dp_at=None if st.dp_clause is None else st.dp_clause.select_offset)
 
-        query = await asyncio.to_thread(analysis)
+        query = await _in_thread(analysis)
         settings = query_settings(request.settings, request.caps,
                                   st.dp_clause.options if st.dp_clause is not None else ())
         try:
@@ -182,7 +192,7 @@ class Preparer:
                 if not query.name_checks:
                     break
                 columns = {**(columns or {}), **await self._input_columns(query, conn)}
-                query = await asyncio.to_thread(analysis)
+                query = await _in_thread(analysis)
             if query.name_checks:
                 raise InternalError()
             attrs = await self._probe(query, conn)
@@ -199,7 +209,7 @@ class Preparer:
             if integers:
                 # integer arithmetic as Postgres types it: analysed again with that known,
                 # so that `duration / 60` truncates and keeps its type (`_as_integer`)
-                query = await asyncio.to_thread(analysis, integers)
+                query = await _in_thread(analysis, integers)
                 attrs = await self._probe(query, conn)
                 types = {a.name: a.type.name for a in attrs}
             arg_types = {int(name[1:]): t for name, t in types.items() if name[0] == "a"}

@@ -149,8 +149,6 @@ async def check_comparisons(query: AnalyzedQuery, shapes: Mapping[str, TypeShape
 
 COLLATABLE_BASES = frozenset({"text", "varchar", "bpchar", "name", "citext"})
 """Base types with a collation (an array's elements' too)."""
-_COLLATION_ERRORS = frozenset({"42P21", "42P22"})
-"""collation_mismatch, indeterminate_collation."""
 
 
 async def check_collations(query: AnalyzedQuery, shapes: Mapping[str, TypeShape],
@@ -169,16 +167,8 @@ async def check_collations(query: AnalyzedQuery, shapes: Mapping[str, TypeShape]
         return
     try:
         await conn.prepare(order_probe_sql(query, [v for v, _, _ in found]))
-        return
-    except asyncpg.PostgresError as e:
-        if e.sqlstate in _COLLATION_ERRORS:
-            raise _mixed_collations(e, found) from None
-    for value, mix, _ in found:  # (one probe failed otherwise: each on its own)
-        try:
-            await conn.prepare(order_probe_sql(query, [value]))
-        except asyncpg.PostgresError as e:
-            if e.sqlstate in _COLLATION_ERRORS:
-                raise _mixed_collations(e, [(value, mix, None)]) from None
+    except asyncpg.PostgresError as e:  # (any error: what Postgres cannot plan is refused)
+        raise _mixed_collations(e, found) from None
 
 
 def _collation_probe(i: int, mix: TypeMix, shapes: Mapping[str, TypeShape]
@@ -212,7 +202,8 @@ def _collation_probe(i: int, mix: TypeMix, shapes: Mapping[str, TypeShape]
 def _mixed_collations(e: asyncpg.PostgresError, found: list[Any]) -> FeatureNotSupported:
     what = ", ".join(sorted({mix.text for _, mix, _ in found}))
     return FeatureNotSupported(
-        f"not allowed in a DP query (texts of different collations brought together, which "
-        f"Postgres resolves only when a row reaches them: {e}; in one of: {what})",
+        f"not allowed in a DP query (texts brought together whose one collation Postgres "
+        f"could not settle when it planned them, only when a row reaches them: {e}; in one "
+        f"of: {what})",
         hint="compare and combine texts of one collation (a column's with literals, or with "
              "columns of the same collation)")

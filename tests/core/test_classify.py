@@ -480,10 +480,12 @@ def test_a_dp_answer_is_copied_to_the_client_only(classifier: Classifier) -> Non
     STDOUT, so `COPY (DP query) TO ''` was taken for a copy to the client, charged, and
     failed after the charge (XX000). TO STDOUT is now read from the statement's tokens."""
     dp = "SELECT WITH ANONYMIZATION ANON_COUNT(*) FROM visits WHERE browser <> ')('"
-    for target in ("STDOUT", "STDOUT WITH (FORMAT csv)", "STDOUT -- é"):
+    for target in ("STDOUT", "STDOUT WITH (FORMAT csv)", "STDOUT -- é", "STDIN"):
         (st,) = classifier.classify(f"COPY ({dp}) TO {target}")
         assert st.kind is not StatementKind.REFUSED, target
-    for target in ("''", "'' -- é", "'/tmp/x'", "PROGRAM 'cat'", "'' WITH (FORMAT csv)"):
+    # (review: an option's word stdout is not the target)
+    for target in ("''", "'' -- é", "'/tmp/x'", "PROGRAM 'cat'", "'' WITH (FORMAT csv)",
+                   "'' CSV FORCE QUOTE stdout"):
         for query in (dp, "SELECT count(*) FROM visits", "SELECT * FROM dp_budget()"):
             (st,) = classifier.classify(f"COPY ({query}) TO {target}")
             assert st.refusal is not None and "TO STDOUT" in (st.refusal.hint or ""), \

@@ -26,6 +26,10 @@ def _forms(n: int) -> dict[str, str]:
         "values of one COALESCE, GREATEST or LEAST": "SELECT count(*) FROM visits WHERE "
                                                      "greatest(" + ", ".join(["browser"] * n) +
                                                      ") > 'a'",
+        "rows of one VALUES list": "SELECT count(*) FROM visits WHERE browser IN (VALUES " +
+                                   ", ".join(f"('b{i}')" for i in range(n)) + ")",
+        "values of one IN list": "SELECT count(*) FROM visits WHERE browser IN (" +
+                                 ", ".join(f"'b{i}'" for i in range(n)) + ")",
         "WHEN clauses of one CASE": "SELECT count(*) FROM visits WHERE CASE browser " +
                                     " ".join(f"WHEN 'b{i}' THEN {i}" for i in range(n)) +
                                     " END > 0",
@@ -42,7 +46,16 @@ def test_items_past_the_limit_get_54001_before_the_analysis(kind: str) -> None:
 
 
 def test_limits_hold_in_subqueries_too() -> None:
-    inner = "SELECT uid, " + ", ".join(["browser"] * 101) + " FROM visits GROUP BY uid, " + \
-            ", ".join(["browser"] * 100)
+    inner = "SELECT uid, " + ", ".join(["browser"] * 65) + " FROM visits GROUP BY uid, " + \
+            ", ".join(["browser"] * 64)
     with pytest.raises(StatementTooComplex, match="GROUP BY expressions"):
         parse_select(f"SELECT count(*) FROM ({inner}) AS s")
+
+
+def test_a_query_at_the_limit_of_keys_is_rewritten() -> None:
+    """(Review, session 33: at 100 keys the pushdown's printing recursed too deep.)"""
+    from tests.support.engine import build
+
+    keys = ", ".join(f"k{i}" for i in range(MAX_ITEMS["GROUP BY expressions"]))
+    items = ", ".join(f"browser AS k{i}" for i in range(MAX_ITEMS["GROUP BY expressions"]))
+    build(f"SELECT count(*) FROM (SELECT uid, {items} FROM visits) s GROUP BY {keys}")
