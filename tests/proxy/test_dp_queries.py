@@ -711,6 +711,20 @@ def _outcome(conn: psycopg.Connection[Any], sql: str) -> str:
         return "failed after the charge"
 
 
+def _without_and_with(proxy: Proxy, su: psycopg.Connection[Any], queries: list[str],
+                      plant: list[str]) -> dict[str, list[str]]:
+    """Each query's `_outcome`, first without, then with the rows `plant` adds (as su)."""
+    outcomes: dict[str, list[str]] = {sql: [] for sql in queries}
+    with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
+        conn.execute("SET dp.epsilon = 0.1")
+        for round_ in range(2):
+            for statement in plant if round_ else ():
+                su.execute(statement)
+            for sql in outcomes:
+                outcomes[sql].append(_outcome(conn, sql))
+    return outcomes
+
+
 def test_values_of_arrays_domains_and_composites_make_no_query_fail(
         proxy: Proxy, backend: Backend, fresh_budgets: None) -> None:
     """Red team, session 32: errors only one user's values made, after the charge (XX000):
@@ -762,23 +776,15 @@ def test_values_of_arrays_domains_and_composites_make_no_query_fail(
                        "na = ARRAY[duration], fa = ARRAY[duration], tx = browser, "
                        "da = ARRAY['2020-01-01'::date], ta = ARRAY['2020-01-01'::timestamp], "
                        "vb = B'101', raw = '\\x01', jb = jsonb_build_object('b', browser)")
-            outcomes: dict[str, list[str]] = {sql: [] for sql in answered + refused}
-            with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
-                conn.execute("SET dp.epsilon = 0.1")
-                for round_ in range(2):
-                    if round_:
-                        su.execute(
-                            "INSERT INTO visits (uid, browser, country, duration, n, f, dn, na, "
-                            "fa, da, ta, ja, cp, pa, tx) SELECT 900003, 'Chrome', 'US', 10, "
-                            "(repeat('9', 131072) || '.5')::numeric, 1, 1e400, ARRAY[1e400], "
-                            "ARRAY[1.0], ARRAY['294277-01-01'::date], ARRAY['2020-01-01'::"
-                            "timestamp], ARRAY['{}'::json], ROW(1, '{}')::dp_test_jpair, "
-                            "ARRAY[point(1, 2)], CASE WHEN g = 1 THEN repeat('a', 268435456) "
-                            "END FROM generate_series(1, 2) AS g")
-                        su.execute("INSERT INTO purchases (uid, category, amount, ja) "
-                                   "VALUES (900003, 'x', 1, ARRAY['{}'::json])")
-                    for sql in outcomes:
-                        outcomes[sql].append(_outcome(conn, sql))
+            outcomes = _without_and_with(proxy, su, answered + refused, [
+                "INSERT INTO visits (uid, browser, country, duration, n, f, dn, na, fa, da, "
+                "ta, ja, cp, pa, tx) SELECT 900003, 'Chrome', 'US', 10, (repeat('9', 131072) "
+                "|| '.5')::numeric, 1, 1e400, ARRAY[1e400], ARRAY[1.0], "
+                "ARRAY['294277-01-01'::date], ARRAY['2020-01-01'::timestamp], "
+                "ARRAY['{}'::json], ROW(1, '{}')::dp_test_jpair, ARRAY[point(1, 2)], "
+                "CASE WHEN g = 1 THEN repeat('a', 268435456) END FROM generate_series(1, 2) AS g",
+                "INSERT INTO purchases (uid, category, amount, ja) "
+                "VALUES (900003, 'x', 1, ARRAY['{}'::json])"])
             assert {sql: o for sql, o in outcomes.items() if sql in answered} == \
                 {sql: ["answered", "answered"] for sql in answered}
             assert {sql: o for sql, o in outcomes.items() if sql in refused} == \
@@ -827,18 +833,10 @@ def test_texts_of_different_collations_brought_together_are_refused_before_the_c
                    'ADD COLUMN cb text COLLATE "POSIX"')
         su.execute('ALTER TABLE purchases ADD COLUMN ca text COLLATE "POSIX"')
         try:
-            outcomes: dict[str, list[str]] = {sql: [] for sql in refused + answered}
-            with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
-                conn.execute("SET dp.epsilon = 0.1")
-                for round_ in range(2):
-                    if round_:
-                        su.execute("INSERT INTO visits (uid, browser, country, duration, ca, "
-                                   "cb) VALUES (900046, 'Chrome', 'US', 10, 'x', 'y'), "
-                                   "(900046, 'Chrome', 'US', 11, 'z', 'w')")
-                        su.execute("INSERT INTO purchases (uid, category, amount, ca) VALUES "
-                                   "(900046, 'x', 1, 'x')")
-                    for sql in outcomes:
-                        outcomes[sql].append(_outcome(conn, sql))
+            outcomes = _without_and_with(proxy, su, refused + answered, [
+                "INSERT INTO visits (uid, browser, country, duration, ca, cb) VALUES "
+                "(900046, 'Chrome', 'US', 10, 'x', 'y'), (900046, 'Chrome', 'US', 11, 'z', 'w')",
+                "INSERT INTO purchases (uid, category, amount, ca) VALUES (900046, 'x', 1, 'x')"])
             assert outcomes == {**{sql: ["refused", "refused"] for sql in refused},
                                 **{sql: ["answered", "answered"] for sql in answered}}
         finally:
@@ -869,17 +867,11 @@ def test_inner_queries_joined_row_by_row_read_no_whole_row(
     ]
     with psycopg.connect(backend.admin_dsn, autocommit=True) as su:
         try:
-            outcomes: dict[str, list[str]] = {sql: [] for sql in forms}
-            with psycopg.connect(proxy.dsn(), autocommit=True) as conn:
-                conn.execute("SET dp.epsilon = 0.1")
-                for round_ in range(2):
-                    if round_:
-                        su.execute("INSERT INTO purchases (uid, category, amount) VALUES "
-                                   "(900004, repeat('x', 4000000) || md5('a'), 1)")
-                        su.execute("INSERT INTO visits (uid, browser, country, duration) "
-                                   "VALUES (900004, 'Chrome', 'US', 10)")
-                    for sql in forms:
-                        outcomes[sql].append(_outcome(conn, sql))
+            outcomes = _without_and_with(proxy, su, forms, [
+                "INSERT INTO purchases (uid, category, amount) VALUES "
+                "(900004, repeat('x', 4000000) || md5('a'), 1)",
+                "INSERT INTO visits (uid, browser, country, duration) "
+                "VALUES (900004, 'Chrome', 'US', 10)"])
             assert outcomes == {sql: ["answered", "answered"] for sql in forms}
         finally:
             su.execute("DELETE FROM visits WHERE uid = 900004")
