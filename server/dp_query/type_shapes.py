@@ -166,15 +166,15 @@ async def check_collations(query: AnalyzedQuery, shapes: Mapping[str, TypeShape]
     if not found:
         return
     try:
-        await conn.prepare(order_probe_sql(query, [v for v, _, _ in found]))
+        await conn.prepare(order_probe_sql(query, [probe for probe, _ in found]))
     except asyncpg.PostgresError as e:  # (any error: what Postgres cannot plan is refused)
         raise _mixed_collations(e, found) from None
 
 
 def _collation_probe(i: int, mix: TypeMix, shapes: Mapping[str, TypeShape]
-                     ) -> tuple[tuple[Any, Any], TypeMix, None] | None:
-    """(the CASE of the mix's texts that are not literals, where to read it), or None where
-    fewer than two are texts."""
+                     ) -> tuple[tuple[Any, Any], TypeMix] | None:
+    """((the CASE of the mix's texts that are not literals, where to read it), the mix), or
+    None where fewer than two are texts."""
     texts = [j for j in range(len(mix.operands)) if mix.constant[j] is not True
              and shapes[f"m{i}_{j}"].name in COLLATABLE_BASES]
     if len(texts) < 2:
@@ -187,8 +187,8 @@ def _collation_probe(i: int, mix: TypeMix, shapes: Mapping[str, TypeShape]
                      alias=ast.Alias(aliasname=f"dp_side{j}")) for j in texts]
         ref: Any = mix.operands[texts[0]]
         column = str(ref.fields[-1].sval)
-        values: list[Any] = [ast.ColumnRef(fields=(ast.String(sval=f"dp_side{j}"), ast.String(sval=column)))
-                  for j in texts]
+        values: list[Any] = [ast.ColumnRef(fields=(ast.String(sval=f"dp_side{j}"),
+                                                   ast.String(sval=column))) for j in texts]
         scope: Any = ast.SelectStmt(fromClause=tuple(sides), op=SetOperation.SETOP_NONE,
                                     limitOption=LimitOption.LIMIT_OPTION_DEFAULT)
     else:
@@ -196,11 +196,11 @@ def _collation_probe(i: int, mix: TypeMix, shapes: Mapping[str, TypeShape]
     case = ast.CaseExpr(args=tuple(ast.CaseWhen(expr=ast.A_Const(val=ast.Boolean(boolval=False)),
                                                 result=v) for v in values[:-1]),
                         defresult=values[-1])
-    return (case, scope), mix, None
+    return (case, scope), mix
 
 
 def _mixed_collations(e: asyncpg.PostgresError, found: list[Any]) -> FeatureNotSupported:
-    what = ", ".join(sorted({mix.text for _, mix, _ in found}))
+    what = ", ".join(sorted({mix.text for _, mix in found}))
     return FeatureNotSupported(
         f"not allowed in a DP query (texts brought together whose one collation Postgres "
         f"could not settle when it planned them, only when a row reaches them: {e}; in one "
