@@ -436,9 +436,7 @@ def canonical_key(expr: ast.Node, type_name: str) -> ast.Node:
             # a column as it is where it has at most KEY_CHARS bytes (its length read from
             # its header): the same groups, without a copy of each row's key (substr() made
             # the per-user aggregation 8% slower); an expression is not computed twice
-            short = ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval="<="),),
-                               lexpr=_func("octet_length", copy.deepcopy(expr)),
-                               rexpr=_int(KEY_CHARS))
+            short = _op("<=", _func("octet_length", copy.deepcopy(expr)), _int(KEY_CHARS))
             cut = ast.CaseExpr(args=(ast.CaseWhen(expr=short, result=expr),), defresult=cut)
         expr = cut
     if type_name in COLLATED_KEY_TYPES:
@@ -454,24 +452,22 @@ def canonical_key(expr: ast.Node, type_name: str) -> ast.Node:
         # read from its header first), else NULL: a user's keys of 131,072 digits (772 bytes
         # on disk) made `GROUP BY n` 30-47 quanta slower (red team, session 33)
         # (NaN and ±Infinity, of no scale, kept: NaN sorts above Infinity)
-        finite_or_not = ast.BoolExpr(boolop=BoolExprType.OR_EXPR, args=tuple(
-            ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval=op),),
-                       lexpr=_func("abs", copy.deepcopy(expr)), rexpr=bound)
-            for op, bound in (("<", ast.A_Const(val=ast.Float(fval=f"1e{KEY_CHARS}"))),
-                              (">=", ast.TypeCast(arg=ast.A_Const(val=ast.String(sval="Infinity")),
-                                                  typeName=ast.TypeName(names=(
-                                                      ast.String(sval="pg_catalog"),
-                                                      ast.String(sval="numeric"))))))))
+        infinity = ast.TypeCast(arg=ast.A_Const(val=ast.String(sval="Infinity")),
+                                typeName=ast.TypeName(names=(ast.String(sval="pg_catalog"),
+                                                             ast.String(sval="numeric"))))
+        finite_or_not = ast.BoolExpr(boolop=BoolExprType.OR_EXPR, args=(
+            _op("<", _func("abs", copy.deepcopy(expr)),
+                ast.A_Const(val=ast.Float(fval=f"1e{KEY_CHARS}"))),
+            _op(">=", _func("abs", copy.deepcopy(expr)), infinity)))
         small = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(
-            _at_most(_func("pg_column_size", copy.deepcopy(expr)), _int(KEY_CHARS)),
-            _at_most(ast.CoalesceExpr(args=(_func("scale", copy.deepcopy(expr)), _int(0))),
-                     _int(KEY_CHARS)), finite_or_not))
+            _op("<=", _func("pg_column_size", copy.deepcopy(expr)), _int(KEY_CHARS)),
+            _op("<=", ast.CoalesceExpr(args=(_func("scale", copy.deepcopy(expr)), _int(0))),
+                _int(KEY_CHARS)), finite_or_not))
         return ast.CaseExpr(args=(ast.CaseWhen(expr=small, result=trimmed),))
     zero = ast.TypeCast(arg=ast.A_Const(val=ast.Integer(ival=0)),
                         typeName=ast.TypeName(names=(ast.String(sval="pg_catalog"),
                                                      ast.String(sval=type_name))))
-    is_zero = ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval="="),),
-                         lexpr=copy.deepcopy(expr), rexpr=copy.deepcopy(zero))
+    is_zero = _op("=", copy.deepcopy(expr), copy.deepcopy(zero))
     return ast.CaseExpr(args=(ast.CaseWhen(expr=is_zero, result=zero),), defresult=expr)
 
 
@@ -481,17 +477,17 @@ def _bounded_array(expr: ast.Node) -> ast.Node:
     header, never decompressed): at most 16 bytes an element more than that, so it keeps
     every array the rest keeps, and a larger one is not read at all."""
     small = ast.BoolExpr(boolop=BoolExprType.AND_EXPR, args=(
-        _at_most(_func("pg_column_size", copy.deepcopy(expr)), _int(KEY_CHARS * 20 + 64)),
-        _at_most(_func("cardinality", copy.deepcopy(expr)), _int(KEY_CHARS)),
-        _at_most(_func("octet_length", _func("array_to_string", copy.deepcopy(expr),
-                                             ast.A_Const(val=ast.String(sval="")))),
-                 _int(KEY_CHARS * 4))))
+        _op("<=", _func("pg_column_size", copy.deepcopy(expr)), _int(KEY_CHARS * 20 + 64)),
+        _op("<=", _func("cardinality", copy.deepcopy(expr)), _int(KEY_CHARS)),
+        _op("<=", _func("octet_length", _func("array_to_string", copy.deepcopy(expr),
+                                              ast.A_Const(val=ast.String(sval="")))),
+            _int(KEY_CHARS * 4))))
     return ast.CaseExpr(args=(ast.CaseWhen(expr=small, result=expr),))
 
 
-def _at_most(value: ast.Node, bound: ast.Node) -> ast.A_Expr:
-    return ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval="<="),), lexpr=value,
-                      rexpr=bound)
+def _op(op: str, left: ast.Node, right: ast.Node) -> ast.A_Expr:
+    return ast.A_Expr(kind=A_Expr_Kind.AEXPR_OP, name=(ast.String(sval=op),), lexpr=left,
+                      rexpr=right)
 
 
 def _func(name: str, *args: ast.Node) -> ast.FuncCall:
